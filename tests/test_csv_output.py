@@ -1,0 +1,163 @@
+"""End-to-end: a real training loop under TrainerMon writes msprobe-layout CSVs with correct figures."""
+import glob
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from reference import assert_ops_close, reference_ops
+from training import batches, make_model, run_steps
+from trainmon import TrainerMon
+from trainmon.demo import lm_loss
+
+OPS = ["min", "max", "norm", "mean", "zeros", "nans"]
+FULL = dict(targets={}, all_xy=True, xy_distribution=True, wg_distribution=True, param_distribution=True,
+            mv_distribution=True, ops=OPS, format="csv", ndigits=17)
+
+
+def read_family(rank_dir, family):
+    files = sorted(glob.glob(os.path.join(rank_dir, f"{family}_*-*.csv")))
+    files = [f for f in files if os.path.basename(f)[len(family) + 1].isdigit()]
+    assert files, f"no {family} files in {os.listdir(rank_dir)}"
+    return pd.concat([pd.read_csv(f, keep_default_na=False, na_values=[""]) for f in files], ignore_index=True)
+
+
+def monitored_run(write_config, steps=3, grad_acc_steps=2, optimizer_kwargs=None, **config):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **(optimizer_kwargs or {}))
+    monitor = TrainerMon(write_config(**{**FULL, **config}))
+    monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=grad_acc_steps)
+    losses = run_steps(model, optimizer, steps, grad_acc_steps)
+    monitor.stop()
+    return monitor, losses
+
+
+def test_file_names_columns_and_one_row_per_key(output_dir, write_config):
+    monitor, _ = monitored_run(write_config, steps=3, grad_acc_steps=2, step_count_per_record=2)
+    names = sorted(os.listdir(monitor.output_dir))
+    for family in ["actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "param_updated",
+                   "exp_avg", "exp_avg_sq"]:
+        assert f"{family}_0-1.csv" in names and f"{family}_2-2.csv" in names, names
+    actv = read_family(monitor.output_dir, "actv")
+    assert list(actv.columns) == ["vpp_stage", "name", "step", "micro_step"] + OPS + ["shape", "dtype"]
+    assert not actv.duplicated(["name", "step", "micro_step"]).any()
+    assert set(actv.step) == {0, 1, 2} and set(actv.micro_step) == {0, 1}
+    # the root module and the token ids: the ids are integers and never recorded
+    assert ".output" in set(actv.name) and ".input" not in set(actv.name)
+    assert "embed.output" in set(actv.name) and "embed.input" not in set(actv.name)
+    assert "layers.0.mlp.0.input" in set(actv.name)
+    grads = read_family(monitor.output_dir, "grad_reduced")
+    assert list(grads.columns) == ["vpp_stage", "name", "step"] + OPS + ["shape", "dtype"]
+    params = {n for n, _ in make_model().named_parameters()}
+    assert set(grads.name) == params
+    assert len(grads) == 3 * len(params) and not grads.duplicated(["name", "step"]).any()
+    assert grads.loc[grads.name == "head.weight", "shape"].iloc[0] == "[64, 32]"
+    assert grads.dtype.unique().tolist() == ["torch.float32"]
+
+
+def test_figures_equal_direct_torch_computations(output_dir, write_config):
+    """Replays the same run without the monitor and computes every figure with torch directly."""
+    steps, ga = 3, 2
+    monitor, losses = monitored_run(write_config, steps=steps, grad_acc_steps=ga)
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    named = dict(model.named_parameters())
+    expected = {}
+    outputs = {name: [] for name in ["layers.0.mlp", "layers.1.attn.qkv", "head"]}
+    for name, kept in outputs.items():
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, kept=kept: kept.append(output.detach().clone()))
+
+    def before_step(step):
+        for name, p in named.items():
+            expected[("grad_reduced", name, step)] = reference_ops(p.grad)
+            expected[("param_origin", name, step)] = reference_ops(p)
+
+    data = batches()
+    ref_losses = []
+    for step in range(steps):
+        ref_losses += run_steps(model, optimizer, 1, ga, data=data, on_step=lambda _: before_step(step))
+        for name, p in named.items():
+            expected[("param_updated", name, step)] = reference_ops(p)
+            expected[("exp_avg", name, step)] = reference_ops(optimizer.state[p]["exp_avg"])
+            expected[("exp_avg_sq", name, step)] = reference_ops(optimizer.state[p]["exp_avg_sq"])
+    assert ref_losses == losses
+
+    for family in ["grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq"]:
+        frame = read_family(monitor.output_dir, family)
+        assert len(frame) == steps * len(named)
+        for row in frame.to_dict("records"):
+            assert_ops_close(row, expected[(family, row["name"], row["step"])], OPS,
+                             context=f"{family} {row['name']} step {row['step']}")
+    # single process: the accumulated grad before reduction is what the optimizer consumes
+    unreduced = read_family(monitor.output_dir, "grad_unreduced")
+    for row in unreduced.to_dict("records"):
+        assert_ops_close(row, expected[("grad_reduced", row["name"], row["step"])], OPS)
+
+    actv = read_family(monitor.output_dir, "actv").set_index(["name", "step", "micro_step"])
+    for name, kept in outputs.items():
+        assert len(kept) == steps * ga
+        for call, tensor in enumerate(kept):
+            step, micro = divmod(call, ga)
+            row = actv.loc[(f"{name}.output", step, micro)].to_dict()
+            assert_ops_close(row, reference_ops(tensor), OPS, context=f"{name} step {step} micro {micro}")
+
+
+def test_per_micro_batch_grad_is_each_micro_batch_contribution(output_dir, write_config):
+    ga = 3
+    monitor, _ = monitored_run(write_config, steps=2, grad_acc_steps=ga, monitor_mbs_grad=True,
+                               xy_distribution=False)
+    frame = read_family(monitor.output_dir, "grad_unreduced")
+    assert "micro_step" in frame.columns
+    assert sorted(set(frame.micro_step)) == [0, 1, 2]
+
+    # Reference: the grad of each micro-batch alone.
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches()
+    head = model.head.weight
+    for step in range(2):
+        for micro in range(ga):
+            before = head.grad.clone() if head.grad is not None else torch.zeros_like(head)
+            tokens, labels = next(data)
+            (lm_loss(model, tokens, labels) / ga).backward()
+            contribution = head.grad - before
+            row = frame[(frame.name == "head.weight") & (frame.step == step) & (frame.micro_step == micro)]
+            assert len(row) == 1
+            assert_ops_close(row.iloc[0].to_dict(), reference_ops(contribution), ["norm", "max", "min"],
+                             rel=1e-4, abs_=1e-6)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mode", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+def test_adam_moments_update_ratio_and_sign_agreement(output_dir, write_config, mode):
+    monitor, _ = monitored_run(write_config, steps=2, grad_acc_steps=1, optimizer_kwargs=mode,
+                               xy_distribution=False, ur_distribution=True, mg_direction=True)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **mode)
+    beta1, beta2 = optimizer.defaults["betas"]
+    eps = optimizer.defaults["eps"]
+    data = batches()
+    frames = {f: read_family(monitor.output_dir, f) for f in ["exp_avg", "adam_update", "adam_ratio",
+                                                              "mg_direction"]}
+    p = model.layers[1].mlp[0].weight
+    for step in range(2):
+        tokens, labels = next(data)
+        lm_loss(model, tokens, labels).backward()
+        optimizer.step()
+        state = optimizer.state[p]
+        m_hat = state["exp_avg"] / (1 - beta1 ** (step + 1))
+        v_hat = state["exp_avg_sq"] / (1 - beta2 ** (step + 1))
+        expect = {"exp_avg": state["exp_avg"], "adam_update": m_hat / (v_hat.sqrt() + eps),
+                  "adam_ratio": m_hat / v_hat.sqrt(),
+                  "mg_direction": (torch.sign(p.grad) == torch.sign(state["exp_avg"])).float()}
+        for family, tensor in expect.items():
+            frame = frames[family]
+            row = frame[(frame.name == "layers.1.mlp.0.weight") & (frame.step == step)]
+            assert len(row) == 1, family
+            assert_ops_close(row.iloc[0].to_dict(), reference_ops(tensor), ["norm", "mean", "max"], rel=1e-4,
+                             context=f"{family} step {step}")
+        optimizer.zero_grad(set_to_none=True)

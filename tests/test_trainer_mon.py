@@ -1,0 +1,252 @@
+"""TrainerMon behaviour on a real training loop: numerics, hooks, step gating, api, teardown."""
+import json
+import logging
+import os
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_csv_output import FULL, OPS, read_family
+from training import make_model, run_steps
+from trainmon import TrainerMon
+
+
+def train(write_config, steps=3, grad_acc_steps=1, model=None, start_iteration=0, **config):
+    model = model or make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(**config))
+    monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=grad_acc_steps, start_iteration=start_iteration)
+    losses = run_steps(model, optimizer, steps, grad_acc_steps)
+    return monitor, model, optimizer, losses
+
+
+def test_losses_bit_identical_with_and_without_monitor(output_dir, write_config):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain = run_steps(model, optimizer, 5, grad_acc_steps=2)
+    monitor, _, _, monitored = train(write_config, steps=5, grad_acc_steps=2, **FULL, ur_distribution=True,
+                                     mg_direction=True)
+    monitor.stop()
+    assert monitored == plain
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name == "aten._to_copy" and (kwargs or {}).get("device") is not None:
+            name = "to another device"  # .cpu() / .to(device); a dtype cast has no device
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(write_config, monitored: bool, steps: int):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = None
+    if monitored:
+        monitor = TrainerMon(write_config(**FULL))
+        monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=2)
+    from trainmon.demo import lm_loss
+    from training import batches
+    data = batches()
+    counter = OpCounter()
+    with counter:
+        for _ in range(steps):
+            for _ in range(2):
+                tokens, labels = next(data)
+                (lm_loss(model, tokens, labels) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    if monitor:
+        monitor.stop()
+    return counter.counts
+
+
+def test_no_host_sync_in_hooks_and_one_transfer_per_step(output_dir, write_config):
+    steps = 3
+    plain = _count_ops(write_config, False, steps)
+    monitored = _count_ops(write_config, True, steps)
+    assert monitored.get("aten._local_scalar_dense", 0) == plain.get("aten._local_scalar_dense", 0)
+    # the step's single device→host copy into the host buffer
+    assert monitored.get("aten.copy_", 0) - plain.get("aten.copy_", 0) == steps
+    for forbidden in ("to another device", "aten.item"):
+        assert monitored.get(forbidden, 0) == plain.get(forbidden, 0), forbidden
+
+
+def _hook_census(model, optimizer):
+    counts = []
+    for module in model.modules():
+        counts += [len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks),
+                   len(module._backward_pre_hooks)]
+    for p in model.parameters():
+        counts += [len(p._post_accumulate_grad_hooks or {}), len(p._backward_hooks or {})]
+    counts += [len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks)]
+    return counts
+
+
+def test_stop_removes_every_hook_and_training_continues_unchanged(output_dir, write_config):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _hook_census(model, optimizer)
+    config = {**FULL, "monitor_mbs_grad": True, "stack_info": True}
+    with TrainerMon(write_config(**config)) as monitor:
+        monitor.set_monitor(model, optimizer=optimizer)
+        assert _hook_census(model, optimizer) != before
+        run_steps(model, optimizer, 2)
+    assert _hook_census(model, optimizer) == before
+    assert not any(p._backward_hooks for p in model.parameters())
+    # the rest of the run trains exactly as an unmonitored one
+    reference = make_model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    run_steps(reference, ref_opt, 2)
+    assert run_steps(model, optimizer, 2) == run_steps(reference, ref_opt, 2)
+    monitor.stop()  # a second stop is harmless
+
+
+def test_step_gating(output_dir, write_config):
+    monitor, *_ = train(write_config, steps=8, **{**FULL, "xy_distribution": False},
+                        start_step=1, step_interval=2, collect_times=2)
+    monitor.stop()
+    assert sorted(set(read_family(monitor.output_dir, "grad_reduced").step)) == [1, 3]
+
+
+def test_start_iteration_numbers_steps_from_there(output_dir, write_config):
+    monitor, *_ = train(write_config, steps=3, start_iteration=10, wg_distribution=True, start_step=11, ops=OPS)
+    monitor.stop()
+    assert sorted(set(read_family(monitor.output_dir, "grad_reduced").step)) == [11, 12]
+
+
+def test_module_ranks_excluding_this_rank_records_nothing(output_dir, write_config):
+    monitor, *_ = train(write_config, steps=2, **FULL, module_ranks=[1])
+    monitor.stop()
+    assert sorted(os.listdir(monitor.output_dir)) == ["run.json"]
+
+
+def test_dynamic_on_off_without_touching_the_users_file(output_dir, write_config, monkeypatch):
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    config = {**FULL, "xy_distribution": False, "dynamic_on": False}
+    path = write_config(**config)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(path)
+    monitor.set_monitor(model, optimizer=optimizer)
+
+    def rewrite(dynamic_on):
+        with open(path, "w") as f:
+            json.dump({**config, "strict": True, "dynamic_on": dynamic_on}, f)
+        later = time.time_ns() + 10_000_000
+        os.utime(path, ns=(later, later))
+        return open(path).read()
+
+    run_steps(model, optimizer, 2)            # steps 0, 1: off
+    written = rewrite(True)                   # applied at the end of step 2 → steps 3, 4 collected
+    run_steps(model, optimizer, 3)
+    rewrite(False)                            # applied at the end of step 5 → nothing after
+    run_steps(model, optimizer, 3)
+    monitor.stop()
+    assert sorted(set(read_family(monitor.output_dir, "grad_reduced").step)) == [3, 4, 5]
+    state = json.loads((monitor.output_dir / "dynamic_state.json").read_text())
+    assert state["dynamic_on"] is False and state["applied_at_step"] == 6
+    assert json.loads(open(path).read())["dynamic_on"] is False and written  # only we wrote it
+
+
+def test_targets_select_modules_and_tuple_elements(output_dir, write_config):
+    targets = {"layers.0": {"input": "tuple[1]:0", "output": "tensor"}, "head": {}}
+    monitor, *_ = train(write_config, steps=1, targets=targets, xy_distribution=True, ops=OPS)
+    monitor.stop()
+    assert set(read_family(monitor.output_dir, "actv").name) == {
+        "layers.0.input", "layers.0.output", "head.input", "head.output"}
+    assert set(read_family(monitor.output_dir, "actv_grad").name) == {
+        "layers.0.input", "layers.0.output", "head.input", "head.output"}
+
+
+class Shared(torch.nn.Module):
+    """Calls one module twice and takes an integer mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return self.lin(self.lin(x)) * mask
+
+
+def test_repeated_calls_and_non_float_inputs(output_dir, write_config):
+    model = Shared()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS))
+    monitor.set_monitor(model, optimizer=optimizer)
+    x = torch.randn(2, 4)
+    model(x, torch.ones(2, 4, dtype=torch.int64)).sum().backward()
+    optimizer.step()
+    monitor.stop()
+    actv = read_family(monitor.output_dir, "actv")
+    assert set(actv.name) == {".input_0", ".output", "lin.input", "lin.output", "lin#1.input", "lin#1.output"}
+    assert not actv[["nans"]].isna().any().any() and (actv.nans == 0).all()
+
+
+def test_param_targets_match_whole_dotted_components(output_dir, write_config):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(11)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(targets={"1": {}}, wg_distribution=True, ops=OPS))
+    monitor.set_monitor(model, optimizer=optimizer)
+    model(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    monitor.stop()
+    assert set(read_family(monitor.output_dir, "grad_reduced").name) == {"1.weight", "1.bias"}
+
+
+def test_api_metrics_match_the_csv(output_dir, write_config):
+    monitor, model, *_ = train(write_config, steps=2, **{**FULL, "format": ["csv", "api"]})
+    wgrad = monitor.generate_wgrad_metrics()
+    xy = monitor.generate_xy_metrics()
+    params = monitor.generate_param_metrics()
+    mv = monitor.generate_mv_metrics()
+    monitor.stop()
+    grads = read_family(monitor.output_dir, "grad_reduced")
+    row = grads[(grads.name == "head.weight") & (grads.step == 1)].iloc[0]
+    figures = wgrad["0:head.weight/rank0/post_grad"]
+    assert figures["norm"] == pytest.approx(row["norm"], rel=1e-12)
+    assert "0:head.weight/rank0/pre_grad" in wgrad
+    assert "0:layers.0.mlp.output:0/rank0/actv" in xy and "0:layers.0.mlp.output:0/rank0/actv_grad" in xy
+    assert "0:head.weight/rank0/param_updated" in params and "0:head.weight/rank0/exp_avg_sq" in mv
+    updated = params["0:head.weight/rank0/param_updated"]["norm"]
+    assert updated == pytest.approx(float(model.head.weight.detach().double().norm()), rel=1e-6)
+
+
+def test_print_struct_and_stack_info(output_dir, write_config):
+    monitor, *_ = train(write_config, steps=2, print_struct=True, stack_info=True, xy_distribution=True,
+                        ops=OPS)
+    monitor.stop()
+    struct = json.loads((monitor.output_dir / "module_struct.json").read_text())
+    assert struct["0:head"]["class"] == "Linear" and struct["0:head"]["parameters"]["weight"] == [64, 32]
+    stacks = json.loads((monitor.output_dir / "stack_info.json").read_text())
+    assert any("test_trainer_mon.py" in frame for frame in stacks["0:layers.1.mlp"])
+
+
+def test_a_failing_hook_is_logged_once_and_training_goes_on(output_dir, write_config, monkeypatch, caplog):
+    from trainmon.monitor import module_hooks
+
+    original = module_hooks.ActivationHooks._record
+
+    def broken(self, family, watched, *args):
+        if watched.name == "layers.1.mlp":
+            raise RuntimeError("boom")
+        return original(self, family, watched, *args)
+
+    monkeypatch.setattr(module_hooks.ActivationHooks, "_record", broken)
+    with caplog.at_level(logging.ERROR, logger="trainmon"):
+        monitor, _, _, losses = train(write_config, steps=3, **{**FULL, "strict": False})
+        monitor.stop()
+    assert len(losses) == 3
+    messages = [r.getMessage() for r in caplog.records if "layers.1.mlp" in r.getMessage()]
+    assert len(messages) == 1 and "training continues" in messages[0]
+    names = set(read_family(monitor.output_dir, "actv").name)
+    assert "layers.0.mlp.output" in names and "layers.1.mlp.0.output" in names
+    assert "layers.1.mlp.output" not in names and "layers.1.mlp.input" not in names

@@ -1,0 +1,7 @@
+"""trainmon: numerical-health monitoring for large-model training."""
+__version__ = "0.1.0"
+
+from trainmon.monitor.config import ConfigError, load_config  # noqa: E402
+from trainmon.monitor.trainer_mon import TrainerMon  # noqa: E402
+
+__all__ = ["TrainerMon", "ConfigError", "load_config", "__version__"]

@@ -1,0 +1,330 @@
+"""The monitor's JSON config: msprobe's "monitor" keys, meanings and defaults, plus a few of trainmon's.
+
+`load_config(path_or_dict)` returns a validated `MonitorConfig` or raises `ConfigError` before training
+starts. A misspelled key or a mistyped value is an error that names the dotted key, the value, what is
+allowed and the closest valid choice; msprobe keys trainmon does not act on yet are accepted with one
+`ConfigNotHonouredWarning` each (the list is `config_keys.NOT_HONOURED`).
+
+Where trainmon differs from msprobe 26.x (which mostly logs a warning and carries on):
+- unknown keys, unknown ops, unknown formats, non-integral step numbers are errors, not warnings;
+- `ops` and `format` may each be one string or a list; `shape`/`dtype` in `ops` are accepted and dropped
+  (every CSV row carries them), `infs` is an extra op; an empty `ops` means `["norm"]` as in msprobe;
+- `ndigits` counts significant digits (msprobe: decimal places), so small values are not printed as 0;
+  its default stays msprobe's 6;
+- `forward_only` and `backward_only` both true is an error (msprobe warns and records neither);
+- integer keys take integral floats (`1e8`), never bools; `eps` may be an int.
+
+Environment variables are not read here: `MONITOR_OUTPUT_DIR` (output root, default
+`./monitor_output`) and `DYNAMIC_MONITOR` (`true`: re-read this file when it changes and start when
+`dynamic_on` is true) are handled by the monitor itself.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar
+
+from trainmon.monitor.config_keys import (
+    ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_NAMES, STAT_OPS,
+    Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
+    check_formats, check_int, check_list, check_number, check_opt_bool, check_rule_args, check_str, check_targets,
+    closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
+)
+
+__all__ = [
+    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigError", "ConfigNotHonouredWarning",
+    "MonitorConfig", "RuleConfig", "TargetSpec", "load_config", "parse_target_spec",
+]
+
+
+def _field(check: Check, default: Any = MISSING, factory: Any = MISSING, **meta: Any) -> Any:
+    return field(default=default, default_factory=factory, metadata={"check": check, **meta})
+
+
+def _section(cls: type) -> Check:
+    """A nested config object: given as the dataclass itself or as its JSON object."""
+    def check(value: Any, key: str) -> Any:
+        return value if isinstance(value, cls) else _from_mapping(cls, value, key)
+    return check
+
+
+def _validate_fields(obj: Any) -> None:
+    # Runs for JSON and for direct construction alike, so a MonitorConfig is always valid.
+    for f in fields(obj):
+        try:
+            setattr(obj, f.name, f.metadata["check"](getattr(obj, f.name), f.name))
+        except ConfigError as err:
+            default = _default_of(type(obj), f.name)
+            if err.key == f.name and err.closest is ConfigError._NO_VALUE and default is not MISSING:
+                err.closest = default  # no better fix than the default
+                err.args = (str(err),)
+            raise
+
+
+@dataclass(kw_only=True, slots=True)
+class RuleConfig:
+    """One alert rule, e.g. `{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}`."""
+
+    _PATH: ClassVar[str] = "alert.rules[]"
+    rule_name: str = _field(check_choice(RULE_NAMES), allowed=RULE_NAMES)
+    """AnomalyTurbulence (value beyond (1 + threshold) x running mean; needs `threshold`), AnomalyNan
+    (NaN, or |value| > threshold when given) or AnomalySpike (trainmon)."""
+    args: dict = _field(check_rule_args, factory=dict)
+    """Rule arguments. Checked loosely: `threshold` a number >= 0, `window` an int >= 1; others pass."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.rule_name == "AnomalyTurbulence" and "threshold" not in self.args:
+            raise ConfigError("AnomalyTurbulence needs a threshold (allowed relative deviation from the "
+                              "running mean)", key="args", value=self.args, allowed='{"threshold": <number >= 0>}',
+                              closest={**self.args, "threshold": 0.5})
+
+
+@dataclass(kw_only=True, slots=True)
+class CCConfig:
+    """msprobe's `cc_distribution`: statistics of collective-communication inputs/outputs."""
+
+    _PATH: ClassVar[str] = "cc_distribution"
+    enable: bool = _field(check_bool, default=False)
+    """Record collectives. Accepted; not honoured yet (one warning)."""
+    cc_codeline: list[str] = _field(check_list(check_str, "code-line patterns"), factory=list)
+    """Only collectives called from these code lines, e.g. "train.py\\\\[23\\\\]"; empty means all."""
+    cc_pre_hook: bool = _field(check_bool, default=False)
+    """Also record the inputs of collectives (before the call)."""
+    cc_log_only: bool = _field(check_bool, default=False)
+    """Only log the collectives used (stack, dtype, group) and stop after the first step."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class AlertConfig:
+    """msprobe's `alert`: online anomaly rules, plus trainmon's `action`."""
+
+    _PATH: ClassVar[str] = "alert"
+    rules: list[RuleConfig] = _field(check_list(_section(RuleConfig), "rule objects"), factory=list)
+    """Rules checked at every recorded step; the first rule that fires is reported."""
+    dump: bool = _field(check_bool, default=False)
+    """Write anomalies to disk (msprobe: `anomaly_detected/`; trainmon: `anomalies.jsonl` and dumps)."""
+    action: str = _field(check_choice(ALERT_ACTIONS), default="warn")
+    """trainmon: what an anomaly does to training: "warn", "skip_step" or "stop"."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+def _check_ops(value: Any, key: str) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError("must be a list of op names (or one name)", key=key, value=value, allowed=STAT_OPS,
+                          closest=["norm"])
+    ops: list[str] = []
+    for i, op in enumerate(items):
+        k = key if isinstance(value, str) else f"{key}[{i}]"
+        if op in STAT_OPS:
+            if op not in ops:
+                ops.append(op)
+        elif op in COLUMN_OPS:
+            continue  # always written: msprobe appends shape and dtype to every op list
+        elif isinstance(op, str) and f"ops:{op}" in NOT_HONOURED:
+            if items.index(op) == i:
+                warn_not_honoured(f"ops:{op}")
+        else:
+            raise ConfigError("is not a known op", key=k, value=op, allowed=STAT_OPS, closest=closest(op, STAT_OPS))
+    # msprobe: "If there is no valid metric in ops, the norm metric is monitored by default".
+    return ops or _default_of(MonitorConfig, "ops")
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """The whole monitor config. Defaults are msprobe 26.x's (`TrainerMon.set_config`)."""
+
+    _PATH: ClassVar[str] = ""
+    targets: dict[str, dict[str, str]] = _field(check_targets, factory=dict)
+    """Module or parameter name -> selectors {"input"|"output"|"input_grad"|"output_grad": "tensor" |
+    "tuple[N]:I"}. Module names match exactly; parameters match by dotted-name prefix. Empty: every
+    parameter, and (msprobe) every module when `xy_distribution` is on."""
+    all_xy: bool = _field(check_bool, default=False)
+    """Record activations of every module, not only `targets` (set automatically when `targets` is empty
+    and `xy_distribution` is on, as msprobe does)."""
+    xy_distribution: bool = _field(check_bool, default=False)
+    """Record module inputs/outputs (forward) and their gradients (backward)."""
+    forward_only: bool = _field(check_bool, default=False)
+    """With `xy_distribution`: forward only (no `input_grad`/`output_grad`)."""
+    backward_only: bool = _field(check_bool, default=False)
+    """With `xy_distribution`: backward only (no `input`/`output`)."""
+    wg_distribution: bool = _field(check_bool, default=False)
+    """Record weight gradients before (`grad_unreduced`) and after (`grad_reduced`) the DP reduction."""
+    monitor_mbs_grad: bool = _field(check_bool, default=False)
+    """Record unreduced weight gradients per micro-batch instead of per step."""
+    mv_distribution: bool = _field(check_bool, default=False)
+    """Record the optimizer's first and second moments (`exp_avg`, `exp_avg_sq`)."""
+    param_distribution: bool = _field(check_bool, default=False)
+    """Record weights before (`param_origin`) and after (`param_updated`) the optimizer step."""
+    mg_direction: bool = _field(check_bool, default=False)
+    """Record the fraction of gradient elements whose sign matches the first moment's."""
+    ur_distribution: bool = _field(check_bool, default=False)
+    """Adam update/ratio heatmaps. Accepted; not honoured (one warning)."""
+    cc_distribution: CCConfig = _field(_section(CCConfig), factory=CCConfig)
+    """Collective-communication statistics (see CCConfig)."""
+    ops: list[str] = _field(_check_ops, factory=lambda: ["norm"])
+    """Statistics per tensor, from min, max, norm, mean, zeros (fraction with |x| < eps), nans, infs.
+    One string is taken as a one-item list."""
+    eps: float = _field(check_number(0.0), default=1e-8)
+    """Threshold of the `zeros` op: |x| < eps counts as zero."""
+    ndigits: int = _field(check_int(1, MAX_NDIGITS), default=6)
+    """Significant digits written to CSV (msprobe: decimal places; same default, 6)."""
+    start_step: int = _field(check_int(0), default=0)
+    """First step recorded (ignored in DYNAMIC_MONITOR mode, which starts at the next step)."""
+    collect_times: int = _field(check_int(0), default=100_000_000)
+    """Stop after this many recorded steps (the default means "never")."""
+    step_interval: int = _field(check_int(1), default=1)
+    """Record every step_interval-th step from start_step."""
+    step_count_per_record: int = _field(check_int(1, 1_000_000), default=1)
+    """Steps per CSV file (`actv_0-4.csv` holds steps 0..4 when 5)."""
+    module_ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
+    """Ranks that record; empty means all ranks."""
+    print_struct: bool = _field(check_bool, default=False)
+    """Save every module's input/output structure after the first step, then stop training (msprobe)."""
+    stack_info: bool = _field(check_bool, default=False)
+    """Save each module's call stack once, at the first recorded step."""
+    format: list[str] = _field(check_formats, factory=lambda: ["csv"])
+    """Output sinks; one string or a list. Available now: AVAILABLE_FORMATS."""
+    squash_name: bool = _field(check_bool, default=False)
+    """Shorten module and parameter names (msprobe's squash_param_name)."""
+    alert: AlertConfig = _field(_section(AlertConfig), factory=AlertConfig)
+    """Online anomaly rules (see AlertConfig)."""
+    append_output: list[str] = _field(check_append_output, factory=list)
+    """Resume: [start, end] timestamps of earlier output directories to append to; [] starts new ones."""
+    dynamic_on: bool = _field(check_bool, default=False)
+    """Under DYNAMIC_MONITOR=true: start monitoring (reset to false after collect_times steps)."""
+    sentinel: bool = _field(check_bool, default=False)
+    """trainmon extension (msprobe has no such key); its behaviour is the monitor's, see the README."""
+    strict: bool = _field(check_bool, default=False)
+    """trainmon: re-raise exceptions inside hooks and writers instead of logging them (for tests)."""
+    params_have_main_grad: bool | None = _field(check_opt_bool, default=None)
+    """trainmon: read `param.main_grad` (Megatron) instead of `param.grad`; None detects it from the
+    model. (msprobe takes this as a TrainerMon argument, default True.)"""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.forward_only and self.backward_only:
+            raise ConfigError("forward_only and backward_only are both true, which records no activation "
+                              "(msprobe warns and collects neither)", key="backward_only", value=True,
+                              allowed="at most one of forward_only, backward_only set to true", closest=False)
+        if not self.targets and self.xy_distribution:
+            self.all_xy = True  # msprobe's validate_config does the same
+        for key in NOT_HONOURED:
+            if _attribute(self, key):
+                warn_not_honoured(key)
+
+
+def _attribute(obj: Any, dotted: str) -> Any:
+    """The value at a dotted attribute path, or None when the path is not a config field."""
+    for name in dotted.split("."):
+        if not is_dataclass(obj) or name not in {f.name for f in fields(obj)}:
+            return None
+        obj = getattr(obj, name)
+    return obj
+
+
+def _default_of(cls: type, name: str) -> Any:
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def _build(cls: type, raw: Any) -> Any:
+    """Builds `cls` from its JSON object; errors carry keys relative to this object."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"must be a JSON object, not {type(raw).__name__}", value=raw, allowed="an object {...}")
+    names = [f.name for f in fields(cls)]
+    extra = {k: k.rpartition(".")[2] for k in ACCEPTED_ONLY if k.rpartition(".")[0] == cls._PATH}
+    known = names + sorted(extra.values())
+    kwargs = {}
+    for key, value in raw.items():
+        full = join_key(cls._PATH, key) if isinstance(key, str) else ""
+        if key in names:
+            kwargs[key] = value
+        elif full in extra:
+            inert, check = ACCEPTED_ONLY[full]
+            if check(value, key) != inert and full in NOT_HONOURED:
+                warn_not_honoured(full)
+        else:
+            raise ConfigError("is not a known key", key=str(key), allowed=known, closest=closest(key, known))
+    for f in fields(cls):
+        if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError("is required", key=f.name, allowed=f.metadata.get("allowed", "a value"))
+    return cls(**kwargs)
+
+
+def _from_mapping(cls: type, raw: Any, key: str) -> Any:
+    try:
+        return _build(cls, raw)
+    except ConfigError as err:
+        err.add_prefix(key)
+        raise
+
+
+def _read_json(path: str) -> Any:
+    # The path leads the message (ConfigError.source); a relative one is resolved too, since ranks of
+    # a distributed job need not share a working directory.
+    where = "" if os.path.isabs(path) else f" (resolved to {os.path.abspath(path)})"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found{where}", source=path) from None
+    except IsADirectoryError:
+        raise ConfigError(f"is a directory, not a JSON config file{where}", source=path) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file is not UTF-8 text ({err.reason} at byte {err.start})", source=path) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file{where}: {err.strerror or err}", source=path) from None
+    try:
+        return json.loads(text, object_pairs_hook=reject_duplicates)
+    except json.JSONDecodeError as err:
+        hint = " (JSON does not allow comments)" if text.startswith(("//", "/*"), err.pos) else ""
+        raise ConfigError(f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}{hint}",
+                          source=path) from None
+    except ConfigError as err:
+        err.add_source(path)
+        raise
+
+
+def load_config(path_or_dict: str | os.PathLike | Mapping[str, Any] | MonitorConfig) -> MonitorConfig:
+    """Reads and validates a monitor config.
+
+    Args:
+        path_or_dict: Path to a JSON file, or the parsed JSON as a dict (not modified), or a
+            MonitorConfig (returned as is).
+
+    Returns:
+        The validated config. msprobe keys that are accepted but not honoured each emit one
+        ConfigNotHonouredWarning.
+
+    Raises:
+        ConfigError: Missing or unreadable file, invalid JSON (with line and column), unknown key or
+            bad value (with the dotted key, the value, what is allowed and the closest valid choice).
+    """
+    if isinstance(path_or_dict, MonitorConfig):
+        return path_or_dict
+    source = None
+    if isinstance(path_or_dict, (str, os.PathLike)):
+        source = os.fspath(path_or_dict)
+        raw = _read_json(source)
+    elif isinstance(path_or_dict, Mapping):
+        raw = copy.deepcopy(dict(path_or_dict))
+    else:
+        raise ConfigError(f"load_config takes a path to a JSON file or a dict, not {type(path_or_dict).__name__}")
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"the config must be a JSON object {{...}}, not {type(raw).__name__}", source=source)
+    try:
+        return _from_mapping(MonitorConfig, raw, "")
+    except ConfigError as err:
+        if source is not None:
+            err.add_source(source)
+        raise

@@ -1,0 +1,71 @@
+"""Where a run writes: `$MONITOR_OUTPUT_DIR/<run>/rank_<R>/`, the same `<run>` on every rank."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_OUTPUT_DIR = "./monitor_output"
+
+
+def output_root() -> Path:
+    return Path(os.environ.get("MONITOR_OUTPUT_DIR") or DEFAULT_OUTPUT_DIR)
+
+
+def distributed_rank(process_group=None) -> tuple[int, int]:
+    """(rank, world size): from torch.distributed when initialised, else from the launcher's env."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def agree_on_run_name(requested: Optional[str]) -> str:
+    """A run name shared by every rank: the requested one, or rank 0's timestamp broadcast to all."""
+    if requested:
+        return requested
+    name = time.strftime("run-%Y%m%d-%H%M%S")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        holder = [name]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+    root = output_root()
+    suffix, candidate = 1, name
+    while (root / candidate).exists():
+        suffix += 1
+        candidate = f"{name}-{suffix}"
+    return candidate
+
+
+def rank_dir(run: str, rank: int) -> Path:
+    return output_root() / run / f"rank_{rank}"
+
+
+def run_metadata(config: dict, rank: int, world_size: int, extra: dict) -> dict:
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                     "trainmon": _trainmon_version()},
+        "config": config,
+        **extra,
+    }
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _trainmon_version() -> str:
+    from trainmon import __version__
+    return __version__

@@ -1,0 +1,97 @@
+"""Typed records that flow from the hooks to the writer thread."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+N_FIELDS = 8  # see stats.FIELDS
+
+# Families, in the order msprobe writes them. The value is the CSV file prefix.
+ACTV = "actv"
+ACTV_GRAD = "actv_grad"
+GRAD_UNREDUCED = "grad_unreduced"
+GRAD_REDUCED = "grad_reduced"
+PARAM_ORIGIN = "param_origin"
+PARAM_UPDATED = "param_updated"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+ADAM_UPDATE = "adam_update"
+ADAM_RATIO = "adam_ratio"
+MG_DIRECTION = "mg_direction"
+
+FAMILIES = (ACTV, ACTV_GRAD, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, PARAM_UPDATED,
+            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION)
+ACTIVATION_FAMILIES = frozenset({ACTV, ACTV_GRAD})
+
+# Phase of training in which a family's tensors are produced (used to name where a fault appeared).
+PHASES = {
+    ACTV: "forward",
+    ACTV_GRAD: "backward",
+    GRAD_UNREDUCED: "backward",
+    GRAD_REDUCED: "optimizer",
+    PARAM_ORIGIN: "optimizer",
+    PARAM_UPDATED: "optimizer",
+    EXP_AVG: "optimizer",
+    EXP_AVG_SQ: "optimizer",
+    ADAM_UPDATE: "optimizer",
+    ADAM_RATIO: "optimizer",
+    MG_DIRECTION: "optimizer",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RecordKey:
+    """Identifies one statistic record within a step of one rank.
+
+    `micro_step` is None for records taken once per step. `call_index` orders every hooked event of
+    the rank within the step, so "earliest" is a sort.
+    """
+
+    family: str
+    name: str
+    vpp_stage: int
+    micro_step: Optional[int]
+    call_index: int
+    shape: tuple
+    dtype: str
+
+    @property
+    def phase(self) -> str:
+        return PHASES.get(self.family, "unknown")
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything one rank collected in one step.
+
+    `values` (float64 [len(keys), N_FIELDS] mergeable records, see stats.FIELDS) and the tensor-valued
+    `scalars` become readable after `wait()`, which only the writer thread calls: on an accelerator the
+    copy to the host may still be in flight when the batch is queued.
+    """
+
+    step: int
+    rank: int
+    pp_stage: int
+    keys: list
+    scalars: dict = field(default_factory=dict)
+    values: Optional[np.ndarray] = None
+    host: Optional[object] = None  # flat host tensor: records, then the tensor-valued scalars
+    host_scalar_names: tuple = ()
+    ready: Optional[object] = None  # event that completes the copy (CUDA), or None
+    derived: Optional[list] = None  # per key {op: float | None}, filled in the writer thread
+
+    def wait(self) -> "StepBatch":
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        if self.host is not None:
+            flat = self.host.numpy()
+            n = len(self.keys) * N_FIELDS
+            self.values = flat[:n].reshape(len(self.keys), N_FIELDS)
+            self.scalars.update(zip(self.host_scalar_names, (float(v) for v in flat[n:])))
+            self.host = None
+        elif self.values is None:
+            self.values = np.empty((0, N_FIELDS))
+        return self

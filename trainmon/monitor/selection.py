@@ -1,0 +1,66 @@
+"""Which modules and parameters a config watches, and how their names are written."""
+from __future__ import annotations
+
+import torch
+
+from trainmon.monitor.config import MonitorConfig, parse_target_spec
+from trainmon.monitor.grad_hooks import WatchedParam
+from trainmon.monitor.module_hooks import WatchedModule
+
+# Wrapper components that `squash_name` removes from names (DDP, torch.compile, FSDP, checkpointing).
+_WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def display_name(name: str, squash: bool) -> str:
+    if not squash:
+        return name
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
+
+
+def _target_for(targets: dict, name: str, vpp: int):
+    for candidate in (name, f"{vpp}:{name}"):
+        if candidate in targets:
+            return targets[candidate]
+    return None
+
+
+def _matches_prefix(targets: dict, name: str, vpp: int) -> bool:
+    """`layers.1` matches `layers.1.weight` but not `layers.10.weight`."""
+    for candidate in (name, f"{vpp}:{name}"):
+        parts = candidate.split(".")
+        if any(".".join(parts[:i]) in targets for i in range(1, len(parts) + 1)):
+            return True
+    return False
+
+
+def watched_modules(chunks: list[torch.nn.Module], config: MonitorConfig) -> list[WatchedModule]:
+    every = config.all_xy or not config.targets
+    out = []
+    for vpp, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            target = _target_for(config.targets, name, vpp)
+            if not every and target is None:
+                continue
+            target = target or {}
+            out.append(WatchedModule(
+                name=display_name(name, config.squash_name), module=module, vpp_stage=vpp,
+                input_sel=_selector(target, "input"), output_sel=_selector(target, "output"),
+                input_grad_sel=_selector(target, "input_grad"), output_grad_sel=_selector(target, "output_grad")))
+    return out
+
+
+def _selector(target: dict, key: str):
+    spec = target.get(key)
+    return parse_target_spec(spec) if spec else None
+
+
+def watched_params(chunks: list[torch.nn.Module], config: MonitorConfig) -> list[WatchedParam]:
+    out = []
+    for vpp, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            if config.targets and not _matches_prefix(config.targets, name, vpp):
+                continue
+            out.append(WatchedParam(display_name(name, config.squash_name), param, vpp))
+    return out

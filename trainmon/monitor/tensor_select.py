@@ -1,0 +1,29 @@
+"""Which tensors of a module's inputs, outputs and grads are recorded, and under which names."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Returns (name, tensor) for the floating-point tensors in `obj`.
+
+    `selector` (from a `targets` entry such as "tuple[2]:0") picks one element of a tuple first.
+    A structure with several leaves names them `<prefix>_<i>` by leaf position; a single leaf keeps
+    the bare prefix. Integer and bool tensors (token ids, masks) are never recorded.
+    """
+    index: Optional[int] = getattr(selector, "index", None)
+    if index is not None and isinstance(obj, (tuple, list)):
+        obj = obj[index] if index < len(obj) else None
+    if isinstance(obj, torch.Tensor):
+        leaves = [obj]
+    else:
+        leaves = tree_flatten(obj)[0]
+    single = len(leaves) == 1
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            out.append((prefix if single else f"{prefix}_{i}", leaf))
+    return out

@@ -1,0 +1,261 @@
+"""TrainerMon: the public entry point that wires config, hooks, the collector and the writer."""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from trainmon.monitor import stats
+from trainmon.monitor.collector import StepCollector
+from trainmon.monitor.config import MonitorConfig, load_config
+from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
+from trainmon.monitor.grad_hooks import GradHooks
+from trainmon.monitor.module_hooks import ActivationHooks
+from trainmon.monitor.optimizer_hooks import OptimizerHooks
+from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
+                                     write_json)
+from trainmon.monitor.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
+                                      GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
+                                      PARAM_UPDATED, StepBatch)
+from trainmon.monitor.schedule import CollectionSchedule
+from trainmon.monitor.selection import watched_modules, watched_params
+from trainmon.monitor.state import HookState
+from trainmon.monitor.structure import StackRecorder, module_structure
+from trainmon.writers.api_sink import ApiSink
+from trainmon.writers.async_writer import AsyncWriter
+from trainmon.writers.base import SinkContainer, SinkContext
+from trainmon.writers.registry import build_sinks
+
+logger = logging.getLogger("trainmon")
+
+
+class TrainerMon:
+    """Monitors a model and its optimizer according to a JSON config.
+
+    Example:
+        monitor = TrainerMon("monitor_config.json")
+        monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=ga)
+
+    Every `optimizer.step()` is then one monitor step. `stop()` (or leaving a `with` block) removes
+    every hook and writes everything queued.
+
+    Args:
+        config_file_path: the JSON config (msprobe monitor keys); validated here, before training.
+        process_group: the group whose rank names the output directory (default: the world).
+        params_have_main_grad: whether grads live in `param.main_grad` (Megatron); detected when None.
+    """
+
+    def __init__(self, config_file_path: str, process_group=None, params_have_main_grad: Optional[bool] = None):
+        self.config_path = config_file_path
+        self.config: MonitorConfig = load_config(config_file_path)
+        self.process_group = process_group
+        self.params_have_main_grad = (params_have_main_grad if params_have_main_grad is not None
+                                      else self.config.params_have_main_grad)
+        self.step = 0
+        self.rank, self.world_size = distributed_rank(process_group)
+        self.output_dir = None
+        self._api = ApiSink()
+        self._writer: Optional[AsyncWriter] = None
+        self._hooks: list = []
+        self._schedule: Optional[CollectionSchedule] = None
+        self._state: Optional[HookState] = None
+        self._stacks: Optional[StackRecorder] = None
+        self._dynamic: Optional[DynamicConfigWatcher] = None
+        self._chunks: list[torch.nn.Module] = []
+        self._optimizer = None
+        self._grad_acc_steps = 1
+
+    # ----------------------------------------------------------------------------------- set-up
+    def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
+                    start_iteration: int = 0) -> "TrainerMon":
+        """Installs the hooks on `model` (a module, or a list of virtual-pipeline chunks) and `optimizer`.
+
+        Args:
+            model: the module, or a list of modules for virtual pipeline chunks (names get `<i>:`).
+            optimizer: the optimizer whose `step()` ends a monitor step.
+            grad_acc_steps: micro-batches per optimizer step.
+            tp_group, dp_group: tensor- and data-parallel groups (used by distributed adapters).
+            start_iteration: the step number of the first step (a resumed job).
+        """
+        if optimizer is None:
+            raise ValueError("set_monitor needs the optimizer: every optimizer.step() is one monitor step")
+        if self._state is not None:
+            raise RuntimeError("set_monitor was already called on this TrainerMon; call stop() first")
+        self._chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._optimizer = optimizer
+        self._grad_acc_steps = max(1, int(grad_acc_steps))
+        self.step = start_iteration
+        run = agree_on_run_name(self.config.append_output[0] if self.config.append_output else None)
+        self.output_dir = rank_dir(run, self.rank)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_json(self.output_dir / "run.json", run_metadata(
+            dataclasses.asdict(self.config), self.rank, self.world_size,
+            {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration}))
+
+        collector = StepCollector(self.config.eps, self.config.ops, self.rank)
+        self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
+        self._writer = self._start_writer()
+        if dynamic_enabled():
+            self._dynamic = DynamicConfigWatcher(self.config_path, str(self.output_dir / "dynamic_state.json"))
+        self._install(self.config)
+        atexit.register(self._close_at_exit)
+        return self
+
+    def _start_writer(self) -> AsyncWriter:
+        cfg = self.config
+        per_micro = set(ACTIVATION_FAMILIES) | ({GRAD_UNREDUCED} if cfg.monitor_mbs_grad else set())
+        context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
+                              step_count_per_record=cfg.step_count_per_record,
+                              per_micro_families=frozenset(per_micro))
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format))
+        sinks.start(context)
+        ops = tuple(cfg.ops)
+
+        def derive(batch: StepBatch) -> None:
+            batch.derived = [stats.derive_ops(row, ops) for row in batch.values]
+
+        writer = AsyncWriter(sinks, derive)
+        writer.start()
+        return writer
+
+    def _install(self, config: MonitorConfig) -> None:
+        """Registers the hooks that `config` asks for; `_remove` undoes exactly this."""
+        state = self._state
+        self._schedule = CollectionSchedule(
+            config.start_step, config.step_interval, config.collect_times,
+            rank_enabled=not config.module_ranks or self.rank in config.module_ranks)
+        if self._dynamic is not None and not config.dynamic_on:
+            self._schedule.rank_enabled = False
+        params = watched_params(self._chunks, config)
+        if config.xy_distribution:
+            modules = watched_modules(self._chunks, config)
+            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only,
+                                               backward=not config.forward_only))
+            if config.stack_info:
+                self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
+                self._hooks.append(self._stacks)
+        if config.wg_distribution:
+            self._hooks.append(GradHooks(state, params, per_micro_batch=config.monitor_mbs_grad))
+        self._hooks.append(OptimizerHooks(
+            state, self._optimizer, params, reduced_grads=config.wg_distribution,
+            params_before_after=config.param_distribution, moments=config.mv_distribution,
+            update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step))
+        self._hooks.append(_MicroStepCounter(state, self._chunks[0]))
+        for hooks in self._hooks:
+            hooks.install()
+        if config.print_struct:
+            write_json(self.output_dir / "module_struct.json", module_structure(self._chunks))
+        state.start_step(self.step, self._schedule.wants(self.step))
+
+    def _remove(self) -> None:
+        for hooks in self._hooks:
+            hooks.remove()
+        self._hooks.clear()
+        self._stacks = None
+
+    # ------------------------------------------------------------------------------ step cycle
+    def _end_step(self) -> None:
+        """Closes the step (called after every optimizer.step()) and decides about the next one."""
+        state = self._state
+        collected = state.collecting
+        if collected:
+            self._schedule.mark_collected()
+        if not state.collector.empty:
+            self._writer.put(state.collector.finish_step())
+        if self._stacks is not None:
+            self._stacks.step_finished(collected)
+        self.step += 1
+        if self._dynamic is not None:
+            new_config = self._dynamic.poll(self.step)
+            if new_config is not None:
+                self._apply_dynamic(new_config)
+                return
+        state.start_step(self.step, self._schedule.wants(self.step))
+
+    def _apply_dynamic(self, config: MonitorConfig) -> None:
+        logger.info("trainmon: config changed; monitoring is %s from step %s",
+                    "on" if config.dynamic_on else "off", self.step)
+        self._remove()
+        self.config = config
+        self._install(config)
+
+    def log_scalar(self, name: str, value, step: Optional[int] = None) -> None:
+        """Records a training scalar (loss, lr, grad norm) with the current (or given) step.
+
+        A tensor value stays on its device until the step's single transfer.
+        """
+        if self._state is None:
+            raise RuntimeError("call set_monitor before log_scalar")
+        if step is None or step == self.step:
+            self._state.collector.add_scalar(name, value)
+        else:
+            value = float(value.detach().float().cpu()) if isinstance(value, torch.Tensor) else float(value)
+            self._writer.put(StepBatch(step=step, rank=self.rank, pp_stage=0, keys=[], scalars={name: value}))
+
+    # ---------------------------------------------------------------------------------- results
+    def _latest(self, families: Sequence[str]) -> dict:
+        if self._writer is not None:
+            self._writer.drain()
+        return self._api.latest(families)
+
+    def generate_wgrad_metrics(self) -> dict:
+        """{tag: {op: value}} of the weight grads (pre_grad and post_grad) of the last collected step."""
+        return self._latest([GRAD_UNREDUCED, GRAD_REDUCED])
+
+    def generate_xy_metrics(self) -> dict:
+        """{tag: {op: value}} of the activations and their grads of the last collected step."""
+        return self._latest(sorted(ACTIVATION_FAMILIES))
+
+    def generate_param_metrics(self) -> dict:
+        """{tag: {op: value}} of the weights before and after the last collected update."""
+        return self._latest([PARAM_ORIGIN, PARAM_UPDATED])
+
+    def generate_mv_metrics(self) -> dict:
+        """{tag: {op: value}} of the Adam moments (and update/ratio, sign agreement) of the last collected step."""
+        return self._latest([EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION])
+
+    # ---------------------------------------------------------------------------------- teardown
+    def stop(self) -> None:
+        """Removes every hook and writes every queued step. Safe to call twice."""
+        self._remove()
+        if self._state is not None and not self._state.collector.empty:
+            self._writer.put(self._state.collector.finish_step())
+        if self._writer is not None:
+            self._writer.close()
+        atexit.unregister(self._close_at_exit)
+        self._state = None
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.stop()
+        except Exception:
+            logger.exception("trainmon: stopping at interpreter exit failed")
+
+    def __enter__(self) -> "TrainerMon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _MicroStepCounter:
+    """Counts forward micro-batches: every call of the (first) model chunk starts one."""
+
+    def __init__(self, state: HookState, root: torch.nn.Module):
+        self.state = state
+        self.root = root
+        self._handle = None
+
+    def install(self) -> None:
+        def pre_hook(module, args):
+            self.state.forward_micro += 1
+
+        self._handle = self.root.register_forward_pre_hook(pre_hook)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

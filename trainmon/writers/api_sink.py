@@ -1,0 +1,36 @@
+"""The `api` format: the last step's figures, in memory, for `TrainerMon.generate_*_metrics()`."""
+from __future__ import annotations
+
+import threading
+
+from trainmon.monitor.records import StepBatch
+from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.tags import tag_of
+
+
+class ApiSink(Sink):
+    name = "api"
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: dict[str, dict[str, dict[str, float]]] = {}
+        self._rank = 0
+
+    def start(self, context: SinkContext) -> None:
+        self._rank = context.rank
+
+    def write(self, batch: StepBatch) -> None:
+        by_family: dict[str, dict[str, dict]] = {}
+        for key, figures in zip(batch.keys, batch.derived):
+            by_family.setdefault(key.family, {})[tag_of(key, self._rank)] = dict(figures)
+        with self._lock:
+            # A family keeps the figures of the last step that recorded it.
+            self._latest.update(by_family)
+
+    def latest(self, families) -> dict[str, dict[str, float]]:
+        """{tag: {op: value}} of the given families, from the last step that recorded each."""
+        with self._lock:
+            out = {}
+            for family in families:
+                out.update(self._latest.get(family, {}))
+            return out

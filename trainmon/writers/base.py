@@ -1,0 +1,74 @@
+"""The sink interface and the container that fans a step batch out to several sinks."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from trainmon.monitor.records import StepBatch
+
+logger = logging.getLogger("trainmon")
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """What every sink needs to know about where and what it writes."""
+
+    rank_dir: Path
+    rank: int
+    ops: tuple
+    ndigits: int
+    step_count_per_record: int
+    per_micro_families: frozenset  # families whose records carry a micro_step column
+    metadata: dict = field(default_factory=dict)
+
+
+class Sink:
+    """A do-nothing sink. Constructors only store arguments; files are opened in `start`."""
+
+    name = "none"
+
+    def start(self, context: SinkContext) -> None:
+        """Opens files and imports optional packages."""
+
+    def write(self, batch: StepBatch) -> None:
+        """Writes one step batch whose `values` and `derived` are filled."""
+
+    def flush(self) -> None:
+        """Makes what was written durable."""
+
+    def close(self) -> None:
+        """Flushes and releases resources; safe to call twice."""
+
+
+class SinkContainer(Sink):
+    """Fans a batch out to many sinks; a sink that raises is disabled, reported once, and counted."""
+
+    name = "container"
+
+    def __init__(self, sinks: Sequence[Sink]):
+        self.sinks = list(sinks)
+        self.failures: dict[str, str] = {}
+
+    def _each(self, method: str, *args) -> None:
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as err:
+                self.sinks.remove(sink)
+                self.failures[sink.name] = f"{method}: {type(err).__name__}: {err}"
+                logger.error("trainmon: the %s sink failed in %s (%s: %s) and is disabled; "
+                             "training and the other sinks continue", sink.name, method, type(err).__name__, err)
+
+    def start(self, context: SinkContext) -> None:
+        self._each("start", context)
+
+    def write(self, batch: StepBatch) -> None:
+        self._each("write", batch)
+
+    def flush(self) -> None:
+        self._each("flush")
+
+    def close(self) -> None:
+        self._each("close")

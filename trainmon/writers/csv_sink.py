@@ -1,0 +1,102 @@
+"""msprobe-compatible CSV files: `<family>_<first>-<last>.csv` per family and range of collected steps."""
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import TextIO
+
+from trainmon.monitor.records import StepBatch
+from trainmon.writers.base import Sink, SinkContext
+
+
+class _RangeFiles:
+    """The open files of one range of `step_count_per_record` collected steps.
+
+    A file's name always tells the steps it holds, so it is renamed when a later step of the
+    range arrives (a job that stops early leaves correctly named files).
+    """
+
+    def __init__(self, directory: Path, first_step: int):
+        self.directory = directory
+        self.first = first_step
+        self.last = first_step
+        self.steps = 0
+        self.files: dict[str, TextIO] = {}
+        self.writers: dict[str, csv.writer] = {}
+
+    def path(self, family: str, last: int) -> Path:
+        return self.directory / f"{family}_{self.first}-{last}.csv"
+
+    def extend_to(self, step: int) -> None:
+        if step != self.last:
+            for family in self.files:
+                os.replace(self.path(family, self.last), self.path(family, step))
+            self.last = step
+        self.steps += 1
+
+    def writer(self, family: str, header: list[str]):
+        if family not in self.writers:
+            handle = open(self.path(family, self.last), "w", newline="")
+            self.files[family] = handle
+            self.writers[family] = csv.writer(handle)
+            self.writers[family].writerow(header)
+        return self.writers[family]
+
+    def flush(self) -> None:
+        for handle in self.files.values():
+            handle.flush()
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            handle.close()
+        self.files.clear()
+        self.writers.clear()
+
+
+class CsvSink(Sink):
+    name = "csv"
+
+    def __init__(self):
+        self._context: SinkContext | None = None
+        self._range: _RangeFiles | None = None
+
+    def start(self, context: SinkContext) -> None:
+        context.rank_dir.mkdir(parents=True, exist_ok=True)
+        self._context = context
+
+    def _header(self, family: str) -> list[str]:
+        index = ["vpp_stage", "name", "step"]
+        if family in self._context.per_micro_families:
+            index.append("micro_step")
+        return index + list(self._context.ops) + ["shape", "dtype"]
+
+    def _format(self, value) -> str:
+        return "" if value is None else format(value, f".{self._context.ndigits}g")
+
+    def write(self, batch: StepBatch) -> None:
+        if not batch.keys:
+            return
+        ctx = self._context
+        if self._range is not None and self._range.steps >= ctx.step_count_per_record:
+            self._range.close()
+            self._range = None
+        if self._range is None:
+            self._range = _RangeFiles(ctx.rank_dir, batch.step)
+        self._range.extend_to(batch.step)
+        for key, figures in zip(batch.keys, batch.derived):
+            row = [key.vpp_stage, key.name, batch.step]
+            if key.family in ctx.per_micro_families:
+                row.append(key.micro_step)
+            row += [self._format(figures.get(op)) for op in ctx.ops]
+            row += [str(list(key.shape)), key.dtype]
+            self._range.writer(key.family, self._header(key.family)).writerow(row)
+
+    def flush(self) -> None:
+        if self._range is not None:
+            self._range.flush()
+
+    def close(self) -> None:
+        if self._range is not None:
+            self._range.close()
+            self._range = None

@@ -1,0 +1,19 @@
+"""Builds the sinks named by the config's `format`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from trainmon.writers.base import Sink
+
+
+def build_sinks(formats: Sequence[str]) -> list[Sink]:
+    sinks: list[Sink] = []
+    for fmt in formats:
+        if fmt == "csv":
+            from trainmon.writers.csv_sink import CsvSink
+            sinks.append(CsvSink())
+        elif fmt == "api":
+            pass  # the in-memory api sink is always present
+        else:
+            raise ValueError(f"format {fmt!r} has no sink")
+    return sinks

@@ -1,32 +1,32 @@
-"""The `trainmon` command."""
+"""The `trainmon` command. Each subcommand lives in its own module and registers itself here."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional
 
-
-def _demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from trainmon import demo
-    return demo.main(rest)
+# Modules that provide `register(subparsers)`; each adds one subcommand with `set_defaults(handler=...)`.
+COMMAND_MODULES = (
+    "trainmon.demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainmon", description="Numerical-health monitor for model training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="train a small GPT-style model with monitoring and show where the output is",
-                          add_help=False)
-    demo.set_defaults(handler=_demo)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help()
-        return 0 if not rest else 2
-    return args.handler(args, rest)
+        return 0
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Run with `trainmon demo` (embedded config) or `python scripts/train_demo.py --co
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -126,12 +127,20 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
     return losses, output
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="trainmon demo", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a trainmon JSON config (default: the embedded demo config)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--grad-acc-steps", type=int, default=1)
-    args = parser.parse_args(argv)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="train a small GPT-style model with monitoring and show the output",
+                                   description=__doc__)
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     config_path = args.config
     if config_path is None:
@@ -143,6 +152,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\ntrained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
           f"{'' if math.isfinite(losses[-1]) else ' (non-finite!)'}")
     print(f"monitor output: {output}")
-    print(f"  look at it:   ls {output}")
-    print(f"                python -c \"import pandas; print(pandas.read_csv('{output}/grad_reduced_0-49.csv'))\"")
+    print(f"  files:        ls {output}")
+    first = sorted(glob.glob(os.path.join(output, "grad_reduced_*.csv")))[:1]
+    if first:
+        print(f"  one family:   python -c \"import pandas; print(pandas.read_csv('{first[0]}'))\"")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="train_demo", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

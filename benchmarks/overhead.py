@@ -6,6 +6,11 @@ the writer's included) and wall time are medians over the steps after warm-up.
 
     python benchmarks/overhead.py                      # all tiers, csv
     python benchmarks/overhead.py --tiers none,full --format csv,api --steps 30
+    python benchmarks/overhead.py --tiers none,full --sinks "api;csv;tensorboard;db;csv,tensorboard,db"
+
+`--sinks` runs the tiers once per format set and compares each with the `api` set (in-memory only):
+the cost of a sink is the writer thread's CPU time plus any wait when its queue is full. Disk per
+step is split by sink (CSV files, event files, monitor.db with its WAL).
 """
 from __future__ import annotations
 
@@ -65,10 +70,28 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
         monitor.stop()
     flush = time.perf_counter() - flush_start
     disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs)
+    writer = {}
+    if monitor is not None:
+        with open(monitor.output_dir / "run.json") as f:
+            writer = json.load(f).get("writer", {})
     return {"tier": tier, "formats": formats, "cpu_s": statistics.median(cpu[warmup:]),
+            "disk_by_sink": {sink: size / (warmup + steps) for sink, size in disk_by_sink(out_dir).items()},
+            "blocked_s": writer.get("blocked_seconds", 0.0),
             "wall_s": statistics.median(wall[warmup:]), "peak_rss_mb": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 1024, "flush_at_stop_s": flush,
             "disk_bytes_per_step": disk / (warmup + steps)}
+
+
+def disk_by_sink(out_dir: str) -> dict:
+    """Bytes on disk per sink, told apart by file name."""
+    sizes = {"csv": 0, "tensorboard": 0, "db": 0}
+    for d, _, files in os.walk(out_dir):
+        for name in files:
+            sink = ("csv" if name.endswith(".csv") else "tensorboard" if name.startswith("events.out.tfevents")
+                    else "db" if name.startswith("monitor.db") else None)
+            if sink:
+                sizes[sink] += os.path.getsize(os.path.join(d, name))
+    return {sink: size for sink, size in sizes.items() if size}
 
 
 def main() -> int:
@@ -78,6 +101,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--extra", default="{}", help="JSON merged into every monitored config")
+    parser.add_argument("--sinks", help='format sets to compare, ";"-separated, e.g. "api;csv;db" (overrides --format)')
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     formats = args.format.split(",")
@@ -85,12 +109,18 @@ def main() -> int:
         print(json.dumps(run_tier(args.child, formats, args.steps, args.warmup, json.loads(args.extra))))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    format_sets = args.sinks.split(";") if args.sinks else [args.format]
+    runs = [(tier, fmt) for tier in args.tiers.split(",")
+            for fmt in (format_sets[:1] if tier == "none" else format_sets)]
     results = []
-    for tier in args.tiers.split(","):
-        out = subprocess.run([sys.executable, __file__, "--child", tier, "--format", args.format,
+    for tier, fmt in runs:
+        out = subprocess.run([sys.executable, __file__, "--child", tier, "--format", fmt,
                               "--steps", str(args.steps), "--warmup", str(args.warmup), "--extra", args.extra],
                              check=True, capture_output=True, text=True, env=env)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    if args.sinks:
+        print_sink_table(results)
+        return 0
     base = next((r for r in results if r["tier"] == "none"), None)
     print(f"{'tier':8} {'cpu/step':>9} {'wall/step':>9} {'cpu×':>6} {'wall×':>6} {'rss MB':>7} {'disk/step':>10}")
     for r in results:
@@ -99,6 +129,19 @@ def main() -> int:
         print(f"{r['tier']:8} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms {cpu_ratio:6.3f} {wall_ratio:6.3f} "
               f"{r['peak_rss_mb']:7.0f} {r['disk_bytes_per_step']/1024:8.1f}KB")
     return 0
+
+
+def print_sink_table(results: list[dict]) -> None:
+    """One line per (tier, format set): step times, ratios against the same tier with `api`, disk by sink."""
+    api = {r["tier"]: r for r in results if r["formats"] == ["api"]}
+    print(f"{'tier':6} {'format':22} {'cpu/step':>9} {'wall/step':>9} {'cpu/api':>7} {'wall/api':>8} "
+          f"{'blocked':>8} disk/step by sink")
+    for r in results:
+        ref = api.get(r["tier"])
+        ratio = (lambda key: f"{r[key] / ref[key]:.3f}") if ref else (lambda key: "-")
+        disk = ", ".join(f"{sink} {size / 1024:.1f}KB" for sink, size in r["disk_by_sink"].items()) or "-"
+        print(f"{r['tier']:6} {','.join(r['formats']):22} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms "
+              f"{ratio('cpu_s'):>7} {ratio('wall_s'):>8} {r['blocked_s']:7.2f}s {disk}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ from typing import Optional
 # Modules that provide `register(subparsers)`; each adds one subcommand with `set_defaults(handler=...)`.
 COMMAND_MODULES = (
     "trainmon.demo",
+    "trainmon.commands.show",
+    "trainmon.commands.convert",
+    "trainmon.commands.nan_analyze",
+    "trainmon.commands.anomalies",
 )
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -30,6 +30,8 @@ class StepCollector:
         self._keys: list[RecordKey] = []
         self._blocks: list[torch.Tensor] = []
         self._scalars: dict[str, object] = {}
+        self._flag_keys: list[RecordKey] = []
+        self._flags: list[torch.Tensor] = []
         self._seen: dict[int, tuple] = {}
         self._call_index = 0
 
@@ -73,6 +75,18 @@ class StepCollector:
         self._keys.extend(keys)
         self._blocks.append(rows)
 
+    def add_flags(self, keys: Sequence[RecordKey], probes: torch.Tensor) -> None:
+        """Adds the NaN sentinel's probes (1-D, one per key, on the device) to the step's transfer."""
+        self._flag_keys.extend(keys)
+        self._flags.append(probes)
+
+    def any_nonfinite(self) -> Optional[torch.Tensor]:
+        """Device bool: whether a record of this step so far counted a NaN or Inf (None before the first)."""
+        if not self._blocks:
+            return None
+        rows = torch.cat([b.reshape(-1, len(stats.FIELDS)) for b in self._blocks])
+        return (rows[:, stats.FIELDS.index("nans")] + rows[:, stats.FIELDS.index("infs")]).gt(0).any()
+
     def add_scalar(self, name: str, value) -> None:
         """A training scalar (loss, lr, ...); a tensor stays on its device until the step's transfer."""
         if isinstance(value, torch.Tensor):
@@ -81,14 +95,17 @@ class StepCollector:
 
     @property
     def empty(self) -> bool:
-        return not self._keys and not self._scalars
+        return not self._keys and not self._scalars and not self._flag_keys
 
     def finish_step(self) -> StepBatch:
         """Packs the step into one device buffer, starts its single copy to the host, and resets."""
         tensor_scalars = [(n, v) for n, v in self._scalars.items() if isinstance(v, torch.Tensor)]
         batch = StepBatch(step=self.step, rank=self.rank, pp_stage=self.pp_stage, keys=self._keys,
-                          scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)})
-        parts = [b.reshape(-1) for b in self._blocks] + [v.reshape(1) for _, v in tensor_scalars]
+                          scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)},
+                          flag_keys=self._flag_keys)
+        # Layout of the host buffer (StepBatch.wait): records, sentinel probes, tensor-valued scalars.
+        parts = [b.reshape(-1) for b in self._blocks] + [f.to(torch.float64) for f in self._flags] + \
+            [v.reshape(1) for _, v in tensor_scalars]
         if parts:
             batch.host, batch.ready = _to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
             batch.host_scalar_names = tuple(n for n, _ in tensor_scalars)

@@ -28,7 +28,9 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 from trainmon.monitor.config_keys import (
-    ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_NAMES, STAT_OPS,
+    ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
+    STAT_OPS,
+    WRITER_POLICIES,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
     check_formats, check_int, check_list, check_number, check_opt_bool, check_rule_args, check_str, check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
@@ -73,10 +75,20 @@ class RuleConfig:
     """AnomalyTurbulence (value beyond (1 + threshold) x running mean; needs `threshold`), AnomalyNan
     (NaN, or |value| > threshold when given) or AnomalySpike (trainmon)."""
     args: dict = _field(check_rule_args, factory=dict)
-    """Rule arguments. Checked loosely: `threshold` a number >= 0, `window` an int >= 1; others pass."""
+    """Rule arguments (RULE_ARGS lists each rule's): `threshold` a number >= 0, `window`/`warmup` ints >= 1,
+    `min_relative` a number >= 0, `ops` a list of op names."""
 
     def __post_init__(self) -> None:
         _validate_fields(self)
+        allowed = RULE_ARGS[self.rule_name]
+        for name in self.args:
+            if name not in allowed:
+                raise ConfigError(f"is not an argument of {self.rule_name}", key=f"args.{name}",
+                                  value=self.args[name], allowed=list(allowed), closest=closest(name, allowed))
+        if self.args.get("warmup", 0) > self.args.get("window", 50):
+            raise ConfigError("must not exceed the window (50 unless given)", key="args.warmup",
+                              value=self.args["warmup"], allowed="an int from 1 to the window",
+                              closest=self.args.get("window", 50))
         if self.rule_name == "AnomalyTurbulence" and "threshold" not in self.args:
             raise ConfigError("AnomalyTurbulence needs a threshold (allowed relative deviation from the "
                               "running mean)", key="args", value=self.args, allowed='{"threshold": <number >= 0>}',
@@ -168,7 +180,7 @@ class MonitorConfig:
     mg_direction: bool = _field(check_bool, default=False)
     """Record the fraction of gradient elements whose sign matches the first moment's."""
     ur_distribution: bool = _field(check_bool, default=False)
-    """Adam update/ratio heatmaps. Accepted; not honoured (one warning)."""
+    """Record Adam's bias-corrected update m̂/(√v̂+ε) (`adam_update`) and ratio m̂/√v̂ (`adam_ratio`)."""
     cc_distribution: CCConfig = _field(_section(CCConfig), factory=CCConfig)
     """Collective-communication statistics (see CCConfig)."""
     ops: list[str] = _field(_check_ops, factory=lambda: ["norm"])
@@ -189,7 +201,7 @@ class MonitorConfig:
     module_ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
     """Ranks that record; empty means all ranks."""
     print_struct: bool = _field(check_bool, default=False)
-    """Save every module's input/output structure after the first step, then stop training (msprobe)."""
+    """Save the module tree to `module_struct.json`; unlike msprobe, training continues."""
     stack_info: bool = _field(check_bool, default=False)
     """Save each module's call stack once, at the first recorded step."""
     format: list[str] = _field(check_formats, factory=lambda: ["csv"])
@@ -199,7 +211,8 @@ class MonitorConfig:
     alert: AlertConfig = _field(_section(AlertConfig), factory=AlertConfig)
     """Online anomaly rules (see AlertConfig)."""
     append_output: list[str] = _field(check_append_output, factory=list)
-    """Resume: [start, end] timestamps of earlier output directories to append to; [] starts new ones."""
+    """Resume: [start, end] bounds of earlier run names (`run-YYYYmmdd-HHMMSS`); the latest existing run whose
+    name sorts between them is appended to. [] starts a new run."""
     dynamic_on: bool = _field(check_bool, default=False)
     """Under DYNAMIC_MONITOR=true: start monitoring (reset to false after collect_times steps)."""
     sentinel: bool = _field(check_bool, default=False)
@@ -209,6 +222,11 @@ class MonitorConfig:
     params_have_main_grad: bool | None = _field(check_opt_bool, default=None)
     """trainmon: read `param.main_grad` (Megatron) instead of `param.grad`; None detects it from the
     model. (msprobe takes this as a TrainerMon argument, default True.)"""
+    writer_policy: str = _field(check_choice(WRITER_POLICIES), default="block")
+    """trainmon: when the writer's queue of steps is full, "block" makes the training thread wait (the
+    wait is recorded) and "drop" skips the step's output (counted); both are reported in run.json."""
+    writer_queue_size: int = _field(check_int(1, 100_000), default=64)
+    """trainmon: step batches the writer queues before `writer_policy` applies."""
 
     def __post_init__(self) -> None:
         _validate_fields(self)

@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 # Output formats that this version can write. Add a format here (and nowhere else) once its sink exists.
-AVAILABLE_FORMATS: tuple[str, ...] = ("csv", "api")
+AVAILABLE_FORMATS: tuple[str, ...] = ("csv", "api", "tensorboard", "db")
 # Formats the design names but that are not built yet: they get "not yet available", not "unknown".
-PLANNED_FORMATS: tuple[str, ...] = ("tensorboard", "db")
+PLANNED_FORMATS: tuple[str, ...] = ()
+# What the writer thread does when its queue of step batches is full (config key `writer_policy`).
+WRITER_POLICIES: tuple[str, ...] = ("block", "drop")
 
 # Statistics trainmon computes. msprobe's MonitorConst.OP_LIST is
 # ["norm", "min", "max", "zeros", "nans", "id", "mean", "shape", "dtype"]; "infs" is trainmon's own.
@@ -30,6 +32,12 @@ COLUMN_OPS: tuple[str, ...] = ("shape", "dtype")
 
 # msprobe's MonitorConst.RULE_NAME is ["AnomalyTurbulence", "AnomalyNan"]; AnomalySpike is trainmon's own.
 RULE_NAMES: tuple[str, ...] = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike")
+# The `args` each rule takes (trainmon.anomaly.rules documents their meaning).
+RULE_ARGS: dict[str, tuple[str, ...]] = {
+    "AnomalyNan": ("threshold",),
+    "AnomalyTurbulence": ("threshold", "ops"),
+    "AnomalySpike": ("threshold", "window", "warmup", "min_relative", "ops"),
+}
 ALERT_ACTIONS: tuple[str, ...] = ("warn", "skip_step", "stop")
 # The keys of one `targets` entry (msprobe: forward input/output, backward grads of both).
 TARGET_FIELDS: tuple[str, ...] = ("input", "output", "input_grad", "output_grad")
@@ -41,7 +49,6 @@ MAX_NDIGITS = 20  # msprobe's MonitorConst.MAX_NDIGITS
 # Remove an entry once the feature is honoured.
 NOT_HONOURED: dict[str, str] = {
     "cc_distribution.enable": "collective-communication statistics are not recorded yet",
-    "ur_distribution": "Adam update/ratio heatmaps are not drawn (msprobe 26.x also drops them for CSV)",
     "recording_l2_features": "L2 interpretability features (attention entropy, stable rank) are not computed",
     "l2_targets": "L2 interpretability features are not computed",
     "sa_order": "L2 interpretability features are not computed",
@@ -330,8 +337,13 @@ def check_rule_args(value: Any, key: str) -> dict:
     args = check_mapping({} if value is None else value, key)  # msprobe: `args` may be absent
     if "threshold" in args:
         args["threshold"] = check_number(0.0)(args["threshold"], f"{key}.threshold")
-    if "window" in args:
-        args["window"] = check_int(1)(args["window"], f"{key}.window")
+    for name in ("window", "warmup"):
+        if name in args:
+            args[name] = check_int(1)(args[name], f"{key}.{name}")
+    if "min_relative" in args:
+        args["min_relative"] = check_number(0.0)(args["min_relative"], f"{key}.min_relative")
+    if "ops" in args:
+        args["ops"] = check_list(check_choice(STAT_OPS), "op names")(args["ops"], f"{key}.ops")
     return args
 
 

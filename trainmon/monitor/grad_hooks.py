@@ -1,24 +1,19 @@
-"""Weight-gradient capture during backward: `grad_unreduced`.
+"""Weight-gradient capture during backward: `grad_unreduced`, the core's default capture point.
 
-Without `monitor_mbs_grad` the accumulated grad is recorded once per step, at the end of the last
-micro-batch's backward, before any reduction. With it, every micro-batch's own contribution is
-recorded (the grad a backward pass adds, not the running sum).
+In ACCUMULATED mode the accumulated grad is recorded once per step, at the end of the last
+micro-batch's backward, before any reduction. In PER_MICRO_BATCH mode (`monitor_mbs_grad`, or a
+framework that reduces during backward) every micro-batch's own contribution is recorded (the grad
+a backward pass adds, not the running sum). Adapters with their own capture point record through
+`record_pieces` too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from trainmon.monitor.records import GRAD_UNREDUCED, RecordKey
+from trainmon.monitor.adapters.base import PER_MICRO_BATCH, WatchedParam
+from trainmon.monitor.records import GRAD_UNREDUCED
+from trainmon.monitor.shard_merge import record_pieces
 from trainmon.monitor.state import HookState
-
-
-@dataclass(frozen=True)
-class WatchedParam:
-    name: str
-    param: torch.nn.Parameter
-    vpp_stage: int
 
 
 def _queue_end_of_backward(callback) -> None:
@@ -26,10 +21,10 @@ def _queue_end_of_backward(callback) -> None:
 
 
 class GradHooks:
-    def __init__(self, state: HookState, params: list[WatchedParam], per_micro_batch: bool):
+    def __init__(self, state: HookState, params: list[WatchedParam], mode: str):
         self.state = state
         self.params = params
-        self.per_micro_batch = per_micro_batch
+        self.per_micro_batch = mode == PER_MICRO_BATCH
         self._handles: list = []
         self._pending: list[WatchedParam] = []
         self._callback_queued = False
@@ -90,9 +85,23 @@ class GradHooks:
         return contribution_hook
 
     def _record(self, watched: list[WatchedParam], grads: list[torch.Tensor], micro) -> None:
-        if not grads:
-            return
-        collector = self.state.collector
-        keys = [RecordKey(GRAD_UNREDUCED, w.name, w.vpp_stage, micro, collector.next_call_index(),
-                          tuple(g.shape), str(g.dtype)) for w, g in zip(watched, grads)]
-        collector.record(keys, grads)
+        record_pieces(self.state, GRAD_UNREDUCED, watched, grads, micro=micro)
+
+
+class AdapterGradCapture:
+    """Unreduced grads from the adapter's own capture point (a DDP communication hook, a grad-buffer sync)."""
+
+    def __init__(self, state: HookState, adapter, params: list[WatchedParam]):
+        self.state = state
+        self.adapter = adapter
+        self.params = params
+
+    def install(self) -> None:
+        self.adapter.install_unreduced(self.params, self.state.guarded("unreduced weight grads", self._record))
+
+    def remove(self) -> None:
+        self.adapter.remove()
+
+    def _record(self, watched, pieces, group=None) -> None:
+        if self.state.collecting:
+            record_pieces(self.state, GRAD_UNREDUCED, watched, pieces, group=group)

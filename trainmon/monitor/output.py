@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_OUTPUT_DIR = "./monitor_output"
+logger = logging.getLogger("trainmon")
 
 
 def output_root() -> Path:
@@ -25,15 +27,34 @@ def distributed_rank(process_group=None) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def agree_on_run_name(requested: Optional[str]) -> str:
-    """A run name shared by every rank: the requested one, or rank 0's timestamp broadcast to all."""
-    if requested:
-        return requested
-    name = time.strftime("run-%Y%m%d-%H%M%S")
+def agree_on_run_name(append_bounds: Sequence[str] = ()) -> str:
+    """A run name shared by every rank, chosen on rank 0 and broadcast to all.
+
+    With `append_bounds` ([start, end], the `append_output` key) the latest existing run whose name
+    sorts between them is reused; otherwise a new timestamped run is made.
+    """
+    name = _existing_run(append_bounds) if append_bounds else None
+    if name is None:
+        if append_bounds:
+            logger.warning("trainmon: no run under %s has a name between %s and %s; starting a new run",
+                           output_root(), *append_bounds)
+        name = _new_run_name()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         holder = [name]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
+    return name
+
+
+def _existing_run(bounds: Sequence[str]) -> Optional[str]:
+    start, end = bounds
+    root = output_root()
+    runs = sorted(p.name for p in root.iterdir() if p.is_dir() and start <= p.name <= end) if root.is_dir() else []
+    return runs[-1] if runs else None
+
+
+def _new_run_name() -> str:
+    name = time.strftime("run-%Y%m%d-%H%M%S")
     root = output_root()
     suffix, candidate = 1, name
     while (root / candidate).exists():

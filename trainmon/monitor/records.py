@@ -81,6 +81,9 @@ class StepBatch:
     host_scalar_names: tuple = ()
     ready: Optional[object] = None  # event that completes the copy (CUDA), or None
     derived: Optional[list] = None  # per key {op: float | None}, filled in the writer thread
+    # NaN sentinel: one probe per key, non-finite exactly when the tensor had a NaN/Inf element.
+    flag_keys: list = field(default_factory=list)
+    flags: Optional[np.ndarray] = None
 
     def wait(self) -> "StepBatch":
         if self.ready is not None:
@@ -89,9 +92,13 @@ class StepBatch:
         if self.host is not None:
             flat = self.host.numpy()
             n = len(self.keys) * N_FIELDS
+            m = n + len(self.flag_keys)
             self.values = flat[:n].reshape(len(self.keys), N_FIELDS)
-            self.scalars.update(zip(self.host_scalar_names, (float(v) for v in flat[n:])))
+            self.flags = flat[n:m]
+            self.scalars.update(zip(self.host_scalar_names, (float(v) for v in flat[m:])))
             self.host = None
-        elif self.values is None:
+        if self.values is None:
             self.values = np.empty((0, N_FIELDS))
+        if self.flags is None:
+            self.flags = np.empty(0)
         return self

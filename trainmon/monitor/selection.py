@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from trainmon.monitor.config import MonitorConfig, parse_target_spec
-from trainmon.monitor.grad_hooks import WatchedParam
+from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.module_hooks import WatchedModule
 
 # Wrapper components that `squash_name` removes from names (DDP, torch.compile, FSDP, checkpointing).

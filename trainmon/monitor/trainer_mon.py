@@ -8,11 +8,15 @@ from typing import Optional, Sequence
 
 import torch
 
+from trainmon.anomaly.actions import StepGate
+from trainmon.anomaly.processor import AnomalyProcessor, processor_for
 from trainmon.monitor import stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
-from trainmon.monitor.grad_hooks import GradHooks
+from trainmon.monitor.adapters import ADAPTER, NOT_RECORDED, PER_MICRO_BATCH, TrainingAdapter, select_adapter
+from trainmon.monitor.adapters.base import group_coordinates
+from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
 from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
@@ -21,6 +25,7 @@ from trainmon.monitor.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDA
                                       GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
                                       PARAM_UPDATED, StepBatch)
 from trainmon.monitor.schedule import CollectionSchedule
+from trainmon.monitor.sentinel import NanSentinel, nan_sentinel
 from trainmon.monitor.selection import watched_modules, watched_params
 from trainmon.monitor.state import HookState
 from trainmon.monitor.structure import StackRecorder, module_structure
@@ -28,6 +33,7 @@ from trainmon.writers.api_sink import ApiSink
 from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
+from trainmon.writers.shutdown import SigtermDrain
 
 logger = logging.getLogger("trainmon")
 
@@ -66,7 +72,12 @@ class TrainerMon:
         self._dynamic: Optional[DynamicConfigWatcher] = None
         self._chunks: list[torch.nn.Module] = []
         self._optimizer = None
+        self._adapter: Optional[TrainingAdapter] = None
         self._grad_acc_steps = 1
+        self._anomalies: Optional[AnomalyProcessor] = None
+        self._sentinel: Optional[NanSentinel] = None
+        self._metadata: dict = {}
+        self._sigterm: Optional[SigtermDrain] = None
 
     # ----------------------------------------------------------------------------------- set-up
     def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
@@ -86,38 +97,50 @@ class TrainerMon:
             raise RuntimeError("set_monitor was already called on this TrainerMon; call stop() first")
         self._chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self._optimizer = optimizer
+        self._adapter = select_adapter(self._chunks, optimizer)
         self._grad_acc_steps = max(1, int(grad_acc_steps))
         self.step = start_iteration
-        run = agree_on_run_name(self.config.append_output[0] if self.config.append_output else None)
+        run = agree_on_run_name(self.config.append_output)
         self.output_dir = rank_dir(run, self.rank)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.output_dir / "run.json", run_metadata(
+        self._metadata = run_metadata(
             dataclasses.asdict(self.config), self.rank, self.world_size,
-            {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration}))
+            {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration,
+             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, tp=tp_group, dp=dp_group)})
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            write_json(self.output_dir / "run.json", self._metadata)
+        except OSError as err:
+            # Monitoring never takes training down: the file sinks report their own failure at start.
+            logger.error("trainmon: cannot write to the output directory %s (%s); training continues, file "
+                         "outputs are disabled", self.output_dir, err)
 
-        collector = StepCollector(self.config.eps, self.config.ops, self.rank)
+        collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage())
         self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
         self._writer = self._start_writer()
         if dynamic_enabled():
             self._dynamic = DynamicConfigWatcher(self.config_path, str(self.output_dir / "dynamic_state.json"))
         self._install(self.config)
         atexit.register(self._close_at_exit)
+        self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
+        self._sigterm.install()
         return self
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
-        per_micro = set(ACTIVATION_FAMILIES) | ({GRAD_UNREDUCED} if cfg.monitor_mbs_grad else set())
+        per_micro = set(ACTIVATION_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode(cfg) == PER_MICRO_BATCH
+                                                else set())
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
-                              per_micro_families=frozenset(per_micro))
-        sinks = SinkContainer([self._api] + build_sinks(cfg.format))
+                              per_micro_families=frozenset(per_micro), metadata=self._metadata)
+        self._anomalies = processor_for(cfg)
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []))
         sinks.start(context)
         ops = tuple(cfg.ops)
 
         def derive(batch: StepBatch) -> None:
             batch.derived = [stats.derive_ops(row, ops) for row in batch.values]
 
-        writer = AsyncWriter(sinks, derive)
+        writer = AsyncWriter(sinks, derive, max_queue=cfg.writer_queue_size, policy=cfg.writer_policy)
         writer.start()
         return writer
 
@@ -129,7 +152,15 @@ class TrainerMon:
             rank_enabled=not config.module_ranks or self.rank in config.module_ranks)
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
-        params = watched_params(self._chunks, config)
+        params = self._adapter.prepare(watched_params(self._chunks, config))
+        if config.sentinel:
+            self._sentinel = nan_sentinel(state, self._chunks, config.squash_name)
+            self._hooks.append(self._sentinel)
+        if config.alert.action != "warn" and self._anomalies is not None:
+            self._hooks.append(StepGate(
+                config.alert.action, self._adapter.step_owner(), step_of=lambda: self.step, end_step=self._end_step,
+                evidence=lambda: [state.collector.any_nonfinite(), self._sentinel and self._sentinel.any_nonfinite()],
+                drain=self._writer.drain, processor=self._anomalies))
         if config.xy_distribution:
             modules = watched_modules(self._chunks, config)
             self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only,
@@ -138,9 +169,15 @@ class TrainerMon:
                 self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
                 self._hooks.append(self._stacks)
         if config.wg_distribution:
-            self._hooks.append(GradHooks(state, params, per_micro_batch=config.monitor_mbs_grad))
+            mode = self._unreduced_mode(config)
+            if mode == ADAPTER:
+                self._hooks.append(AdapterGradCapture(state, self._adapter, params))
+            elif mode == NOT_RECORDED:
+                logger.warning("trainmon: grad_unreduced is not recorded with the %s adapter", self._adapter.name)
+            else:
+                self._hooks.append(GradHooks(state, params, mode))
         self._hooks.append(OptimizerHooks(
-            state, self._optimizer, params, reduced_grads=config.wg_distribution,
+            state, self._adapter, params, reduced_grads=config.wg_distribution,
             params_before_after=config.param_distribution, moments=config.mv_distribution,
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step))
         self._hooks.append(_MicroStepCounter(state, self._chunks[0]))
@@ -150,11 +187,15 @@ class TrainerMon:
             write_json(self.output_dir / "module_struct.json", module_structure(self._chunks))
         state.start_step(self.step, self._schedule.wants(self.step))
 
+    def _unreduced_mode(self, config: MonitorConfig) -> str:
+        return PER_MICRO_BATCH if config.monitor_mbs_grad else self._adapter.unreduced_capture
+
     def _remove(self) -> None:
         for hooks in self._hooks:
             hooks.remove()
         self._hooks.clear()
         self._stacks = None
+        self._sentinel = None
 
     # ------------------------------------------------------------------------------ step cycle
     def _end_step(self) -> None:
@@ -163,6 +204,8 @@ class TrainerMon:
         collected = state.collecting
         if collected:
             self._schedule.mark_collected()
+        if self._sentinel is not None:
+            self._sentinel.close_step()
         if not state.collector.empty:
             self._writer.put(state.collector.finish_step())
         if self._stacks is not None:
@@ -223,10 +266,28 @@ class TrainerMon:
         self._remove()
         if self._state is not None and not self._state.collector.empty:
             self._writer.put(self._state.collector.finish_step())
-        if self._writer is not None:
+        if self._sigterm is not None:
+            self._sigterm.remove()
+            self._sigterm = None
+        if self._writer is not None and not self._writer.closed:
             self._writer.close()
+            self._save_writer_report()
         atexit.unregister(self._close_at_exit)
         self._state = None
+
+    def _save_writer_report(self) -> None:
+        """Adds the writer's counts (written, dropped, failed steps, time waited, disabled sinks) to run.json."""
+        report = self._writer.report()
+        lost = {name: info["lost_steps"] for name, info in report["disabled_sinks"].items()}
+        if report["dropped_steps"] or report["failed_steps"] or lost:
+            logger.warning("trainmon: output is incomplete: %s steps dropped (queue full), %s failed, steps lost "
+                           "per disabled sink %s; details in %s", report["dropped_steps"], report["failed_steps"],
+                           lost, self.output_dir / "run.json")
+        try:
+            write_json(self.output_dir / "run.json", {**self._metadata, "writer": report})
+        except OSError as err:
+            logger.error("trainmon: cannot write %s (%s); writer report: %s", self.output_dir / "run.json", err,
+                         report)
 
     def _close_at_exit(self) -> None:
         try:
@@ -239,6 +300,16 @@ class TrainerMon:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
+    """This rank's parallel coordinates from the adapter, plus {rank, size, ranks} of groups given to set_monitor."""
+    out = adapter.describe()
+    running = torch.distributed.is_available() and torch.distributed.is_initialized()
+    for name, group in groups.items():
+        if running and group is not None:
+            out[name] = group_coordinates(group)
+    return out
 
 
 class _MicroStepCounter:

@@ -13,6 +13,7 @@ from trainmon.writers.base import Sink
 logger = logging.getLogger("trainmon")
 
 _STOP = object()  # private sentinel that ends the worker
+POLICIES = ("block", "drop")
 
 
 class AsyncWriter:
@@ -21,20 +22,31 @@ class AsyncWriter:
     The training thread only enqueues. When the queue is full it waits (policy "block", the wait is
     accounted in `blocked_seconds`) or drops the batch (policy "drop", counted in `dropped_steps`).
     The worker turns records into figures (`derive`) and writes them; a batch that fails is logged
-    and skipped, never retried forever.
+    and skipped, never retried forever. `report()` gives every count, for the run metadata.
+
+    Args:
+        sink: where batches go (usually a SinkContainer).
+        derive: fills `batch.derived` from `batch.values`, in the worker thread.
+        max_queue: batches queued before `policy` applies.
+        policy: "block" or "drop".
     """
 
     def __init__(self, sink: Sink, derive: Callable[[StepBatch], None], max_queue: int = 64,
                  policy: str = "block"):
-        if policy not in ("block", "drop"):
+        if policy not in POLICIES:
             raise ValueError(f"writer policy must be 'block' or 'drop', got {policy!r}")
+        if max_queue < 1:
+            raise ValueError(f"writer queue size must be >= 1, got {max_queue!r}")
         self.sink = sink
         self.derive = derive
         self.policy = policy
+        self.max_queue = max_queue
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self.queued_steps = 0
         self.blocked_seconds = 0.0
+        self.blocked_puts = 0
         self.dropped_steps = 0
         self.failed_steps = 0
         self.written_steps = 0
@@ -43,24 +55,29 @@ class AsyncWriter:
         self._thread = threading.Thread(target=self._run, name="trainmon-writer", daemon=True)
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def put(self, batch: StepBatch) -> None:
+        """Queues one step batch (training thread); never does I/O."""
         if self._closed:
-            return
-        if self.policy == "drop":
-            try:
-                self._queue.put_nowait(batch)
-            except queue.Full:
-                self.dropped_steps += 1
-                if self.dropped_steps == 1:
-                    logger.warning("trainmon: the writer queue is full; step %s and later overflowing "
-                                   "steps are dropped (policy 'drop') and counted", batch.step)
             return
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
+            if self.policy == "drop":
+                self.dropped_steps += 1
+                if self.dropped_steps == 1:
+                    logger.warning("trainmon: the writer queue (%s steps) is full; step %s and later overflowing "
+                                   "steps are dropped (writer_policy 'drop') and counted in run.json",
+                                   self.max_queue, batch.step)
+                return
             start = time.perf_counter()
             self._queue.put(batch)
             self.blocked_seconds += time.perf_counter() - start
+            self.blocked_puts += 1
+        self.queued_steps += 1
 
     def _run(self) -> None:
         while True:
@@ -69,17 +86,26 @@ class AsyncWriter:
                 self._queue.task_done()
                 return
             try:
-                item.wait()
-                self.derive(item)
-                self.sink.write(item)
-                self.written_steps += 1
-            except Exception:
-                self.failed_steps += 1
-                logger.exception("trainmon: writing step %s failed; the step is skipped", item.step)
+                self._write(item)
+                # Flush before task_done, so that drain() returning means the data reached the sinks.
+                if self._queue.empty():
+                    self._flush()
             finally:
                 self._queue.task_done()
-            if self._queue.empty():
-                self._flush()
+
+    def _write(self, batch: StepBatch) -> None:
+        try:
+            batch.wait()
+            self.derive(batch)
+            self.sink.write(batch)
+            self.written_steps += 1
+        except Exception:
+            self.failed_steps += 1
+            if self.failed_steps == 1:
+                logger.exception("trainmon: writing step %s failed; the step is skipped (later failures are "
+                                 "counted in run.json)", batch.step)
+            else:
+                logger.debug("trainmon: writing step %s failed", batch.step, exc_info=True)
 
     def _flush(self) -> None:
         try:
@@ -105,3 +131,11 @@ class AsyncWriter:
             self.sink.close()
         except Exception:
             logger.exception("trainmon: closing the sinks failed")
+
+    def report(self) -> dict:
+        """Counts for the run metadata: what was queued, written, dropped, failed, and the time waited."""
+        sinks = self.sink.report() if hasattr(self.sink, "report") else {}
+        return {"policy": self.policy, "queue_size": self.max_queue, "queued_steps": self.queued_steps,
+                "written_steps": self.written_steps, "dropped_steps": self.dropped_steps,
+                "failed_steps": self.failed_steps, "blocked_seconds": round(self.blocked_seconds, 6),
+                "blocked_puts": self.blocked_puts, "disabled_sinks": sinks}

@@ -43,13 +43,19 @@ class Sink:
 
 
 class SinkContainer(Sink):
-    """Fans a batch out to many sinks; a sink that raises is disabled, reported once, and counted."""
+    """Fans a batch out to many sinks; a sink that raises is disabled, reported once, and counted.
+
+    `lost_steps[name]` counts the step batches a disabled sink did not write: the one it failed on and
+    every later one. A failure in `flush` or `close` may also lose what the sink buffered; its reason
+    says so.
+    """
 
     name = "container"
 
     def __init__(self, sinks: Sequence[Sink]):
         self.sinks = list(sinks)
         self.failures: dict[str, str] = {}
+        self.lost_steps: dict[str, int] = {}
 
     def _each(self, method: str, *args) -> None:
         for sink in list(self.sinks):
@@ -58,17 +64,35 @@ class SinkContainer(Sink):
             except Exception as err:
                 self.sinks.remove(sink)
                 self.failures[sink.name] = f"{method}: {type(err).__name__}: {err}"
+                self.lost_steps.setdefault(sink.name, 0)
                 logger.error("trainmon: the %s sink failed in %s (%s: %s) and is disabled; "
                              "training and the other sinks continue", sink.name, method, type(err).__name__, err)
+                if method != "close":
+                    _close_quietly(sink)
 
     def start(self, context: SinkContext) -> None:
         self._each("start", context)
 
     def write(self, batch: StepBatch) -> None:
         self._each("write", batch)
+        for name in self.lost_steps:
+            self.lost_steps[name] += 1
 
     def flush(self) -> None:
         self._each("flush")
 
     def close(self) -> None:
         self._each("close")
+
+    def report(self) -> dict:
+        """{sink name: {"error": reason, "lost_steps": n}} for every disabled sink."""
+        return {name: {"error": reason, "lost_steps": self.lost_steps[name]}
+                for name, reason in self.failures.items()}
+
+
+def _close_quietly(sink: Sink) -> None:
+    """Releases a failed sink's files; its own failure was reported, a second one would only repeat it."""
+    try:
+        sink.close()
+    except Exception:
+        logger.debug("trainmon: closing the failed %s sink failed too", sink.name, exc_info=True)

@@ -12,6 +12,12 @@ def build_sinks(formats: Sequence[str]) -> list[Sink]:
         if fmt == "csv":
             from trainmon.writers.csv_sink import CsvSink
             sinks.append(CsvSink())
+        elif fmt == "tensorboard":
+            from trainmon.writers.tensorboard_sink import TensorBoardSink
+            sinks.append(TensorBoardSink())
+        elif fmt == "db":
+            from trainmon.writers.db_sink import DbSink
+            sinks.append(DbSink())
         elif fmt == "api":
             pass  # the in-memory api sink is always present
         else:

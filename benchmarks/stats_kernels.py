@@ -1,0 +1,295 @@
+"""Micro-benchmark of candidate statistic kernels for trainmon.monitor.stats (not a test).
+
+    python benchmarks/stats_kernels.py            # kernels on a transformer-shaped tensor list + step
+    python benchmarks/stats_kernels.py --quick    # fewer rounds
+
+Single thread (torch.set_num_threads(1)), medians of interleaved rounds (the machine is shared, so every
+round times every candidate once).  "x norm" = time / one torch._foreach_norm(ord=2, dtype=fp32) pass over
+the same list (design §7: that pass is 3.7% of a step, the activation-statistics budget ~15% = ~4x).
+
+Results (AMD EPYC 2 vCPU, torch 2.13 CPU, 1 thread, 2024-xx; list = 188 hook tensors of the design §7
+model, 90.2M elements, 97 distinct storages / 51.7M elements; medians of 9 rounds):  FILLED BELOW
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainmon.monitor import stats  # noqa: E402
+
+EPS = 1e-8
+INF = math.inf
+F32 = torch.float32
+ALL = frozenset(stats.FIELDS)
+DESIGN_OPS = ("min", "max", "norm", "zeros", "nans", "mean")
+
+
+# ---- the benchmark model of design §7 and the tensors its module hooks see ----------------------------
+class Attn(nn.Module):
+    def __init__(self, h, nh):
+        super().__init__()
+        self.nh, self.qkv, self.proj = nh, nn.Linear(h, 3 * h), nn.Linear(h, h)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.nh, -1).transpose(1, 2) for z in self.qkv(x).split(c, 2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), -INF).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, h, nh):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(h), Attn(h, nh), nn.LayerNorm(h)
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab=4096, h=256, layers=4, heads=4, seq=128):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
+        self.lnf, self.head = nn.LayerNorm(h), nn.Linear(h, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.lnf(x))
+
+
+def make_model(vocab=4096):
+    torch.manual_seed(0)
+    m = LM(vocab)
+    idx, tgt = torch.randint(0, vocab, (8, 128)), torch.randint(0, vocab, (8, 128))
+    return m, torch.optim.AdamW(m.parameters(), 1e-3), idx, tgt
+
+
+def step(m, opt, idx, tgt):
+    opt.zero_grad()
+    F.cross_entropy(m(idx).flatten(0, 1), tgt.flatten()).backward()
+    opt.step()
+
+
+def hook_tensors(dtype):
+    """Forward inputs/outputs and backward grad_inputs/grad_outputs of every module, one step."""
+    m, opt, idx, tgt = make_model()
+    seen = []
+
+    def keep(ts):
+        seen.extend(t.detach() for t in ts if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+    hs = [h for n, mod in m.named_modules() if n for h in (
+        mod.register_forward_hook(lambda _m, i, o: keep(list(i) + [o])),
+        mod.register_full_backward_hook(lambda _m, gi, go: keep(list(gi) + list(go))))]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(m, opt, idx, tgt)
+    for h in hs:
+        h.remove()
+    return [t.to(dtype) for t in seen] if dtype != F32 else seen
+
+
+# ---- candidates ---------------------------------------------------------------------------------------
+def c_foreach_norm(ts):
+    torch._foreach_norm(ts, 2, dtype=F32)
+
+
+def c_loop6_fast(ts):
+    """Six reductions per tensor in a Python loop, finite values assumed (not exact), bool counts."""
+    out = []
+    for x in ts:
+        mn, mx = torch.aminmax(x)
+        out.append((mn, mx, torch.linalg.vector_norm(x, dtype=F32), x.sum(dtype=F32),
+                    (x.abs() < EPS).sum(), torch.isnan(x).sum(), torch.isinf(x).sum()))
+    return out
+
+
+def c_masked_exact(ts):
+    """The obvious exact version: isfinite mask, where() copies, bool counts."""
+    out = []
+    for x in ts:
+        fin = torch.isfinite(x)
+        a = torch.where(fin, x, 0)
+        out.append((torch.where(fin, x, INF).amin(), torch.where(fin, x, -INF).amax(), a.sum(dtype=F32),
+                    torch.linalg.vector_norm(a, dtype=F32), (a.abs() < EPS).sum() - (~fin).sum(),
+                    torch.isnan(x).sum(), fin.sum()))
+    return out
+
+
+def c_foreach_fast(ts):
+    """Kernel-major _foreach fast path, finite values assumed (not exact): powsum, max of x and -x,
+    per-tensor sum, bool counts."""
+    sq = torch._foreach_powsum(ts, 2, dtype=F32)
+    mx = torch._foreach_max(ts)
+    mn = torch._foreach_max(torch._foreach_neg(ts))
+    s = [x.sum(dtype=F32) for x in ts]
+    cnt = [(torch.isnan(x).sum(), torch.isinf(x).sum(), (x.abs() < EPS).sum()) for x in ts]
+    return sq, mx, mn, s, cnt
+
+
+def c_opmajor_exact(ts):
+    """The chosen exact kernel set, but op-major over whole tensors (no cache blocking)."""
+    b = [torch.nan_to_num(x, INF, INF, INF) for x in ts]
+    mn = [t.amin() for t in b]
+    for t in b:
+        t.nan_to_num_(0.0, -INF, -INF)
+    mx = torch._foreach_max(b)
+    for t in b:
+        t.nan_to_num_(0.0, 0.0, 0.0)
+    s = [t.sum(dtype=F32) for t in b]
+    q = torch._foreach_powsum(b, 2, dtype=F32)
+    c = [torch.abs(x) for x in ts]
+    for t in c:
+        torch.ops.aten.hardshrink.out(t, EPS, out=t)
+        t.nan_to_num_(-65536.0, -256.0, -256.0).clamp_max_(2.0 ** -27)
+    rows = [t.view(-1, 128).sum(1, dtype=F32) for t in c]
+    return mn, mx, s, q, rows
+
+
+def c_fast_raw_plus_codes(ts):
+    """Lower bound of any 'assume finite' design: raw sum/dot/aminmax on x + the count code chain
+    (what exactness costs = chosen - this)."""
+    out = []
+    for x in ts:
+        for xc in stats._chunks(x, 1 << 18):
+            f = xc.reshape(-1)
+            c = torch.abs(f)
+            torch.ops.aten.hardshrink.out(c, EPS, out=c)
+            c.nan_to_num_(-65536.0, -256.0, -256.0).clamp_max_(2.0 ** -27)
+            out.append((f.sum(dtype=F32), torch.aminmax(f), torch.dot(f, f) if f.dtype == F32 else
+                        torch._foreach_powsum([f], 2, dtype=F32)[0], c[: c.numel() // 128 * 128].view(-1, 128).sum(1)))
+    return out
+
+
+def c_records(fields, chunk=None, dedupe=True):
+    def run(ts):
+        old = stats.CHUNK_ELEMS["cpu"]
+        if chunk:
+            stats.CHUNK_ELEMS["cpu"] = chunk
+        try:
+            return stats.tensor_records(ts if dedupe else [t for t in ts], EPS, fields)
+        finally:
+            stats.CHUNK_ELEMS["cpu"] = old
+    return run
+
+
+def unique(ts):
+    seen, out = set(), []
+    for t in ts:
+        k = (t.data_ptr(), t.shape, t.stride())
+        if k not in seen:
+            seen.add(k)
+            out.append(t)
+    return out
+
+
+def bench(cands, ts, rounds):
+    times = {k: [] for k in cands}
+    for f in cands.values():
+        f(ts)                                        # warm-up (workspace, allocator)
+    for _ in range(rounds):
+        for k, f in cands.items():
+            t0 = time.perf_counter()
+            f(ts)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def step_overhead(rounds, fields):
+    """End to end: train step with forward+backward hooks on every module calling tensor_records on the
+    hook's tensors (one call per hook, realistic cache state) vs the bare step."""
+    m, opt, idx, tgt = make_model()
+
+    def fh(_m, i, o):
+        stats.tensor_records([t for t in list(i) + [o] if t.is_floating_point()], EPS, fields)
+
+    def bh(_m, gi, go):
+        stats.tensor_records([t for t in list(gi) + list(go) if t is not None], EPS, fields)
+
+    def norm_fh(_m, i, o):
+        torch._foreach_norm([t for t in list(i) + [o] if t.is_floating_point()], 2, dtype=F32)
+
+    def norm_bh(_m, gi, go):
+        torch._foreach_norm([t for t in list(gi) + list(go) if t is not None], 2, dtype=F32)
+
+    mods = [mod for n, mod in m.named_modules() if n]
+    res = {"bare": [], "foreach_norm hooks": [], "tensor_records hooks": []}
+    import warnings
+    warnings.simplefilter("ignore")
+    for _ in range(2):
+        step(m, opt, idx, tgt)
+    for _ in range(rounds):
+        for k in res:
+            hs = []
+            if k != "bare":
+                f, b = (norm_fh, norm_bh) if k.startswith("foreach") else (fh, bh)
+                hs = [h for mod in mods for h in (mod.register_forward_hook(f),
+                                                   mod.register_full_backward_hook(b))]
+            t0 = time.perf_counter()
+            step(m, opt, idx, tgt)
+            res[k].append(time.perf_counter() - t0)
+            for h in hs:
+                h.remove()
+    return {k: statistics.median(v) * 1e3 for k, v in res.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-step", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rounds = 3 if args.quick else 9
+    design = stats.fields_for_ops(DESIGN_OPS)
+    for dtype in (torch.float32, torch.bfloat16):
+        ts = hook_tensors(dtype)
+        u = unique(ts)
+        print(f"\n== {dtype}: {len(ts)} tensors, {sum(t.numel() for t in ts) / 1e6:.1f}M elements, "
+              f"{len(u)} distinct / {sum(t.numel() for t in u) / 1e6:.1f}M")
+        cands = {
+            "foreach_norm (1 pass, floor)": c_foreach_norm,
+            "foreach_norm distinct only": lambda t: c_foreach_norm(unique(t)),
+            "loop6_fast (not exact)": lambda t: c_loop6_fast(unique(t)),
+            "masked_exact (where+bool)": lambda t: c_masked_exact(unique(t)),
+            "foreach_fast (not exact)": lambda t: c_foreach_fast(unique(t)),
+            "opmajor_exact (no blocking)": lambda t: c_opmajor_exact(unique(t)),
+            "fast_raw+codes (not exact)": lambda t: c_fast_raw_plus_codes(unique(t)),
+            "records design ops 64K": c_records(design, 1 << 16),
+            "records design ops 256K": c_records(design, 1 << 18),
+            "records design ops 1M": c_records(design, 1 << 20),
+            "records norm only": c_records(stats.fields_for_ops(["norm"])),
+            "records nans,infs only": c_records(stats.fields_for_ops(["nans", "infs"])),
+            "records no zeros": c_records(stats.fields_for_ops(["min", "max", "norm", "mean"])),
+        }
+        if dtype != torch.float32:
+            cands = {k: v for k, v in cands.items() if not k.startswith(("loop6", "masked"))}
+        res = bench(cands, ts, rounds)
+        base = res["foreach_norm (1 pass, floor)"]
+        for k, v in res.items():
+            print(f"  {k:32s} {v:8.1f} ms   x{v / base:5.2f} norm pass")
+    if not args.no_step:
+        r = step_overhead(rounds, design)
+        bare = r["bare"]
+        print(f"\n== train step (fp32, hooks on every module, one tensor_records call per hook)")
+        for k, v in r.items():
+            print(f"  {k:32s} {v:8.1f} ms   +{(v / bare - 1) * 100:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""A Megatron-Core GPT job on CPU (gloo) monitored by trainmon from a JSON config.
+
+  OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29511 \
+      scripts/train_megatron.py --tp 2 --config configs/megatron.json
+  # --pp 2 (1F1B pipeline), --distopt (DistributedOptimizer over DP), --bf16 (Float16Module);
+  # 4 processes: --tp 2 --pp 2.
+
+Output: $MONITOR_OUTPUT_DIR (default ./monitor_output)/<run>/rank_<R>/.
+"""
+import argparse
+import os
+import sys
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--distopt", action="store_true", help="DistributedOptimizer (shards over DP)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "megatron.json"))
+    return parser.parse_args(argv)
+
+
+def setup(args):
+    """Process groups, the DDP-wrapped GPT model and Megatron's optimizer; returns (model, optimizer)."""
+    import cpu_shims
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cpu_shims.apply()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                             pipeline_model_parallel_size=args.pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, use_cpu_initialization=True,
+        pipeline_dtype=dtype, params_dtype=torch.float32, bf16=args.bf16, tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp, hidden_dropout=0.0, attention_dropout=0.0,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+                     max_sequence_length=args.seq, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=args.pp == 1, position_embedding_type="learned_absolute")
+    if args.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=args.bf16, params_dtype=torch.float32,
+        use_distributed_optimizer=args.distopt, clip_grad=1.0), [model])
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return model, optimizer
+
+
+def batches(args):
+    """Learnable synthetic batches (next token = token + 1): the same on every TP/PP rank, per DP rank its own."""
+    from megatron.core import parallel_state
+
+    gen = torch.Generator().manual_seed(1000 + parallel_state.get_data_parallel_rank())
+    while True:
+        start = torch.randint(0, args.vocab, (args.mbs, 1), generator=gen)
+        tokens = (start + torch.arange(args.seq + 1)) % args.vocab
+        yield dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                   position_ids=torch.arange(args.seq).unsqueeze(0).expand(args.mbs, -1).contiguous(),
+                   attention_mask=torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1),
+                   loss_mask=torch.ones(args.mbs, args.seq))
+
+
+def _loss(loss_mask, output):
+    loss = torch.sum(output.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule divides the output in place
+
+
+def forward_step(data, model):
+    batch = next(data)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(_loss, batch["loss_mask"])
+
+
+def train_step(args, model, optimizer, data):
+    """One optimizer step over `args.micro_batches` micro-batches; returns the mean loss (last stage) or None."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=args.micro_batches,
+        seq_length=args.seq, micro_batch_size=args.mbs, decoder_seq_length=args.seq, forward_only=False)
+    optimizer.step()
+    return sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else None
+
+
+def main() -> None:
+    args = parse_args()
+    model, optimizer = setup(args)
+    from trainmon import TrainerMon
+
+    monitor = TrainerMon(args.config)
+    monitor.set_monitor([model], optimizer=optimizer, grad_acc_steps=args.micro_batches)
+    data = batches(args)
+    for step in range(args.steps):
+        loss = train_step(args, model, optimizer, data)
+        if loss is not None:
+            print(f"[rank{dist.get_rank()}] step {step} loss {loss:.4f}", flush=True)
+    monitor.stop()
+    print(f"[rank{dist.get_rank()}] monitor output in {monitor.output_dir}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

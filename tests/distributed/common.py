@@ -1,0 +1,73 @@
+"""Shared by the multi-process jobs in this directory (run under torchrun, not imported by pytest)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+VOCAB, SEQ, HIDDEN, LAYERS, MBS = 64, 16, 32, 2, 4
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, seq=SEQ):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(hidden, 4, 2 * hidden, dropout=0.0, batch_first=True)
+                                    for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1),
+                             persistent=False)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h, src_mask=self.mask)
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def batches(seed: int):
+    """Learnable synthetic data (next token = token + 1), different per data-parallel rank via `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        start = torch.randint(0, VOCAB, (MBS, 1), generator=gen)
+        tokens = (start + torch.arange(SEQ + 1)) % VOCAB
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def write_config(path: str, **keys) -> str:
+    base = dict(wg_distribution=True, mv_distribution=True, param_distribution=True, squash_name=True,
+                format="csv", ndigits=17, ops=["norm", "min", "max", "nans", "zeros", "mean"], strict=True)
+    base.update(keys)
+    with open(path, "w") as f:
+        json.dump(base, f)
+    return path
+
+
+class Truth:
+    """Figures computed directly with torch on this rank: {step: {family: {name: norm}}}, written as JSON."""
+
+    def __init__(self):
+        self.data: dict = {}
+
+    def add(self, step: int, family: str, name: str, tensor) -> None:
+        if tensor is not None:
+            self.data.setdefault(str(step), {}).setdefault(family, {})[name] = float(tensor.double().norm())
+
+    def write(self, out_dir: str, rank: int) -> None:
+        with open(os.path.join(out_dir, f"truth.rank{rank}.json"), "w") as f:
+            json.dump(self.data, f)
+
+
+def finish(monitor) -> None:
+    """Stops the monitor and ends the job without the interpreter-exit aborts gloo jobs sometimes hit."""
+    monitor.stop()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

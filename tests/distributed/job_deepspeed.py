@@ -1,0 +1,64 @@
+"""DeepSpeed ZeRO-1/2/3 training of a tiny LM under TrainerMon, with the full tensors gathered for comparison.
+
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 job_deepspeed.py --stage 1|2|3 --out DIR
+"""
+import argparse
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+from common import TinyLM, Truth, batches, finish, write_config
+from trainmon import TrainerMon
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--stage", type=int, required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = TinyLM()
+replica = copy.deepcopy(model)  # without data parallelism: its grads are this rank's unreduced ones
+zero = {"stage": args.stage}
+if args.stage == 3:
+    zero["stage3_param_persistence_threshold"] = 0  # else a tiny model is not partitioned at all
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 6}
+engine, optimizer, _, _ = deepspeed.initialize(
+    model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+rank = dist.get_rank()
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json")))
+monitor.set_monitor(engine, optimizer=optimizer)
+
+truth = Truth()
+data = batches(100 + rank)
+named = [(n[len("module."):], p) for n, p in engine.named_parameters()]
+for step in range(args.steps):
+    x, y = next(data)
+    replica.load_state_dict({n: safe_get_full_fp32_param(p).reshape(replica.get_parameter(n).shape)
+                             for n, p in named}, strict=False)
+    replica.zero_grad(set_to_none=True)
+    replica(x, y).backward()
+    for name, p in replica.named_parameters():
+        truth.add(step, "grad_unreduced", name, p.grad)
+    engine.backward(engine(x, y))
+    for name, p in named:
+        truth.add(step, "grad_reduced", name, safe_get_full_grad(p))
+        truth.add(step, "param_origin", name, safe_get_full_fp32_param(p))
+    engine.step()
+    for name, p in named:
+        for key in ("exp_avg", "exp_avg_sq"):
+            truth.add(step, key, name, safe_get_full_optimizer_state(p, key))
+        truth.add(step, "param_updated", name, safe_get_full_fp32_param(p))
+
+truth.write(args.out, rank)
+finish(monitor)

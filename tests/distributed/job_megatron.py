@@ -1,0 +1,85 @@
+"""Megatron-Core GPT (scripts/train_megatron.py) under TrainerMon, with full tensors gathered for comparison.
+
+  torchrun --nproc_per_node=N job_megatron.py --out DIR [train_megatron.py options: --tp, --pp, --distopt]
+"""
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "scripts")]
+
+import torch
+import torch.distributed as dist
+
+import train_megatron
+from common import Truth, finish, write_config
+from trainmon import TrainerMon
+
+own = argparse.ArgumentParser()
+own.add_argument("--out", required=True)
+known, rest = own.parse_known_args()
+out = known.out
+args = train_megatron.parse_args(rest + ["--steps", "3"])
+torch.set_num_threads(1)
+model, optimizer = train_megatron.setup(args)
+from megatron.core import parallel_state as ps
+
+rank = dist.get_rank()
+monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json")))
+monitor.set_monitor([model], optimizer=optimizer, grad_acc_steps=args.micro_batches)
+
+named = [(".".join(p for p in n.split(".") if p != "module"), p) for n, p in model.named_parameters()]
+dp_group, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+truth = Truth()
+step = 0
+
+
+def tp_full(param, tensor):
+    """The whole parameter's tensor from this TP rank's shard (all-gather along the partition dim)."""
+    if not getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_world_size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def dp_full(param, shard, param_range):
+    """The parameter's tensor from this DP rank's DistributedOptimizer shard (sum of zero-padded shards)."""
+    flat = torch.zeros(param.numel(), dtype=torch.float32)
+    if shard is not None:
+        flat[param_range.start:param_range.end] = shard.detach().float()
+    dist.all_reduce(flat, group=dp_group)
+    return flat.view(param.shape)
+
+
+finalize = model.config.finalize_model_grads_func
+
+
+def finalize_and_record(*a, **k):
+    """Before Megatron reduces the grads: the local (unreduced) ones, and their DP mean computed here."""
+    for name, p in named:
+        local = p.main_grad.detach().clone()
+        truth.add(step, "grad_unreduced", name, tp_full(p, local))
+        dist.all_reduce(local, group=dp_group)
+        truth.add(step, "grad_reduced", name, tp_full(p, local / dp_size))
+    return finalize(*a, **k)
+
+
+model.config.finalize_model_grads_func = finalize_and_record
+(chained,) = optimizer.chained_optimizers
+data = train_megatron.batches(args)
+for step in range(args.steps):
+    train_megatron.train_step(args, model, optimizer, data)
+    for name, p in named:
+        for key in ("exp_avg", "exp_avg_sq"):
+            if args.distopt:
+                owned = p in chained.model_param_group_index_map
+                shard = chained._get_main_param_and_optimizer_states(p)[key] if owned else None
+                full = dp_full(p, shard, chained._get_model_param_range_map(p)["param"] if owned else None)
+            else:
+                full = chained.optimizer.state[p][key]
+            truth.add(step, key, name, tp_full(p, full))
+
+truth.write(out, rank)
+finish(monitor)

@@ -1,0 +1,77 @@
+"""DDP or FSDP2 training of a tiny LM under TrainerMon, with the figures computed directly for comparison.
+
+  torchrun --nproc_per_node=2 job_torch.py --mode ddp|fsdp2 --out DIR
+"""
+import argparse
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+
+from common import TinyLM, Truth, batches, finish, write_config
+from trainmon import TrainerMon
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=3)
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = TinyLM()
+replica = copy.deepcopy(model)  # the same model without data parallelism: its grads are this rank's unreduced ones
+if args.mode == "ddp":
+    model = torch.nn.parallel.DistributedDataParallel(model)
+else:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json")))
+monitor.set_monitor(model, optimizer=optimizer)
+
+truth = Truth()
+data = batches(100 + rank)
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def squash(name):
+    return ".".join(p for p in name.split(".") if p not in ("module", "_fsdp_wrapped_module"))
+
+
+for step in range(args.steps):
+    x, y = next(data)
+    replica.load_state_dict({k: full(v) for k, v in model.state_dict().items()} if args.mode == "fsdp2"
+                            else model.module.state_dict())
+    replica.zero_grad(set_to_none=True)
+    replica(x, y).backward()
+    model(x, y).backward()
+    for name, p in replica.named_parameters():
+        truth.add(step, "grad_unreduced", name, p.grad)
+    for name, p in model.named_parameters():
+        truth.add(step, "grad_reduced", squash(name), full(p.grad))
+        truth.add(step, "param_origin", squash(name), full(p.detach()))
+    optimizer.step()
+    for name, p in model.named_parameters():
+        state = optimizer.state[p]
+        truth.add(step, "exp_avg", squash(name), full(state["exp_avg"]))
+        truth.add(step, "exp_avg_sq", squash(name), full(state["exp_avg_sq"]))
+        truth.add(step, "param_updated", squash(name), full(p.detach()))
+    optimizer.zero_grad(set_to_none=True)
+
+truth.write(args.out, rank)
+finish(monitor)

@@ -1,0 +1,29 @@
+"""DeepSpeed ZeRO-1/2/3 on 2 processes (CPU accelerator, gloo): the figures written for partitioned tensors
+are those of the full tensors that DeepSpeed's safe_get_full_* gather."""
+import json
+import os
+
+import pytest
+
+from common import TinyLM
+from launch import torchrun
+from verify import SHARDED_FAMILIES, assert_norms_match, differing, the_run
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_two_ranks(tmp_path, stage):
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path)], output_dir)
+    run = the_run(output_dir)
+    for rank in (0, 1):
+        meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
+        assert meta["adapter"].startswith("deepspeed (DeepSpeedZeroOptimizer")
+        assert meta["parallel"]["dp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
+    checked = assert_norms_match(run, tmp_path, (0, 1), SHARDED_FAMILIES + ("grad_unreduced",))
+    assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
+    changed, total = differing(run, "grad_unreduced", 0, 1)
+    assert changed == total, "each rank's unreduced grads come from its own data"
+    for family in SHARDED_FAMILIES:
+        assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"

@@ -1,0 +1,58 @@
+"""Checks a multi-process job's CSV output against the figures the job computed directly."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+from test_csv_output import read_family
+
+SHARDED_FAMILIES = ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq")
+
+
+def the_run(output_dir) -> str:
+    """The one run directory every rank wrote to."""
+    runs = [d for d in glob.glob(os.path.join(output_dir, "*")) if os.path.isdir(d)]
+    assert len(runs) == 1, f"expected one run directory shared by all ranks, found {runs}"
+    return runs[0]
+
+
+def norms(rank_dir: str, family: str) -> dict:
+    """{(step, name): norm} of one family, written once per (step, name)."""
+    frame = read_family(rank_dir, family)
+    assert not frame.duplicated(["step", "name"]).any(), f"{family}: repeated rows in {rank_dir}"
+    return {(int(r.step), r.name): float(r.norm) for r in frame.itertuples()}
+
+
+def truth(out_dir: str, rank: int) -> dict:
+    with open(os.path.join(out_dir, f"truth.rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def assert_norms_match(run_dir: str, out_dir: str, ranks, families, rel=1e-5) -> int:
+    """Every norm the job computed directly appears in the CSV with the same value; returns the count."""
+    checked = 0
+    for rank in ranks:
+        expected = truth(out_dir, rank)
+        for family in families:
+            written = norms(os.path.join(run_dir, f"rank_{rank}"), family)
+            assert expected, f"rank {rank}: the job computed nothing to compare with"
+            for step, by_family in expected.items():
+                assert by_family.get(family), f"rank {rank} {family} step {step}: nothing computed directly"
+                for name, value in by_family[family].items():
+                    got = written.get((int(step), name))
+                    assert got is not None, f"rank {rank} {family} step {step} {name}: missing"
+                    assert math.isclose(got, value, rel_tol=rel, abs_tol=1e-12), \
+                        f"rank {rank} {family} step {step} {name}: written {got}, direct {value}"
+                    checked += 1
+    return checked
+
+
+def differing(run_dir: str, family: str, rank_a: int, rank_b: int) -> tuple[int, int]:
+    """(rows that differ, rows compared) between two ranks' records of a family."""
+    a = norms(os.path.join(run_dir, f"rank_{rank_a}"), family)
+    b = norms(os.path.join(run_dir, f"rank_{rank_b}"), family)
+    common = set(a) & set(b)
+    assert common, f"{family}: ranks {rank_a} and {rank_b} share no records"
+    return sum(not math.isclose(a[k], b[k], rel_tol=1e-9) for k in common), len(common)

@@ -1,0 +1,151 @@
+"""The db format: contents equal the CSV output, non-finite values are faithful, bad conditions are survived."""
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from writer_helpers import OPS, integrity, monitored, tensorboard_scalars
+from trainmon import open_run
+from trainmon.monitor.records import GRAD_REDUCED, RecordKey
+from trainmon.writers import db_schema
+from trainmon.writers.db_sink import MonitorDb
+
+INDEX = ["family", "name", "vpp_stage", "step", "micro_step"]
+
+
+def test_db_contents_equal_csv_contents(output_dir, write_config):
+    monitor, _ = monitored(write_config, steps=3, grad_acc_steps=2, format=["csv", "db"])
+    db_path = monitor.output_dir / "monitor.db"
+    assert integrity(db_path) == "ok"
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("SELECT COUNT(*) FROM batches").fetchone()[0] == 3
+    from_db = open_run(monitor.output_dir, source="db").records()
+    from_csv = open_run(monitor.output_dir, source="csv").records()
+    assert len(from_db) == len(from_csv) > 500
+    assert set(from_db.family) == set(from_csv.family) == {"actv", "actv_grad", "grad_unreduced", "grad_reduced",
+                                                           "param_origin", "param_updated", "exp_avg", "exp_avg_sq"}
+    key = lambda frame: frame.assign(micro_step=frame.micro_step.fillna(-1)).set_index(INDEX).sort_index()  # noqa
+    db, csv = key(from_db), key(from_csv)
+    assert db.index.equals(csv.index) and not db.index.duplicated().any()
+    for op in OPS:  # ndigits=17 makes the CSV exact, so the two must agree to the last bit
+        np.testing.assert_array_equal(db[op].to_numpy(), csv[op].to_numpy(), err_msg=op)
+    assert [list(s) for s in db["shape"]] == [list(s) for s in csv["shape"]]
+    assert (db["dtype"] == csv["dtype"]).all()
+    # the ordering key is kept: call_index grows within a step, forward before backward
+    step0 = from_db[from_db.step == 0].sort_values("call_index")
+    assert step0.call_index.is_unique
+    assert step0.family.iloc[0] == "actv"
+
+
+def test_both_common_queries_use_an_index(output_dir, write_config):
+    monitor, _ = monitored(write_config, steps=1, grad_acc_steps=1, format=["db"], xy_distribution=False)
+    with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
+        by_tag = " ".join(r[-1] for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT * FROM records WHERE tag_id = 3 ORDER BY step"))
+        by_step = " ".join(r[-1] for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT * FROM records WHERE step = 0"))
+    assert "records_tag_step" in by_tag and "records_step_tag" in by_step, (by_tag, by_step)
+
+
+def test_metadata_holds_config_versions_and_world_size(output_dir, write_config):
+    monitor, _ = monitored(write_config, steps=1, grad_acc_steps=1, format=["db"], xy_distribution=False)
+    meta = open_run(monitor.output_dir).metadata()
+    assert meta["world_size"] == 1 and meta["rank"] == 0 and meta["schema_version"] == db_schema.SCHEMA_VERSION
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["config"]["ops"] == OPS and meta["ops"] == OPS
+    assert meta["fields"] == list(db_schema.FIELDS)
+
+
+def test_nan_and_inf_are_stored_faithfully(output_dir, write_config):
+    def poison(monitor, step):
+        monitor.log_scalar("loss", float("nan") if step == 1 else 1.0)
+        if step == 1:
+            grad = monitor._optimizer.param_groups[0]["params"][0].grad
+            grad.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+
+    monitor, _ = monitored(write_config, steps=2, grad_acc_steps=1, on_step=poison, format=["db"],
+                           xy_distribution=False)
+    run = open_run(monitor.output_dir)
+    name = next(iter(run.family(GRAD_REDUCED, steps=0).name))  # the first parameter
+    row = run.tag(f"0:{name}/rank0/post_grad", steps=1).iloc[0]
+    assert (row["nans"], row["infs"], row["raw_count"]) == (1, 2, math.prod(row["shape"]) - 3)
+    assert math.isfinite(row["raw_sum"]) and math.isfinite(row["norm"])
+    loss = run.scalars("loss")
+    assert loss.value.iloc[0] == 1.0 and math.isnan(loss.value.iloc[1])
+    with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
+        assert conn.execute("SELECT value, is_nan FROM scalars WHERE step = 1").fetchone() == (None, 1)
+
+
+def test_nan_fields_are_marked_and_inf_is_real(tmp_path):
+    db = MonitorDb(tmp_path / "monitor.db")
+    key = RecordKey("exp_avg", "w", 0, None, 0, (2,), "torch.float32")
+    # a record whose sum overflowed to NaN, and one without finite elements (min +inf, max -inf)
+    values = np.array([[2, 0, 0, 0, np.nan, np.inf, -1.0, 1.0], [0, 2, 0, 0, 0.0, 0.0, np.inf, -np.inf]])
+    db.add_step(0, 0, [key, key], values, {})
+    db.close()
+    with sqlite3.connect(tmp_path / "monitor.db") as conn:
+        rows = conn.execute('SELECT "sum", typeof("sum"), sumsq, nan_fields, "min", "max" FROM records').fetchall()
+    assert rows[0] == (None, "null", math.inf, 1 << db_schema.FIELDS.index("sum"), -1.0, 1.0)
+    assert rows[1] == (0.0, "real", 0.0, 0, math.inf, -math.inf)
+    frame = open_run(tmp_path, source="db").records()
+    assert math.isnan(frame["raw_sum"].iloc[0]) and frame["raw_sumsq"].iloc[0] == math.inf
+    assert frame["nan_fields"].iloc[0] == 1 << db_schema.FIELDS.index("sum")
+
+
+def test_corrupt_existing_db_disables_the_sink_and_counts_the_loss(output_dir, write_config, caplog):
+    rank_dir = output_dir / "myrun" / "rank_0"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "monitor.db").write_bytes(b"this is not a database" * 100)
+    monitor, _ = monitored(write_config, steps=3, grad_acc_steps=1, format=["csv", "db"], xy_distribution=False,
+                           append_output=["myrun", "myrun~"])
+    messages = [r.getMessage() for r in caplog.records if "db sink" in r.getMessage()]
+    assert len(messages) == 1 and "monitor.db" in messages[0] and "disabled" in messages[0], messages
+    report = json.loads((rank_dir / "run.json").read_text())["writer"]
+    assert report["disabled_sinks"]["db"]["lost_steps"] == 3 and report["written_steps"] == 3
+    assert (rank_dir / "monitor.db").read_bytes() == b"this is not a database" * 100
+    assert sorted(set(open_run(rank_dir, source="csv").family(GRAD_REDUCED).step)) == [0, 1, 2]
+
+
+def test_a_full_disk_loses_output_not_training(output_dir, write_config):
+    """RLIMIT_FSIZE stops every file at 300 kB: the db and the event file fill up, the job trains on."""
+    config = write_config(targets={}, wg_distribution=True, xy_distribution=True, ops=OPS,
+                          format=["csv", "db", "tensorboard"])
+    child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "train_child.py"), config,
+                            "--steps", "25", "--fsize", "300000"], capture_output=True, text=True, timeout=240)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "step 24" in child.stdout and "done" in child.stdout
+    rank_dir = output_dir / child.stdout.split()[1].split(os.sep)[-2] / "rank_0"
+    report = json.loads((rank_dir / "run.json").read_text())["writer"]
+    disabled = report["disabled_sinks"]
+    assert set(disabled) >= {"db", "tensorboard"}, report
+    assert 0 < disabled["db"]["lost_steps"] < 25
+    for sink in ("db", "tensorboard"):
+        assert child.stderr.count(f"the {sink} sink failed") == 1, child.stderr[-3000:]
+    assert report["written_steps"] == 25 and "csv" not in disabled
+    assert integrity(rank_dir / "monitor.db") == "ok"
+    with sqlite3.connect(rank_dir / "monitor.db") as conn:
+        steps = [s for (s,) in conn.execute("SELECT step FROM batches ORDER BY step")]
+        per_step = dict(conn.execute("SELECT step, COUNT(*) FROM records GROUP BY step"))
+        announced = dict(conn.execute("SELECT step, records FROM batches"))
+    assert steps == list(range(25 - disabled["db"]["lost_steps"]))
+    assert per_step == announced  # the step that hit the full disk was rolled back whole
+    # the event file holds every step before the failure, readable by TensorBoard
+    loss_steps = sorted(step for tag, step in tensorboard_scalars(rank_dir) if tag == "loss")
+    assert loss_steps == list(range(25 - disabled["tensorboard"]["lost_steps"]))
+
+
+def test_fields_no_op_needs_are_stored_as_not_recorded(output_dir, write_config):
+    monitor, _ = monitored(write_config, steps=1, grad_acc_steps=1, format=["db"], xy_distribution=False,
+                           ops=["norm"])
+    with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
+        nulls = conn.execute('SELECT COUNT(*), SUM("min" IS NULL), SUM("sum" IS NULL), SUM(sumsq IS NULL), '
+                             "SUM(nan_fields) FROM records").fetchone()
+    assert nulls[0] > 0 and nulls[1:] == (nulls[0], nulls[0], 0, 0)
+    frame = open_run(monitor.output_dir).records()
+    assert frame["norm"].notna().all() and frame["raw_min"].isna().all()

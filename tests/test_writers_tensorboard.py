@@ -1,0 +1,49 @@
+"""The tensorboard format: event files read back by TensorBoard's own EventAccumulator."""
+import math
+import sys
+
+import pytest
+import torch
+
+from writer_helpers import OPS, monitored, tensorboard_scalars
+from trainmon import open_run
+from trainmon.writers.base import SinkContext
+from trainmon.writers.tensorboard_sink import TensorBoardSink
+
+
+def test_every_tag_step_and_value_reads_back(output_dir, write_config):
+    losses = {}
+
+    def log_loss(monitor, step):
+        losses[step] = 10.0 + step
+        monitor.log_scalar("loss", torch.tensor(losses[step]))
+
+    monitor, _ = monitored(write_config, steps=3, on_step=log_loss, format=["tensorboard", "db"])
+    events = tensorboard_scalars(monitor.output_dir)
+
+    expected = {}
+    run = open_run(monitor.output_dir.parent)
+    frame = run.records()
+    for row in frame.to_dict("records"):
+        for op in OPS:
+            if not math.isnan(row[op]):
+                expected[(f"{row['tag']}_{op}", row["step"])] = row[op]
+    expected.update({("loss", step): value for step, value in losses.items()})
+    assert set(events) == set(expected)
+    for key, value in expected.items():
+        assert events[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key  # float32 in TensorBoard
+    # msprobe's tag scheme
+    assert ("0:layers.0.mlp.output:1/rank0/actv_norm", 2) in events
+    assert ("0:head.weight/rank0/pre_grad_max", 0) in events
+    assert ("0:head.weight/rank0/post_grad_min", 1) in events
+    assert ("0:head.weight/rank0/exp_avg_sq_mean", 2) in events
+    assert len(expected) > 1000
+
+
+def test_a_missing_tensorboard_package_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "tensorboard.compat.proto.event_pb2", None)
+    context = SinkContext(rank_dir=tmp_path, rank=0, ops=("norm",), ndigits=6, step_count_per_record=1,
+                          per_micro_families=frozenset())
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        TensorBoardSink().start(context)

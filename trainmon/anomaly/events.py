@@ -1,0 +1,111 @@
+"""One anomaly: where it was seen (the ordering key), what tensor it was, which rule fired.
+
+Names: a record's `RecordKey.name` is split into `module` and `tensor`.
+- Activations (`actv`): `<module>.<leaf>` -> module `<module>`, tensor `input`, `input_<i>`, `output`,
+  `output_<i>` (`<module>#<k>` for the k-th extra call of a module in one micro-step; the root module
+  is `""`).
+- Activation grads (`actv_grad`): the same split, tensor `grad_input[_<i>]` (the grads the module's
+  backward computed) or `grad_output[_<i>]` (the grads that reached it).
+- Parameter families: module is the parameter name (`layers.0.mlp.0.weight`), tensor is named by the
+  family: `grad` (before the reduction), `reduced_grad`, `param`, `updated_param`, `exp_avg`,
+  `exp_avg_sq`, `adam_update`, `adam_ratio`, `mg_direction`.
+- Any other family (e.g. collectives) keeps the whole name as module and the family as tensor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+from trainmon.monitor.records import (ACTV, ACTV_GRAD, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
+                                      GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
+                                      PARAM_UPDATED, PHASES)
+
+PARAM_TENSORS = {
+    GRAD_UNREDUCED: "grad",
+    GRAD_REDUCED: "reduced_grad",
+    PARAM_ORIGIN: "param",
+    PARAM_UPDATED: "updated_param",
+    EXP_AVG: "exp_avg",
+    EXP_AVG_SQ: "exp_avg_sq",
+    ADAM_UPDATE: "adam_update",
+    ADAM_RATIO: "adam_ratio",
+    MG_DIRECTION: "mg_direction",
+}
+SCALAR_PHASE = "scalar"  # anomalies of values given to `log_scalar`
+_LAST = math.inf  # per-step records (no micro-step) and unknown call indices sort last
+
+
+def split_name(family: str, name: str) -> tuple[str, str]:
+    """(module, tensor) of a record name; see the module docstring."""
+    if family in (ACTV, ACTV_GRAD):
+        module, _, leaf = name.rpartition(".")
+        return module, (f"grad_{leaf}" if family == ACTV_GRAD else leaf)
+    return name, PARAM_TENSORS.get(family, family)
+
+
+def phase_of(family: str) -> str:
+    return PHASES.get(family, family)
+
+
+@dataclass(frozen=True, slots=True)
+class AnomalyEvent:
+    """One anomalous record; `first` marks the earliest of its rank's step."""
+
+    rank: int
+    step: int
+    micro_step: Optional[int]
+    pp_stage: int
+    vpp_stage: int
+    call_index: Optional[int]
+    module: str
+    phase: str
+    tensor: str
+    op: str
+    value: float
+    rule: str
+    family: str
+    first: bool = False
+
+    def order_key(self) -> tuple:
+        """`(step, micro_step, rank, pp_stage, vpp_stage, call_index)`; missing parts sort last."""
+        return (self.step, _LAST if self.micro_step is None else self.micro_step, self.rank, self.pp_stage,
+                self.vpp_stage, _LAST if self.call_index is None else self.call_index)
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the anomaly is a NaN/Inf (not a spike or a threshold crossing)."""
+        return self.op in ("nans", "infs", "nonfinite") or not math.isfinite(self.value)
+
+    def where(self) -> dict:
+        """The location fields used in reports: rank, step, micro_step, module, phase, tensor, call_index."""
+        return {"rank": self.rank, "step": self.step, "micro_step": self.micro_step, "module": self.module,
+                "phase": self.phase, "tensor": self.tensor, "call_index": self.call_index}
+
+    def describe(self) -> str:
+        micro = "" if self.micro_step is None else f" micro-step {self.micro_step}"
+        call = "" if self.call_index is None else f", call {self.call_index}"
+        return (f"rank {self.rank} step {self.step}{micro}: {self.module or '<root>'} {self.phase} "
+                f"{self.tensor} ({self.rule}: {self.op}={_show(self.value)}{call})")
+
+    def to_json(self) -> dict:
+        """A JSON-safe dict; NaN and ±Inf values are written as the strings "nan", "inf", "-inf"."""
+        out = asdict(self)
+        out["value"] = self.value if math.isfinite(self.value) else str(self.value)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AnomalyEvent":
+        """Inverse of `to_json`; raises ValueError naming a missing or mistyped field."""
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data and n != "first"]
+        if missing:
+            raise ValueError(f"missing field(s) {', '.join(missing)}")
+        try:
+            return cls(**{n: data[n] for n in names if n in data} | {"value": float(data["value"])})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"bad field value: {err}") from None
+
+
+def _show(value: float) -> str:
+    return format(value, ".6g")

@@ -1,0 +1,119 @@
+"""Post-mortem: where did non-finite values first appear in a run, and where did they spread?
+
+Reads every rank's `anomalies.jsonl`, `monitor.db` and CSV files, sorts the non-finite records by the
+ordering key `(step, micro_step, rank, pp_stage, vpp_stage, call_index)` and reports the earliest one
+(`first`), the other ranks that saw NaN/Inf at the same step and micro-step (`ties`: without
+collective records, which rank infected which cannot be told, so they are listed, not guessed), and
+the chain: the first appearance of each (rank, module, phase) after it, in order.
+
+CSV files carry no call index: within a step and micro-step their rows are ordered by phase
+(forward, backward, optimizer) and then by file order, and `call_index` is reported as null.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events
+
+_PHASE_ORDER = {"forward": 0, "backward": 1, "communication": 2, "optimizer": 3}
+
+
+def _sort_key(indexed: tuple[int, AnomalyEvent]) -> tuple:
+    position, event = indexed
+    return event.order_key() + (_PHASE_ORDER.get(event.phase, 4), position)
+
+
+def _dedupe(events: list[AnomalyEvent]) -> list[AnomalyEvent]:
+    """One event per tensor record; a record read from several sources keeps its earliest, indexed copy."""
+    seen, out = set(), []
+    for event in events:
+        ident = (event.rank, event.step, event.micro_step, event.family, event.module, event.tensor)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(event)
+    return out
+
+
+def analyze(path: str | Path) -> dict:
+    """Analyses a run directory (or the latest run under an output root).
+
+    Returns:
+        A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, nonfinite_records, first
+        ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
+        (first plus op, value, rule, family), ties and chain (lists shaped like first).
+
+    Raises:
+        InputError: a missing directory, or a truncated or corrupt file (named in the message).
+    """
+    run_dir, note = find_run(Path(path))
+    notes = [note] if note else []
+    sources, everything = {}, []
+    for rank, directory in rank_dirs(run_dir).items():
+        events, used, rank_notes = rank_events(rank, directory)
+        sources[str(rank)] = used
+        notes += rank_notes
+        everything += events
+    ordered = _dedupe([e for _, e in sorted(enumerate(everything), key=_sort_key)])
+    first: Optional[AnomalyEvent] = ordered[0] if ordered else None
+    ties, chain, reached = [], [], set()
+    if first is not None:
+        tied_ranks = {first.rank}
+        for event in ordered[1:]:
+            if (event.step, event.micro_step) == (first.step, first.micro_step) and event.rank not in tied_ranks:
+                tied_ranks.add(event.rank)
+                ties.append(event.where())
+        reached.add((first.rank, first.module, first.phase))
+        for event in ordered[1:]:
+            place = (event.rank, event.module, event.phase)
+            if place not in reached:
+                reached.add(place)
+                chain.append(event.where())
+    return {
+        "run": str(run_dir),
+        "ranks": sorted(int(r) for r in sources),
+        "sources": sources,
+        "notes": notes,
+        "nonfinite_records": len(ordered),
+        "first": first.where() if first else None,
+        "first_record": ({**first.where(), "op": first.op, "value": _json_value(first.value), "rule": first.rule,
+                          "family": first.family} if first else None),
+        "ties": ties,
+        "chain": chain,
+    }
+
+
+def _json_value(value: float):
+    return value if value == value and abs(value) != float("inf") else str(value)
+
+
+def _place(where: dict) -> str:
+    micro = "" if where["micro_step"] is None else f" micro-step {where['micro_step']}"
+    call = "" if where["call_index"] is None else f" (call {where['call_index']})"
+    return (f"rank {where['rank']} step {where['step']}{micro}: {where['module'] or '<root>'} "
+            f"{where['phase']} {where['tensor']}{call}")
+
+
+def format_report(result: dict, chain_lines: int = 20) -> str:
+    """The human-readable report of an `analyze` result."""
+    lines = [f"run: {result['run']}",
+             "sources: " + "; ".join(f"rank {r}: {', '.join(s) or 'nothing readable'}"
+                                     for r, s in result["sources"].items())]
+    lines += [f"note: {n}" for n in result["notes"]]
+    first = result["first_record"]
+    if first is None:
+        lines.append("clean: no NaN or Inf in any record of this run")
+        return "\n".join(lines)
+    lines.append(f"first non-finite tensor: {_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
+    if result["ties"]:
+        lines.append("also non-finite at the same step and micro-step (order across ranks unknown):")
+        lines += [f"  {_place(t)}" for t in result["ties"]]
+    chain = result["chain"]
+    lines.append(f"then reached {len(chain)} more module/phase place(s), in order:" if chain
+                 else "it reached no other module")
+    lines += [f"  {i}. {_place(c)}" for i, c in enumerate(chain[:chain_lines], 1)]
+    if len(chain) > chain_lines:
+        lines.append(f"  ... {len(chain) - chain_lines} more (all of them with --json)")
+    lines.append(f"{result['nonfinite_records']} non-finite record(s) in all")
+    return "\n".join(lines)

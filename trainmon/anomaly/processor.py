@@ -1,0 +1,156 @@
+"""The online anomaly processor: a sink that judges every step batch in the writer thread.
+
+Per rank and step it logs one line naming the earliest anomalous record by the ordering key
+`(step, micro_step, rank, pp_stage, vpp_stage, call_index)` and how many others there were, and
+appends every anomaly to `rank_<R>/anomalies.jsonl` (one JSON object per line, flushed per step).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from trainmon.anomaly.events import SCALAR_PHASE, AnomalyEvent, phase_of, split_name
+from trainmon.anomaly.rules import Rule
+from trainmon.monitor.records import RecordKey, StepBatch
+from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.tags import tag_of
+
+logger = logging.getLogger("trainmon")
+
+ANOMALIES_FILE = "anomalies.jsonl"
+SENTINEL_RULE = "sentinel"
+
+
+class AlertRateLimit:
+    """Lets the first `burst` alert lines through, then at most one every `interval` seconds."""
+
+    def __init__(self, burst: int = 10, interval: float = 60.0, clock=time.monotonic):
+        self.burst = burst
+        self.interval = interval
+        self.clock = clock
+        self.suppressed = 0
+        self._sent = 0
+        self._last = -math.inf
+
+    def allow(self) -> bool:
+        now = self.clock()
+        if self._sent < self.burst or now - self._last >= self.interval:
+            self._sent += 1
+            self._last = now
+            return True
+        self.suppressed += 1
+        return False
+
+
+class AnomalyProcessor(Sink):
+    """Evaluates the rules and the NaN sentinel's probes on each step batch.
+
+    Args:
+        rules: the configured rules (see `rules.build_rules`).
+        rate_limit: limits alert log lines; every anomaly is still written to the file.
+    """
+
+    name = "anomaly"
+
+    def __init__(self, rules: Sequence[Rule], rate_limit: Optional[AlertRateLimit] = None):
+        self.rules = list(rules)
+        self.rate_limit = rate_limit or AlertRateLimit()
+        self.anomaly_count = 0
+        self._file = None
+        self._rank = 0
+        self._lock = threading.Lock()
+        self._first_by_step: dict[int, AnomalyEvent] = {}
+        self._listeners: list = []
+
+    def start(self, context: SinkContext) -> None:
+        self._rank = context.rank
+        context.rank_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(context.rank_dir / ANOMALIES_FILE, "a", encoding="utf-8")
+
+    def add_listener(self, callback) -> None:
+        """`callback(events)` runs in the writer thread with each anomalous step's sorted events."""
+        self._listeners.append(callback)
+
+    def first_of_step(self, step: int) -> Optional[AnomalyEvent]:
+        """The earliest anomaly of `step` on this rank, once the step was written."""
+        with self._lock:
+            return self._first_by_step.get(step)
+
+    # ----------------------------------------------------------------------------------- judge
+    def write(self, batch: StepBatch) -> None:
+        events = self._judge(batch)
+        if not events:
+            return
+        events.sort(key=AnomalyEvent.order_key)
+        events[0] = replace(events[0], first=True)
+        with self._lock:
+            self._first_by_step[batch.step] = events[0]
+        self.anomaly_count += len(events)
+        for event in events:
+            self._file.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
+        self._file.flush()
+        self._alert(events)
+        for callback in self._listeners:
+            callback(events)
+
+    def _judge(self, batch: StepBatch) -> list[AnomalyEvent]:
+        events = []
+        for key, probe_value in zip(batch.flag_keys, batch.flags):
+            if not math.isfinite(probe_value):
+                events.append(self._event(batch, key, "nonfinite", float(probe_value), SENTINEL_RULE))
+        if self.rules:
+            for key, row, ops in zip(batch.keys, batch.values, batch.derived):
+                tag = tag_of(key, self._rank)
+                for rule in self.rules:
+                    events += [self._event(batch, key, op, float(v), rule.name)
+                               for op, v in rule.check_record(tag, row, ops)]
+            for name, value in batch.scalars.items():
+                for rule in self.rules:
+                    events += [self._scalar_event(batch, name, op, float(v), rule.name)
+                               for op, v in rule.check_scalar(name, float(value))]
+        return events
+
+    def _event(self, batch: StepBatch, key: RecordKey, op: str, value: float, rule: str) -> AnomalyEvent:
+        module, tensor = split_name(key.family, key.name)
+        return AnomalyEvent(rank=batch.rank, step=batch.step, micro_step=key.micro_step, pp_stage=batch.pp_stage,
+                            vpp_stage=key.vpp_stage, call_index=key.call_index, module=module,
+                            phase=phase_of(key.family), tensor=tensor, op=op, value=value, rule=rule,
+                            family=key.family)
+
+    @staticmethod
+    def _scalar_event(batch: StepBatch, name: str, op: str, value: float, rule: str) -> AnomalyEvent:
+        # A logged scalar has no place among the hooked events: it sorts after the step's tensors.
+        return AnomalyEvent(rank=batch.rank, step=batch.step, micro_step=None, pp_stage=batch.pp_stage,
+                            vpp_stage=0, call_index=None, module=name, phase=SCALAR_PHASE, tensor="scalar",
+                            op=op, value=value, rule=rule, family="scalar")
+
+    def _alert(self, events: list[AnomalyEvent]) -> None:
+        if not self.rate_limit.allow():
+            return
+        suppressed, self.rate_limit.suppressed = self.rate_limit.suppressed, 0
+        note = f" ({suppressed} alert lines of later steps suppressed before this one)" if suppressed else ""
+        logger.warning("trainmon: anomaly at %s; %d more anomalous record(s) this step%s",
+                       events[0].describe(), len(events) - 1, note)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def processor_for(config) -> Optional[AnomalyProcessor]:
+    """The processor a MonitorConfig asks for: with `alert.rules`, the sentinel, or a non-"warn" action."""
+    from trainmon.anomaly.rules import build_rules
+
+    if not (config.alert.rules or config.sentinel or config.alert.action != "warn"):
+        return None
+    return AnomalyProcessor(build_rules(config.alert.rules))

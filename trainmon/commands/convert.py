@@ -1,0 +1,45 @@
+"""`trainmon csv2tb`, `trainmon csv2db`, `trainmon db2tb`: convert a run's output between formats."""
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import sys
+
+from trainmon import conversions
+
+_COMMANDS = {
+    "csv2tb": ("CSV files (trainmon's or msprobe's) to TensorBoard event files", "csv"),
+    "csv2db": ("CSV files (trainmon's or msprobe's) to monitor.db databases", "csv"),
+    "db2tb": ("monitor.db databases to TensorBoard event files", "db"),
+}
+
+
+def register(subparsers) -> None:
+    for name, (summary, _) in _COMMANDS.items():
+        parser = subparsers.add_parser(name, help=f"convert {summary}",
+                                       description=f"Converts {summary}; writes <out>/rank_<R>/ per rank.")
+        parser.add_argument("src", help="run directory (holding rank_<R>/), a rank directory, or msprobe's output "
+                                        "directory (holding <time>-rank<R>-<uuid>/)")
+        parser.add_argument("out", help="output directory")
+        parser.add_argument("--quiet", action="store_true", help="no progress bar")
+        parser.set_defaults(handler=run, conversion=name)
+
+
+def _progress_bar(items, total, description):
+    from tqdm import tqdm
+    return tqdm(items, total=total, desc=description, unit="step")
+
+
+def run(args: argparse.Namespace) -> int:
+    progress = conversions.no_progress if args.quiet else _progress_bar
+    source = _COMMANDS[args.conversion][1]
+    try:
+        if args.conversion == "csv2db":
+            steps = conversions.csv_to_db(args.src, args.out, progress=progress)
+        else:
+            steps = conversions.to_tensorboard(args.src, args.out, source=source, progress=progress)
+    except (OSError, ValueError, sqlite3.Error) as err:
+        print(f"trainmon {args.conversion}: {err}", file=sys.stderr)
+        return 2
+    print(f"trainmon {args.conversion}: {steps} steps written to {args.out}")
+    return 0

@@ -1,0 +1,33 @@
+"""`trainmon nan-analyze DIR`: where NaN/Inf first appeared in a run, and where it spread."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainmon.anomaly.nan_analyze import analyze, format_report
+from trainmon.anomaly.run_inputs import InputError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("nan-analyze", help="name the first NaN/Inf of a run and its spread",
+                                   description=__doc__)
+    parser.add_argument("dir", help="a run directory (holding rank_<R>/) or the output root (latest run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = analyze(args.dir)
+    except InputError as err:
+        print(f"trainmon nan-analyze: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=1) if args.json else format_report(result)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return 0

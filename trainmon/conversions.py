@@ -1,0 +1,115 @@
+"""Conversions between output formats: CSV (trainmon's or msprobe's) to TensorBoard or SQLite, SQLite to TensorBoard.
+
+Each writes `<out>/rank_<R>/` per rank of the source, so the output is a trainmon run directory.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from trainmon.monitor.records import RecordKey
+from trainmon.reader import Run
+from trainmon.writers import db_schema
+from trainmon.writers.db_sink import MonitorDb
+from trainmon.writers.tags import tag_for
+from trainmon.writers.tensorboard_sink import EventWriter
+
+Progress = Callable[[Iterable, int, str], Iterable]  # (items, total, description) -> items
+
+
+def no_progress(items: Iterable, total: int, description: str) -> Iterable:
+    return items
+
+
+def to_tensorboard(src: str | Path, out: str | Path, source: str = "auto", progress: Progress = no_progress) -> int:
+    """Writes the figures of every record (and the scalars) of `src` as TensorBoard events.
+
+    Tags and values are those the `tensorboard` format writes during training. Returns the number of
+    steps converted.
+    """
+    run = Run(src, source)
+    all_scalars = run.scalars()
+    done = 0
+    for rank in run.ranks:
+        writer = EventWriter(Path(out) / f"rank_{rank}")
+        scalars: dict[int, list] = {}
+        for row in all_scalars[all_scalars["rank"] == rank].itertuples():
+            scalars.setdefault(row.step, []).append((row.name, row.value))
+        try:
+            for step, rows in progress(run.iter_steps(rank), run.step_count(rank), f"rank {rank} -> tensorboard"):
+                values = [(f"{tag_for(r['family'], r['name'], r['vpp_stage'], r['micro_step'], rank)}_{op}", r[op])
+                          for r in rows for op in run.ops(rank) if r.get(op) is not None]
+                writer.add(step, values + scalars.pop(step, []))
+                done += 1
+            for step, values in sorted(scalars.items()):  # scalars of steps without records
+                writer.add(step, values)
+        finally:
+            writer.close()
+    run.close()
+    return done
+
+
+def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress) -> int:
+    """Writes every CSV record of `src` into `<out>/rank_<R>/monitor.db`, one transaction per step.
+
+    A CSV row holds figures, not the mergeable record; the fields are rebuilt where the figures and
+    the shape determine them (count from the element count minus NaN and Inf, sum = mean x count,
+    sumsq = norm², zeros = fraction x elements, min, max) and stored NULL otherwise. Returns the
+    number of steps converted.
+    """
+    run = Run(src, source="csv")
+    done = 0
+    for rank in run.ranks:
+        target = Path(out) / f"rank_{rank}"
+        target.mkdir(parents=True, exist_ok=True)
+        db = MonitorDb(target / db_schema.DB_NAME)
+        try:
+            meta_written = False
+            for step, rows in progress(run.iter_steps(rank), run.step_count(rank), f"rank {rank} -> db"):
+                if not meta_written:
+                    db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": run.ops(rank),
+                                 "fields": list(db_schema.FIELDS), "converted_from": str(Path(src).resolve()),
+                                 **{k: v for k, v in run.metadata(rank).items() if k not in ("rank", "ops")}})
+                    meta_written = True
+                keys = [RecordKey(r["family"], r["name"], r["vpp_stage"], r["micro_step"], i,
+                                  tuple(r["shape"]) if isinstance(r["shape"], list) else (), r["dtype"])
+                        for i, r in enumerate(rows)]
+                values, recorded = fields_from_figures(rows, run.ops(rank))
+                db.add_step(step, 0, keys, values, {}, recorded)
+                done += 1
+        finally:
+            db.close()
+    run.close()
+    return done
+
+
+def fields_from_figures(rows: list[dict], ops: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 record fields (db_schema.FIELDS) rebuilt from CSV figures, and which of them are known."""
+    values = np.full((len(rows), len(db_schema.FIELDS)), np.nan)
+    recorded = np.zeros(values.shape, dtype=bool)
+    for i, row in enumerate(rows):
+        numel = math.prod(row["shape"]) if isinstance(row["shape"], list) else None
+        fig = {op: row.get(op) for op in ops}
+        nans, infs = fig.get("nans"), fig.get("infs")
+        count = None if numel is None else numel - (nans or 0) - (infs or 0)
+        no_finite = count == 0
+        known = {
+            "count": count,
+            "nans": nans,
+            "infs": infs,
+            "zeros": fig["zeros"] * numel if "zeros" in fig and fig["zeros"] is not None and numel is not None
+            else None,
+            "sum": (0.0 if no_finite else None) if fig.get("mean") is None or count is None else fig["mean"] * count,
+            "sumsq": None if fig.get("norm") is None else fig["norm"] ** 2,
+            # a tensor without finite elements has an empty min/max: the record's identities
+            "min": (math.inf if no_finite else None) if fig.get("min") is None else fig["min"],
+            "max": (-math.inf if no_finite else None) if fig.get("max") is None else fig["max"],
+        }
+        for j, name in enumerate(db_schema.FIELDS):
+            if known[name] is not None:
+                values[i, j] = known[name]
+                recorded[i, j] = True
+    return values, recorded

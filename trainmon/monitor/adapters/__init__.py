@@ -1,0 +1,53 @@
+"""Framework adapters: chosen from the actual model and optimizer objects, never from what is importable."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trainmon.monitor.adapters.base import (ACCUMULATED, ADAPTER, NOT_RECORDED, PER_MICRO_BATCH, AdamPiece,
+                                            PlainAdapter, TrainingAdapter, WatchedParam)
+
+logger = logging.getLogger("trainmon")
+
+__all__ = ["ACCUMULATED", "ADAPTER", "NOT_RECORDED", "PER_MICRO_BATCH", "AdamPiece", "PlainAdapter", "TrainingAdapter",
+           "WatchedParam", "select_adapter"]
+
+
+def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:
+    """The adapter for these model chunks and this optimizer; logs which one it is and why.
+
+    Raises:
+        ValueError: the optimizer is of a kind no adapter understands.
+    """
+    from trainmon.monitor.adapters.deepspeed import DeepSpeedAdapter, is_deepspeed_optimizer
+
+    from trainmon.monitor.adapters.megatron import MegatronAdapter, is_megatron_optimizer
+
+    if is_deepspeed_optimizer(optimizer):
+        adapter = DeepSpeedAdapter(optimizer)
+        reason = f"the optimizer is DeepSpeed's {type(optimizer).__name__}"
+    elif is_megatron_optimizer(optimizer):
+        adapter = MegatronAdapter(optimizer, chunks)
+        reason = f"the optimizer is Megatron-Core's {type(optimizer).__name__}"
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        from trainmon.monitor.adapters.fsdp2 import FSDP2Adapter, is_fsdp2
+
+        ddp = next((c for c in chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)), None)
+        if is_fsdp2(chunks):
+            adapter = FSDP2Adapter(optimizer, chunks)
+            reason = "the model is sharded with fully_shard (FSDP2)"
+        elif ddp is not None:
+            from trainmon.monitor.adapters.ddp import DDPAdapter
+
+            adapter = DDPAdapter(optimizer, ddp)
+            reason = "the model is wrapped in DistributedDataParallel"
+        else:
+            adapter = PlainAdapter(optimizer)
+            reason = f"a torch optimizer ({type(optimizer).__name__}) on a plain module"
+    else:
+        raise ValueError(f"set_monitor: no adapter for an optimizer of type {type(optimizer).__module__}."
+                         f"{type(optimizer).__name__}; pass a torch.optim.Optimizer, Megatron-Core's "
+                         "get_megatron_optimizer() result or the optimizer that deepspeed.initialize returned")
+    logger.info("trainmon: %s adapter (%s); unreduced grads: %s", adapter.name, reason, adapter.unreduced_capture)
+    return adapter

@@ -1,0 +1,161 @@
+"""What the monitor core needs from a training framework, and the plain-PyTorch answer to it.
+
+The core (grad hooks, optimizer hooks, the shard merge) never looks at framework objects. An adapter
+maps the framework's own bookkeeping (DDP buckets, ZeRO partitions, Megatron grad buffers, FSDP
+DTensors) onto four questions, each answered per watched parameter with *this rank's piece* of a
+tensor, or None when the rank holds nothing of it (or holds a duplicate that another rank counts):
+
+- which tensor is the reduced gradient the optimizer consumes,
+- which tensor is the (main, fp32 when kept) weight,
+- which tensors are the Adam moments, with the step and hyper-parameters to bias-correct them,
+- where the gradient is seen before its reduction.
+
+When pieces are shards, `shard_group` names the ranks whose pieces make up a whole parameter; the
+core merges the pieces' records across it (see `shard_merge`), never the tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+# How the core captures unreduced grads when the adapter has no capture point of its own:
+ACCUMULATED = "accumulated"  # the accumulated grad, at the end of the last micro-batch's backward
+PER_MICRO_BATCH = "per_micro_batch"  # each backward pass's contribution, before accumulation
+ADAPTER = "adapter"  # the adapter's own capture point (install_unreduced)
+NOT_RECORDED = "not recorded"  # the framework offers no point where they can be seen (said once at set-up)
+
+
+@dataclass(frozen=True)
+class WatchedParam:
+    """A model parameter as the monitor names it.
+
+    `shape` is the full parameter's shape when the local tensor is a shard (else None: use the tensor's).
+    """
+
+    name: str
+    param: torch.nn.Parameter
+    vpp_stage: int
+    shape: Optional[tuple] = None
+
+
+@dataclass(frozen=True)
+class AdamPiece:
+    """This rank's piece of one parameter's Adam state, with what bias correction needs."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: object  # tensor or number
+    betas: tuple
+    eps: float
+    grad: Optional[torch.Tensor] = None  # the reduced grad piece aligned with the moments, when still alive
+
+
+# Records `tensors[i]` (a piece of `params[i]`, or None) as `family`; merged across `group` when given.
+UnreducedRecorder = Callable[[Sequence[WatchedParam], Sequence[Optional[torch.Tensor]], Optional[object]], None]
+
+
+class TrainingAdapter(Protocol):
+    """The narrow interface between the monitor core and one training framework."""
+
+    name: str
+    unreduced_capture: str  # ACCUMULATED, PER_MICRO_BATCH, ADAPTER or NOT_RECORDED
+    shard_group: Optional[object]  # process group over which pieces of reduced grads/weights/moments merge
+
+    def describe(self) -> dict:
+        """Parallel coordinates of this rank (global rank, tp/pp/dp/vpp ranks, group ranks) for run.json."""
+
+    def pp_stage(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+
+    def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
+        """Returns `params` with full shapes filled in where the local tensors are shards."""
+
+    def install_unreduced(self, params: list[WatchedParam], record: UnreducedRecorder) -> None:
+        """Installs the capture point of unreduced grads (only when unreduced_capture == ADAPTER)."""
+
+    def remove(self) -> None:
+        """Undoes install_unreduced."""
+
+    def step_owner(self):
+        """The object whose `step()` is one monitor step (a torch optimizer, or a framework's wrapper)."""
+
+    def reduced_grads(self, params: Sequence[WatchedParam]) -> list[Optional[torch.Tensor]]:
+        """This rank's pieces of the reduced grads, read just before the optimizer step."""
+
+    def main_params(self, params: Sequence[WatchedParam]) -> list[Optional[torch.Tensor]]:
+        """This rank's pieces of the weights the optimizer updates."""
+
+    def adam_pieces(self, params: Sequence[WatchedParam]) -> list[Optional[AdamPiece]]:
+        """This rank's pieces of the Adam moments, read just after the optimizer step."""
+
+
+@dataclass
+class PlainAdapter:
+    """Plain PyTorch: whole tensors on every rank (single process, or replicated weights and grads).
+
+    Args:
+        optimizer: a torch optimizer keeping per-parameter state.
+        unreduced_capture: how the core captures unreduced grads.
+    """
+
+    optimizer: torch.optim.Optimizer
+    unreduced_capture: str = ACCUMULATED
+    name: str = "plain"
+    shard_group: Optional[object] = None
+    _group_of: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return data_parallel_coordinates(None)
+
+    def pp_stage(self) -> int:
+        return 0
+
+    def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return params
+
+    def install_unreduced(self, params, record) -> None:
+        raise AssertionError(f"{self.name} adapter has no own capture point")
+
+    def remove(self) -> None:
+        pass
+
+    def step_owner(self):
+        return self.optimizer
+
+    def reduced_grads(self, params):
+        return [w.param.grad for w in params]
+
+    def main_params(self, params):
+        return [w.param.detach() for w in params]
+
+    def adam_pieces(self, params):
+        out = []
+        for w in params:
+            state = self.optimizer.state.get(w.param, {})
+            if "exp_avg" not in state:
+                out.append(None)
+                continue
+            group = self._group_of.get(id(w.param), self.optimizer.defaults)
+            out.append(AdamPiece(state["exp_avg"], state["exp_avg_sq"], state["step"], tuple(group["betas"]),
+                                 group["eps"], w.param.grad))
+        return out
+
+
+def data_parallel_coordinates(group) -> dict:
+    """Global rank and world size, and this rank's place in `group` (the world when None)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"global_rank": 0, "world_size": 1, "dp": {"rank": 0, "size": 1, "ranks": [0]}}
+    return {"global_rank": dist.get_rank(), "world_size": dist.get_world_size(), "dp": group_coordinates(group)}
+
+
+def group_coordinates(group) -> dict:
+    """{rank, size, ranks} of this process in `group` (global ranks in `ranks`)."""
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(group), "size": dist.get_world_size(group),
+            "ranks": list(dist.get_process_group_ranks(group or dist.group.WORLD))}

@@ -1,0 +1,186 @@
+"""Megatron-Core: DistributedDataParallel grad buffers and Megatron optimizers (DistributedOptimizer too).
+
+- Unreduced grads are the `main_grad`s (views into the grad buffer) when a bucket group starts its
+  grad sync: the accumulated local grad, before scaling and before the data-parallel collective.
+- Reduced grads are the `main_grad`s when the optimizer step starts; under DistributedOptimizer only
+  this data-parallel rank's range of each parameter is reduced, so that range is the piece.
+- Main params and Adam state come from the optimizer: the fp32 main param (a shard under
+  DistributedOptimizer, mapped back by its range map) and the inner torch optimizer's state of it.
+- Tensor-parallel shards merge across the TP group; TP duplicates (layer norms) count on TP rank 0
+  only; without DistributedOptimizer the data-parallel replicas count on DP rank 0 only. Pieces
+  therefore merge over the tensor-and-data-parallel group of the pipeline stage.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam, group_coordinates
+
+logger = logging.getLogger("trainmon")
+
+
+def is_megatron_optimizer(optimizer) -> bool:
+    return type(optimizer).__module__.startswith("megatron.core.optimizer")
+
+
+@dataclass(frozen=True)
+class _Location:
+    """Where the optimizer keeps one model parameter."""
+
+    main: torch.Tensor  # fp32 main param (a flat shard under DistributedOptimizer)
+    inner: torch.optim.Optimizer
+    group: dict
+    grad_range: Optional[tuple]  # (start, end) of main_grad.view(-1) that this rank owns, or None: all of it
+
+
+class MegatronAdapter:
+    """Args: optimizer (what get_megatron_optimizer returned), chunks (the DDP-wrapped model chunks)."""
+
+    unreduced_capture = ADAPTER
+
+    def __init__(self, optimizer, chunks: list[torch.nn.Module]):
+        from megatron.core import parallel_state
+
+        self.ps = parallel_state
+        self.optimizer = optimizer
+        self.chunks = chunks
+        self.optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        self.distributed = any(type(o).__name__ == "DistributedOptimizer" for o in self.optimizers)
+        self.name = "megatron ({})".format(", ".join(type(o).__name__ for o in self.optimizers))
+        self.shard_group = parallel_state.get_tensor_and_data_parallel_group()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self._where: dict[int, _Location] = {}
+        self._patched: list = []
+
+    def describe(self) -> dict:
+        import torch.distributed as dist
+
+        ps = self.ps
+        return {"global_rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "tp": group_coordinates(ps.get_tensor_model_parallel_group()),
+                "pp": group_coordinates(ps.get_pipeline_model_parallel_group()),
+                "dp": group_coordinates(ps.get_data_parallel_group()),
+                "vpp": {"size": len(self.chunks)}}
+
+    def pp_stage(self) -> int:
+        return self.ps.get_pipeline_model_parallel_rank()
+
+    # ------------------------------------------------------------------------------ mapping
+    def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
+        self._where = {}
+        for opt in self.optimizers:
+            self._map_optimizer(opt)
+        tp_size = self.ps.get_tensor_model_parallel_world_size()
+        out = []
+        for w in params:
+            shape = list(w.param.shape)
+            if getattr(w.param, "tensor_model_parallel", False):
+                shape[w.param.partition_dim] *= tp_size
+            out.append(WatchedParam(w.name, w.param, w.vpp_stage, tuple(shape)))
+        return out
+
+    def _map_optimizer(self, opt) -> None:
+        inner = opt.optimizer
+        group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+        kind = type(opt).__name__
+        if kind == "DistributedOptimizer":
+            for model_param, (gi, go) in opt.model_param_group_index_map.items():
+                main = inner.param_groups[gi]["params"][go]
+                param_range = opt._get_model_param_range_map(model_param)["param"]
+                self._where[id(model_param)] = _Location(main, inner, inner.param_groups[gi],
+                                                         (param_range.start, param_range.end))
+        elif kind == "Float16OptimizerWithFloat16Params":
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for model_param, main in zip(model_group, main_group):
+                    self._where[id(model_param)] = _Location(main, inner, group_of[id(main)], None)
+            for group in opt.fp32_from_fp32_groups:
+                for p in group:
+                    self._where[id(p)] = _Location(p, inner, group_of[id(p)], None)
+        elif kind == "FP32Optimizer":
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    self._where[id(p)] = _Location(p, inner, group, None)
+        else:
+            raise ValueError(f"set_monitor: Megatron optimizer {kind} is not supported; supported are "
+                             "DistributedOptimizer, Float16OptimizerWithFloat16Params and FP32Optimizer")
+
+    def _counts_tp(self, param) -> bool:
+        """TP shards all count; a TP duplicate counts on TP rank 0 only."""
+        return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+
+    def _owns(self, param) -> Optional[_Location]:
+        """The location of this rank's piece of `param`, or None when another rank counts it."""
+        where = self._where.get(id(param))
+        if where is None or not self._counts_tp(param):
+            return None
+        if where.grad_range is None and self.dp_rank != 0:
+            return None  # whole replicas on every DP rank: DP rank 0 counts them
+        return where
+
+    # ------------------------------------------------------------------------------- pieces
+    def step_owner(self):
+        return self.optimizer
+
+    def reduced_grads(self, params):
+        out = []
+        for w in params:
+            where = self._owns(w.param)
+            grad = getattr(w.param, "main_grad", None)
+            if where is None or grad is None:
+                out.append(None)
+            elif where.grad_range is not None:
+                out.append(grad.view(-1)[where.grad_range[0]:where.grad_range[1]])
+            else:
+                out.append(grad)
+        return out
+
+    def main_params(self, params):
+        return [where.main if (where := self._owns(w.param)) is not None else None for w in params]
+
+    def adam_pieces(self, params):
+        out = []
+        for w in params:
+            where = self._owns(w.param)
+            state = where.inner.state.get(where.main, {}) if where is not None else {}
+            if "exp_avg" not in state:
+                out.append(None)
+                continue
+            out.append(AdamPiece(state["exp_avg"], state["exp_avg_sq"], state["step"], tuple(where.group["betas"]),
+                                 where.group["eps"]))
+        return out
+
+    # ---------------------------------------------------------------------- unreduced grads
+    def install_unreduced(self, params, record) -> None:
+        watched = {id(w.param): w for w in params}
+        for chunk in self.chunks:
+            for bucket_group in getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", []):
+                members = [watched[id(p)] for bucket in bucket_group.buckets for p in bucket.params_list
+                           if id(p) in watched]
+                if members:
+                    self._wrap_start_grad_sync(bucket_group, members, record)
+
+    def _wrap_start_grad_sync(self, bucket_group, members: list[WatchedParam], record) -> None:
+        original = bucket_group.start_grad_sync
+
+        @functools.wraps(original)
+        def start_grad_sync(*args, **kwargs):
+            # A handle still pending means this call is a no-op (the collective was already started).
+            if bucket_group.grad_reduce_handle is None:
+                pieces = [w.param.main_grad if self._counts_tp(w.param) else None for w in members]
+                record(members, pieces, self.tp_group)
+            return original(*args, **kwargs)
+
+        bucket_group.start_grad_sync = start_grad_sync
+        self._patched.append(bucket_group)
+
+    def remove(self) -> None:
+        for bucket_group in self._patched:
+            del bucket_group.start_grad_sync  # the class's method shows through again
+        self._patched.clear()

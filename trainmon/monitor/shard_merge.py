@@ -1,0 +1,93 @@
+"""Records of parameter pieces, merged across the ranks that hold the pieces.
+
+Each rank reduces its local pieces to mergeable records (one `tensor_records` call), puts the
+identity record where it holds nothing, and one `all_gather` of the small [n, 8] record tensor per
+call gives every rank the records of all pieces, which merge exactly to the full parameter's:
+sums for count/nans/infs/zeros/sum/sumsq, min of mins, max of maxes (stats.merge_records). Whole
+tensors are never gathered.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainmon.monitor import stats
+from trainmon.monitor.adapters.base import WatchedParam
+from trainmon.monitor.records import RecordKey
+from trainmon.monitor.state import HookState
+
+_MIN, _MAX = stats.FIELDS.index("min"), stats.FIELDS.index("max")
+
+
+def identity_record(device, dtype=torch.float64) -> torch.Tensor:
+    """The record of no elements: merging it with any record leaves that record unchanged."""
+    row = torch.zeros(len(stats.FIELDS), dtype=dtype, device=device)
+    row[_MIN] = math.inf
+    row[_MAX] = -math.inf
+    return row
+
+
+def merge_gathered(gathered: torch.Tensor) -> torch.Tensor:
+    """[ranks, n, 8] → [n, 8]: stats.merge_records over the first dimension, for all n at once."""
+    merged = gathered.sum(dim=0)
+    merged[:, _MIN] = gathered[:, :, _MIN].amin(dim=0)
+    merged[:, _MAX] = gathered[:, :, _MAX].amax(dim=0)
+    return merged
+
+
+def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], device) -> torch.Tensor:
+    """[len(pieces), 8] records of the pieces; the identity record where a piece is None."""
+    collector = state.collector
+    present = [i for i, t in enumerate(pieces) if t is not None]
+    rows = identity_record(device).expand(len(pieces), -1).clone()
+    if present:
+        local = stats.tensor_records([pieces[i] for i in present], collector.eps, collector.fields)
+        rows[torch.tensor(present, device=device)] = local.to(device=device, dtype=rows.dtype)
+    return rows
+
+
+def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
+                  pieces: Sequence[Optional[torch.Tensor]], group=None, micro=None) -> None:
+    """Records `pieces[i]` (this rank's piece of `params[i]`, or None) as `family`.
+
+    Without `group` the pieces are whole tensors: None pieces are skipped. With `group` every rank of
+    it must call this with the same params in the same order (it runs one collective), and the
+    records written are the merged ones of the full parameters.
+    """
+    collector = state.collector
+    # Framework pieces can be views of leaves that require grad (ZeRO's flat fp32 partition).
+    pieces = [t.detach() if t is not None else None for t in pieces]
+    if group is None or dist.get_world_size(group) == 1:
+        kept = [(w, t) for w, t in zip(params, pieces) if t is not None]
+        if kept:
+            keys = [_key(collector, family, w, t, micro) for w, t in kept]
+            collector.record(keys, [t for _, t in kept])
+        return
+    if not params:
+        return
+    device = next((t.device for t in pieces if t is not None), _group_device(group))
+    rows = piece_records(state, pieces, device)
+    ranks = dist.get_world_size(group)
+    # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
+    gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, rows, group=group)
+    keys = [_key(collector, family, w, t, micro) for w, t in zip(params, pieces)]
+    collector.record_rows(keys, merge_gathered(gathered.view(ranks, *rows.shape)))
+
+
+def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordKey:
+    shape = watched.shape if watched.shape is not None else tuple(
+        piece.shape if piece is not None else watched.param.shape)
+    dtype = piece.dtype if piece is not None else watched.param.dtype
+    return RecordKey(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
+                     tuple(shape), str(dtype))
+
+
+def _group_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

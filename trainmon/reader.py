@@ -1,0 +1,165 @@
+"""`trainmon.open_run(path)`: a run's statistics, across all its ranks, as pandas DataFrames.
+
+Example:
+    run = trainmon.open_run("monitor_output/run-20260101-120000")
+    grads = run.family("grad_reduced", steps=(100, 200))      # steps 100..200, every rank
+    norm = run.tag("0:head.weight/rank0/post_grad")[["step", "norm"]]
+    at_step = run.step(150)                                    # every tag of step 150
+    loss = run.scalars("loss")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+from trainmon.rank_readers import open_rank
+from trainmon.run_files import find_rank_dirs
+from trainmon.writers.tags import split_tag, tag_for
+
+Steps = Union[None, int, range, slice, Sequence[int]]
+_LEADING = ["rank", "family", "tag", "vpp_stage", "name", "micro_step", "step"]
+
+
+def _pandas():
+    try:
+        import pandas
+    except ImportError as err:
+        raise ImportError("reading a run into DataFrames needs pandas: pip install pandas") from err
+    return pandas
+
+
+def step_range(steps: Steps) -> tuple[Optional[int], Optional[int]]:
+    """(first, last) inclusive from None (all), an int, a range, a slice, or a (first, last) pair.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if steps is None:
+        return None, None
+    if isinstance(steps, int):
+        return steps, steps
+    if isinstance(steps, (range, slice)):
+        if steps.step not in (None, 1):
+            raise ValueError(f"steps {steps!r}: a stride is not supported")
+        return steps.start, None if steps.stop is None else steps.stop - 1
+    if isinstance(steps, (tuple, list)) and len(steps) == 2:
+        return steps[0], steps[1]
+    raise ValueError(f"steps must be an int, a range, a slice or a (first, last) pair, got {steps!r}")
+
+
+class Run:
+    """The statistics of one run, every rank, read from `monitor.db` where present, else from the CSVs.
+
+    A figure without a value (the min of a tensor with no finite element, an op a file lacks) is NaN in
+    the DataFrames, as is a NaN figure; the `nans` column (and, from a database, the `count`, `nans`,
+    `infs` fields) tell them apart.
+
+    Args:
+        path: a run directory (holding `rank_<R>/`), one rank directory, or msprobe's output root
+            (holding `<time>-rank<R>-<uuid>/`).
+        source: "auto" (database if present), "db" or "csv".
+    """
+
+    def __init__(self, path: Union[str, Path], source: str = "auto"):
+        self.path = Path(path)
+        self._readers = {d.rank: open_rank(d, source) for d in find_rank_dirs(path)}
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._readers)
+
+    def metadata(self, rank: Optional[int] = None) -> dict:
+        """The run metadata of `rank` (default: the first): config, versions, world size, writer counts."""
+        return self._readers[self.ranks[0] if rank is None else rank].meta
+
+    def iter_steps(self, rank: int, family: Optional[str] = None, steps: Steps = None) -> Iterator[tuple[int, list]]:
+        """(step, rows) of one rank in step order, rows as dicts (ops None where there is no value)."""
+        return self._readers[rank].rows(family, *step_range(steps))
+
+    def step_count(self, rank: int) -> int:
+        """Steps `rank` holds (for CSV sources: the steps the file names span, an upper bound)."""
+        return self._readers[rank].step_count()
+
+    def ops(self, rank: int) -> list[str]:
+        """The figures available for `rank` (known once its rows were read, for CSV sources)."""
+        return self._readers[rank].ops
+
+    def records(self, family: Optional[str] = None, tag: Optional[str] = None, steps: Steps = None,
+                ranks: Optional[Sequence[int]] = None):
+        """One row per record: rank, family, tag, vpp_stage, name, micro_step, step, the ops, shape, dtype
+        (and call_index, pp_stage, nan_fields and the record's fields `raw_count` ... `raw_max` when read
+        from a database).
+
+        Args:
+            family: only this family (e.g. "actv", "grad_reduced").
+            tag: only this tag, as written to TensorBoard without the `_{op}` suffix.
+            steps: see `step_range`.
+            ranks: only these ranks.
+        """
+        pd = _pandas()
+        if tag is not None:
+            tag_family, tag_rank = split_tag(tag)
+            family = family or tag_family
+            ranks = [tag_rank]
+        rows = []
+        for rank in self.ranks if ranks is None else ranks:
+            if rank not in self._readers:
+                raise ValueError(f"rank {rank} is not in {self.path} (ranks: {self.ranks})")
+            for _, step_rows in self.iter_steps(rank, family, steps):
+                for row in step_rows:
+                    row["rank"] = rank
+                    row["tag"] = tag_for(row["family"], row["name"], row["vpp_stage"], row["micro_step"], rank)
+                rows += step_rows
+        frame = pd.DataFrame(rows)
+        if frame.empty:
+            return pd.DataFrame(columns=_LEADING)
+        if tag is not None:
+            frame = frame[frame["tag"] == tag]
+        # None (no value) becomes NaN, also in a column that has no value at all
+        numeric = {op for rank in self._readers for op in self.ops(rank)}
+        frame = frame.astype({c: float for c in frame.columns if c in numeric})
+        ordered = _LEADING + [c for c in frame.columns if c not in _LEADING]
+        return frame[ordered].reset_index(drop=True)
+
+    def family(self, family: str, steps: Steps = None):
+        """Every record of one family, every rank."""
+        return self.records(family=family, steps=steps)
+
+    def tag(self, tag: str, steps: Steps = None):
+        """One tag over steps (a tag names one rank)."""
+        return self.records(tag=tag, steps=steps)
+
+    def step(self, step: int):
+        """Every record of one step, every rank."""
+        return self.records(steps=step)
+
+    def tags(self):
+        """The distinct tags: rank, family, tag, vpp_stage, name, micro_step."""
+        return self.records()[_LEADING[:-1]].drop_duplicates().reset_index(drop=True)
+
+    def scalars(self, name: Optional[str] = None, steps: Steps = None):
+        """Training scalars (`log_scalar`): rank, name, step, value (database sources only)."""
+        pd = _pandas()
+        rows = [{"rank": rank, **row} for rank in self.ranks
+                for row in self._readers[rank].scalars(name, *step_range(steps))]
+        return pd.DataFrame(rows, columns=["rank", "name", "step", "value"])
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_run(path: Union[str, Path], source: str = "auto") -> Run:
+    """Opens a run's output for reading; see `Run`.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: `path` holds no monitor output, or several runs.
+    """
+    return Run(path, source)

@@ -1,0 +1,111 @@
+"""The SQLite schema of `rank_<R>/monitor.db` (documented in the README, "Database schema").
+
+NaN in a REAL column: SQLite turns a bound NaN into NULL. So a record keeps `nan_fields`, a bit mask
+over FIELDS (bit i set: field i was NaN and is stored as NULL), and a scalar keeps `is_nan`. A NULL
+without its bit means "not recorded" (CSV conversions lack some fields). +-Inf is stored as REAL.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any, Optional
+
+import numpy as np
+
+DB_NAME = "monitor.db"  # in each rank directory
+SCHEMA_VERSION = 1
+FIELDS = ("count", "nans", "infs", "zeros", "sum", "sumsq", "min", "max")  # stats.FIELDS, in its order
+_BITS = 1 << np.arange(len(FIELDS), dtype=np.int64)
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL                  -- JSON
+);
+CREATE TABLE IF NOT EXISTS tags (
+    id        INTEGER PRIMARY KEY,
+    family    TEXT NOT NULL,
+    name      TEXT NOT NULL,
+    vpp_stage INTEGER NOT NULL,
+    shape     TEXT NOT NULL,             -- JSON list, e.g. "[64, 32]"
+    dtype     TEXT NOT NULL,
+    UNIQUE (family, name, vpp_stage, shape, dtype)
+);
+CREATE TABLE IF NOT EXISTS records (
+    tag_id     INTEGER NOT NULL REFERENCES tags(id),
+    step       INTEGER NOT NULL,
+    micro_step INTEGER,                  -- NULL: one record per step
+    call_index INTEGER NOT NULL,
+    pp_stage   INTEGER NOT NULL,
+    {", ".join(f'"{f}" REAL' for f in FIELDS)},
+    nan_fields INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS records_tag_step ON records (tag_id, step);
+CREATE INDEX IF NOT EXISTS records_step_tag ON records (step, tag_id);
+CREATE TABLE IF NOT EXISTS scalars (
+    name   TEXT NOT NULL,
+    step   INTEGER NOT NULL,
+    value  REAL,
+    is_nan INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS scalars_name_step ON scalars (name, step);
+CREATE TABLE IF NOT EXISTS batches (     -- one row per committed step batch
+    step      INTEGER NOT NULL,
+    wall_time REAL NOT NULL,
+    records   INTEGER NOT NULL,
+    scalars   INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS batches_step ON batches (step);
+"""
+
+INSERT_RECORD = (f"INSERT INTO records (tag_id, step, micro_step, call_index, pp_stage, "
+                 f"{', '.join(repr(f) for f in FIELDS)}, nan_fields) VALUES ({', '.join('?' * (len(FIELDS) + 6))})")
+
+
+def connect(path: str) -> sqlite3.Connection:
+    """Opens (creating if needed) a monitor database in WAL mode.
+
+    Raises:
+        sqlite3.DatabaseError: the file exists but is not a monitor database (e.g. corrupt).
+    """
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        # WAL + NORMAL: a commit survives the process being killed (not a power loss) without an fsync per step.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(SCHEMA)
+        version = read_meta(conn).get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"{path} has schema version {version}; this trainmon reads version "
+                                        f"{SCHEMA_VERSION}")
+    except Exception:
+        conn.close()
+        raise
+    return conn
+
+
+def write_meta(conn: sqlite3.Connection, items: dict[str, Any]) -> None:
+    conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                     [(k, json.dumps(v, default=str)) for k, v in items.items()])
+
+
+def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
+    return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+
+
+def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> tuple[list[list], np.ndarray]:
+    """Rows of the 8 fields for SQLite (NaN and unrecorded as None) and each row's `nan_fields` mask.
+
+    Args:
+        values: float64 [n, 8].
+        recorded: bool [n, 8], False where a field is unknown (stored NULL without its NaN bit);
+            None means every field was recorded.
+    """
+    nan = np.isnan(values)
+    missing = nan if recorded is None else nan | ~recorded
+    if recorded is not None:
+        nan = nan & recorded
+    masks = (nan * _BITS).sum(axis=1) if len(values) else np.zeros(0, dtype=np.int64)
+    rows = values.astype(object)
+    rows[missing] = None
+    return rows.tolist(), masks

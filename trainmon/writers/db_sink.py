@@ -1,0 +1,124 @@
+"""The `db` format: `rank_<R>/monitor.db`, SQLite in WAL mode, one transaction per step batch."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sqlite3
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from trainmon.monitor import stats
+from trainmon.monitor.records import RecordKey, StepBatch
+from trainmon.writers import db_schema
+from trainmon.writers.base import Sink, SinkContext
+
+
+class MonitorDb:
+    """Writes step batches into one monitor database (see db_schema for the layout).
+
+    Args:
+        path: the database file; created if missing, appended to if it is a monitor database.
+
+    Raises:
+        sqlite3.DatabaseError: the file exists and is not a monitor database.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.conn = db_schema.connect(str(path))
+        self._tag_ids = {tuple(row[1:]): row[0] for row in
+                         self.conn.execute("SELECT id, family, name, vpp_stage, shape, dtype FROM tags")}
+
+    def set_meta(self, items: dict) -> None:
+        with self._transaction():
+            db_schema.write_meta(self.conn, items)
+
+    def add_step(self, step: int, pp_stage: int, keys: Sequence[RecordKey], values: np.ndarray,
+                 scalars: dict, recorded: Optional[np.ndarray] = None, wall_time: Optional[float] = None) -> None:
+        """Commits one step batch: its records, its scalars and a `batches` row, in one transaction.
+
+        Args:
+            values: float64 [len(keys), 8] records in db_schema.FIELDS order.
+            recorded: see db_schema.encode_fields (None: every field was recorded).
+        """
+        rows, masks = db_schema.encode_fields(values, recorded)
+        with self._transaction():
+            tag_ids = [self._tag_id(key) for key in keys]
+            self.conn.executemany(db_schema.INSERT_RECORD, [
+                (tag_id, step, key.micro_step, key.call_index, pp_stage, *fields, int(mask))
+                for tag_id, key, fields, mask in zip(tag_ids, keys, rows, masks)])
+            self.conn.executemany("INSERT INTO scalars (name, step, value, is_nan) VALUES (?, ?, ?, ?)",
+                                  [_scalar_row(name, step, value) for name, value in scalars.items()])
+            self.conn.execute("INSERT INTO batches (step, wall_time, records, scalars) VALUES (?, ?, ?, ?)",
+                              (step, wall_time or time.time(), len(keys), len(scalars)))
+
+    def _tag_id(self, key: RecordKey) -> int:
+        ident = (key.family, key.name, key.vpp_stage, json.dumps(list(key.shape)), key.dtype)
+        tag_id = self._tag_ids.get(ident)
+        if tag_id is None:
+            tag_id = self.conn.execute("INSERT INTO tags (family, name, vpp_stage, shape, dtype) "
+                                       "VALUES (?, ?, ?, ?, ?)", ident).lastrowid
+            self._tag_ids[ident] = tag_id
+        return tag_id
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT, or ROLLBACK on error: a failed step leaves nothing half-written, and the
+        tag cache forgets the tags whose insert was rolled back."""
+        known = set(self._tag_ids)
+        self.conn.execute("BEGIN")
+        try:
+            yield
+            self.conn.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:  # SQLite may have rolled back already (e.g. on a full disk)
+                self.conn.execute("ROLLBACK")
+            for ident in set(self._tag_ids) - known:
+                del self._tag_ids[ident]
+            raise
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _scalar_row(name: str, step: int, value) -> tuple:
+    value = float(value)
+    nan = math.isnan(value)  # SQLite would turn a NaN into NULL: say so in is_nan
+    return name, step, None if nan else value, int(nan)
+
+
+class DbSink(Sink):
+    """Writes every step batch into `rank_<R>/monitor.db` with the run's metadata."""
+
+    name = "db"
+
+    def __init__(self):
+        self._db: Optional[MonitorDb] = None
+        self._computed: Optional[np.ndarray] = None
+
+    def start(self, context: SinkContext) -> None:
+        context.rank_dir.mkdir(parents=True, exist_ok=True)
+        path = context.rank_dir / db_schema.DB_NAME
+        try:
+            self._db = MonitorDb(path)
+        except sqlite3.DatabaseError as err:
+            raise sqlite3.DatabaseError(f"{path} exists but cannot be used as a monitor database ({err}); "
+                                        "move it away or choose another run") from err
+        # The engine leaves fields that no op needs at 0: store them as "not recorded", not as data.
+        needed = stats.fields_for_ops(context.ops)
+        self._computed = np.array([f in needed for f in db_schema.FIELDS])
+        self._db.set_meta({**context.metadata, "schema_version": db_schema.SCHEMA_VERSION,
+                           "rank": context.rank, "ops": list(context.ops), "fields": list(db_schema.FIELDS)})
+
+    def write(self, batch: StepBatch) -> None:
+        recorded = np.broadcast_to(self._computed, batch.values.shape)
+        self._db.add_step(batch.step, batch.pp_stage, batch.keys, batch.values, batch.scalars, recorded)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None

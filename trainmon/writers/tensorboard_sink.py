@@ -1,0 +1,96 @@
+"""The `tensorboard` format: event files in each rank directory, written by TensorBoard's own writer."""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+from trainmon.monitor.records import StepBatch
+from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.tags import tag_of
+
+
+def import_tensorboard():
+    """(RecordWriter, Event, Summary) from the `tensorboard` package, or an ImportError saying how to get it."""
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
+    except ImportError as err:
+        raise ImportError("the 'tensorboard' format needs the tensorboard package: pip install tensorboard "
+                          f"(or pip install 'trainmon[tensorboard]'); import failed with: {err}") from err
+    return RecordWriter, Event, Summary
+
+
+class EventWriter:
+    """One event file, written synchronously with TensorBoard's RecordWriter: each `add` is one Event.
+
+    TensorBoard's EventFileWriter would add a second queue and thread behind the writer thread, and
+    report a full disk only at a later call; here a failed write raises at once.
+    One Event per step (not per value) keeps the cost per step low: the protobuf work is a list of
+    small `Summary.Value`s and one serialisation.
+    """
+
+    _files = itertools.count()  # tells apart files opened in the same second by one process
+
+    def __init__(self, logdir: Path):
+        record_writer, self._event, self._summary = import_tensorboard()
+        logdir.mkdir(parents=True, exist_ok=True)
+        # EventFileWriter's naming: tensorboard --logdir finds the file and orders it by time.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._files)}"
+        self.path = logdir / name
+        self._records = record_writer(open(self.path, "wb"))
+        self._records.write(self._event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        self._records.flush()
+
+    def add(self, step: int, values: Iterable[tuple[str, float]], wall_time: Optional[float] = None) -> None:
+        """Writes (tag, value) pairs of one step; values are stored as float32 (TensorBoard's scalar type)."""
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value) for tag, value in values])
+        if summary.value:
+            event = self._event(step=step, wall_time=wall_time or time.time(), summary=summary)
+            self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        if not self._records.closed:
+            self._records.close()
+
+
+def batch_values(batch: StepBatch, rank: int) -> list[tuple[str, float]]:
+    """(tag, value) of every figure and scalar of a step: msprobe's tags plus `_{op}`, scalars by name."""
+    values = [(f"{tag_of(key, rank)}_{op}", value)
+              for key, figures in zip(batch.keys, batch.derived) for op, value in figures.items()
+              if value is not None]
+    values += [(name, float(value)) for name, value in batch.scalars.items()]
+    return values
+
+
+class TensorBoardSink(Sink):
+    """Writes `rank_<R>/events.out.tfevents.*`, so `tensorboard --logdir <output>` shows one run per rank."""
+
+    name = "tensorboard"
+
+    def __init__(self):
+        self._writer: Optional[EventWriter] = None
+        self._rank = 0
+
+    def start(self, context: SinkContext) -> None:
+        self._rank = context.rank
+        self._writer = EventWriter(context.rank_dir)
+
+    def write(self, batch: StepBatch) -> None:
+        self._writer.add(batch.step, batch_values(batch, self._rank))
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

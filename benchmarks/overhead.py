@@ -31,6 +31,8 @@ TIERS = {
     "wg+xy": {"wg_distribution": True, "xy_distribution": True, "all_xy": True},
     "full": {"wg_distribution": True, "xy_distribution": True, "all_xy": True, "mv_distribution": True,
              "param_distribution": True},
+    # the NaN sentinel alone: probes on every module output/grad, weight grad and update; no statistics
+    "sentinel": {"sentinel": True},
 }
 
 
@@ -140,7 +142,8 @@ def print_sink_table(results: list[dict]) -> None:
         ref = api.get(r["tier"])
         ratio = (lambda key: f"{r[key] / ref[key]:.3f}") if ref else (lambda key: "-")
         disk = ", ".join(f"{sink} {size / 1024:.1f}KB" for sink, size in r["disk_by_sink"].items()) or "-"
-        print(f"{r['tier']:6} {','.join(r['formats']):22} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms "
+        formats = "-" if r["tier"] == "none" else ",".join(r["formats"])
+        print(f"{r['tier']:6} {formats:22} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms "
               f"{ratio('cpu_s'):>7} {ratio('wall_s'):>8} {r['blocked_s']:7.2f}s {disk}")
 
 

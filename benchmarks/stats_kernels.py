@@ -102,7 +102,12 @@ def hook_tensors(dtype):
         step(m, opt, idx, tgt)
     for h in hs:
         h.remove()
-    return [t.to(dtype) for t in seen] if dtype != F32 else seen
+    conv = {}                                        # keep the duplicates duplicated
+    for t in seen:
+        k = (t.data_ptr(), t.shape, t.stride())
+        if k not in conv:
+            conv[k] = t.to(dtype)
+    return [conv[(t.data_ptr(), t.shape, t.stride())] for t in seen]
 
 
 # ---- candidates ---------------------------------------------------------------------------------------
@@ -177,13 +182,13 @@ def c_fast_raw_plus_codes(ts):
     return out
 
 
-def c_records(fields, chunk=None, dedupe=True):
+def c_records(fields, chunk=None):
+    """The engine as shipped (it computes each distinct storage view once)."""
     def run(ts):
         old = stats.CHUNK_ELEMS["cpu"]
-        if chunk:
-            stats.CHUNK_ELEMS["cpu"] = chunk
+        stats.CHUNK_ELEMS["cpu"] = chunk or old
         try:
-            return stats.tensor_records(ts if dedupe else [t for t in ts], EPS, fields)
+            return stats.tensor_records(ts, EPS, fields)
         finally:
             stats.CHUNK_ELEMS["cpu"] = old
     return run
@@ -199,7 +204,8 @@ def unique(ts):
     return out
 
 
-def bench(cands, ts, rounds):
+def bench(cands, ts, rounds, base):
+    """Interleaved rounds; returns {name: (median ms, min ms, median of per-round time / base time)}."""
     times = {k: [] for k in cands}
     for f in cands.values():
         f(ts)                                        # warm-up (workspace, allocator)
@@ -208,39 +214,62 @@ def bench(cands, ts, rounds):
             t0 = time.perf_counter()
             f(ts)
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {k: (statistics.median(v) * 1e3, min(v) * 1e3,
+                statistics.median(a / b for a, b in zip(v, times[base]))) for k, v in times.items()}
+
+
+def call_overhead(rounds):
+    """Fixed cost of one tensor_records call on a 4-element tensor (per-hook callers pay it per hook)."""
+    x, fields = torch.randn(4), stats.fields_for_ops(DESIGN_OPS)
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(50):
+            stats.tensor_records([x], EPS, fields)
+        out.append((time.perf_counter() - t0) / 50 * 1e6)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        torch._foreach_norm([x], 2, dtype=F32)
+    return statistics.median(out), (time.perf_counter() - t0) / 200 * 1e6
 
 
 def step_overhead(rounds, fields):
     """End to end: train step with forward+backward hooks on every module calling tensor_records on the
-    hook's tensors (one call per hook, realistic cache state) vs the bare step."""
+    hook's tensors (one call per hook, realistic cache state) vs the bare step.  "+cache" shares a
+    per-step ``cache`` dict, so a module output that is the next module's input is computed once."""
     m, opt, idx, tgt = make_model()
+    cache: dict = {}
 
-    def fh(_m, i, o):
-        stats.tensor_records([t for t in list(i) + [o] if t.is_floating_point()], EPS, fields)
+    def hooks(kind):
+        def run(ts):
+            if kind == "norm":
+                torch._foreach_norm(ts, 2, dtype=F32)
+            else:
+                stats.tensor_records(ts, EPS, fields, cache=cache if kind == "cache" else None)
 
-    def bh(_m, gi, go):
-        stats.tensor_records([t for t in list(gi) + list(go) if t is not None], EPS, fields)
+        def fh(_m, i, o):
+            run([t for t in list(i) + [o] if isinstance(t, torch.Tensor) and t.is_floating_point()])
 
-    def norm_fh(_m, i, o):
-        torch._foreach_norm([t for t in list(i) + [o] if t.is_floating_point()], 2, dtype=F32)
-
-    def norm_bh(_m, gi, go):
-        torch._foreach_norm([t for t in list(gi) + list(go) if t is not None], 2, dtype=F32)
+        def bh(_m, gi, go):
+            run([t for t in list(gi) + list(go) if t is not None])
+        return fh, bh
 
     mods = [mod for n, mod in m.named_modules() if n]
-    res = {"bare": [], "foreach_norm hooks": [], "tensor_records hooks": []}
+    kinds = {"bare": None, "foreach_norm hooks": "norm", "tensor_records hooks": "plain",
+             "tensor_records hooks + cache": "cache"}
+    res = {k: [] for k in kinds}
     import warnings
     warnings.simplefilter("ignore")
     for _ in range(2):
         step(m, opt, idx, tgt)
     for _ in range(rounds):
-        for k in res:
+        for k, kind in kinds.items():
             hs = []
-            if k != "bare":
-                f, b = (norm_fh, norm_bh) if k.startswith("foreach") else (fh, bh)
+            if kind:
+                f, b = hooks(kind)
                 hs = [h for mod in mods for h in (mod.register_forward_hook(f),
                                                    mod.register_full_backward_hook(b))]
+            cache.clear()
             t0 = time.perf_counter()
             step(m, opt, idx, tgt)
             res[k].append(time.perf_counter() - t0)
@@ -270,19 +299,24 @@ def main():
             "foreach_fast (not exact)": lambda t: c_foreach_fast(unique(t)),
             "opmajor_exact (no blocking)": lambda t: c_opmajor_exact(unique(t)),
             "fast_raw+codes (not exact)": lambda t: c_fast_raw_plus_codes(unique(t)),
-            "records design ops 64K": c_records(design, 1 << 16),
-            "records design ops 256K": c_records(design, 1 << 18),
-            "records design ops 1M": c_records(design, 1 << 20),
+            "records design ops, chunk 64K": c_records(design, 1 << 16),
+            "records design ops, chunk 256K": c_records(design, 1 << 18),
+            "records design ops, chunk 512K*": c_records(design, 1 << 19),
+            "records design ops, chunk 1M": c_records(design, 1 << 20),
             "records norm only": c_records(stats.fields_for_ops(["norm"])),
             "records nans,infs only": c_records(stats.fields_for_ops(["nans", "infs"])),
             "records no zeros": c_records(stats.fields_for_ops(["min", "max", "norm", "mean"])),
         }
         if dtype != torch.float32:
             cands = {k: v for k, v in cands.items() if not k.startswith(("loop6", "masked"))}
-        res = bench(cands, ts, rounds)
-        base = res["foreach_norm (1 pass, floor)"]
-        for k, v in res.items():
-            print(f"  {k:32s} {v:8.1f} ms   x{v / base:5.2f} norm pass")
+        base = "foreach_norm (1 pass, floor)"
+        res = bench(cands, ts, rounds, base)
+        print(f"  {'candidate':32s} {'median':>9s} {'min':>9s}   per-round ratio to the norm pass")
+        for k, (med, mn, ratio) in res.items():
+            print(f"  {k:32s} {med:7.1f}ms {mn:7.1f}ms   x{ratio:5.2f}")
+    rec_us, norm_us = call_overhead(rounds)
+    print(f"\n== fixed cost of one call (4-element tensor): tensor_records {rec_us:.0f} us, "
+          f"_foreach_norm {norm_us:.0f} us")
     if not args.no_step:
         r = step_overhead(rounds, design)
         bare = r["bare"]

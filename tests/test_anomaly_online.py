@@ -119,8 +119,9 @@ def test_nan_analyze_from_csv_alone(output_dir, write_config, capsys):
     assert report["first"]["call_index"] is None  # CSV rows carry no call index
 
 
-def test_nan_analyze_from_database_alone(output_dir, write_config, capsys):
-    monitor, expected = faulty_run(write_config, "grad_input_nan", {**STATS, "format": ["db"]})
+@pytest.mark.parametrize("config", [STATS, SENTINEL_ONLY], ids=["statistics", "sentinel_only"])
+def test_nan_analyze_from_database_alone(output_dir, write_config, capsys, config):
+    monitor, expected = faulty_run(write_config, "grad_input_nan", {**config, "format": ["db"]})
     (monitor.output_dir / "anomalies.jsonl").unlink()
     report = nan_analyze_json(monitor.output_dir.parent, capsys)
     assert report["sources"] == {"0": ["monitor.db"]}

@@ -8,6 +8,7 @@ import torch
 
 from training import BATCH, SEQ, VOCAB, batches, make_model, run_steps
 from trainmon import TrainerMon
+from trainmon.anomaly.processor import AlertRateLimit
 from trainmon.anomaly.rules import AnomalyNan, AnomalySpike, AnomalyTurbulence
 from trainmon.demo import lm_loss
 from trainmon.monitor import stats
@@ -102,16 +103,24 @@ def test_nan_rule_reads_counts_not_figures():
 
 
 def test_spike_warms_up_fires_on_a_spike_and_ignores_nan():
-    rule = AnomalySpike(threshold=6, window=20, warmup=5)
+    rule = AnomalySpike(threshold=6, window=20, warmup=5, min_relative=0.01)
     noise = [1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.0]
     assert not any(rule.check_scalar("loss", v) for v in noise[:4] + [50.0])  # still warming up
-    rule = AnomalySpike(threshold=6, window=20, warmup=5)
+    rule = AnomalySpike(threshold=6, window=20, warmup=5, min_relative=0.01)
     assert not any(rule.check_scalar("loss", v) for v in noise)
     assert not rule.check_scalar("loss", math.nan)  # AnomalyNan's business; kept out of the history
     assert not rule.check_scalar("loss", math.inf)
     assert rule.check_scalar("loss", 1.5) == [("value", 1.5)]
     assert not rule.check_scalar("loss", 1.01)  # the history was not poisoned by the NaN, Inf or spike
     assert not rule.check_scalar("loss", 0.5)  # only upward spikes
+
+
+def test_spike_default_needs_seven_times_the_median():
+    rule = AnomalySpike()
+    for v in [1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.0, 1.01, 0.99]:
+        assert not rule.check_scalar("grad_norm", v)
+    assert not rule.check_scalar("grad_norm", 6.5)
+    assert rule.check_scalar("grad_norm", 7.5) == [("value", 7.5)]
 
 
 def test_spike_judges_only_its_ops_per_tag():
@@ -141,3 +150,13 @@ def test_turbulence_uses_finite_running_mean():
 def test_bad_rule_args_are_config_errors(args, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         load_config({"alert": {"rules": [{"rule_name": "AnomalySpike", "args": args}]}})
+
+
+def test_alert_lines_are_rate_limited():
+    now = [0.0]
+    limit = AlertRateLimit(burst=2, interval=60.0, clock=lambda: now[0])
+    assert [limit.allow() for _ in range(4)] == [True, True, False, False]
+    now[0] = 30.0
+    assert not limit.allow()
+    now[0] = 61.0
+    assert limit.allow() and limit.suppressed == 3

@@ -29,8 +29,9 @@ class DbRankReader:
         self.ops = list(self.meta.get("ops", []))
 
     def rows(self, family: Optional[str], first: Optional[int], last: Optional[int]) -> Iterator[tuple[int, Rows]]:
-        """(step, rows) in step order; each row has the fields, `nan_fields` and the derived ops
-        (None where the op has no value, e.g. the min of a tensor without finite elements)."""
+        """(step, rows) in step order; each row has the stored fields (`raw_<field>`, NaN when NULL),
+        `nan_fields` and the derived ops (None where the op has no value, e.g. the min of a tensor
+        without finite elements)."""
         where, args = _step_filter("r.step", first, last)
         if family is not None:
             where.append("t.family = ?")
@@ -53,13 +54,12 @@ class DbRankReader:
             yield step, rows
 
     def _with_ops(self, row: dict) -> dict:
-        record = np.array([np.nan if row[f] is None else row[f] for f in FIELDS], dtype=np.float64)
+        stored = [np.nan if value is None else value for value in (row.pop(f) for f in FIELDS)]
+        row.update({RAW_PREFIX + f: value for f, value in zip(FIELDS, stored)})  # min, max, nans... are ops too
+        row["shape"] = json.loads(row["shape"])
+        record = np.array(stored, dtype=np.float64)
         # NaN and Inf counts that were not recorded (CSV conversions) count as none; see db_schema.
         record[1:3] = np.nan_to_num(record[1:3], nan=0.0)
-        row["shape"] = json.loads(row["shape"])
-        for f, value in zip(FIELDS, record):
-            del row[f]
-            row[RAW_PREFIX + f] = value  # the fields min, max, nans... share names with the ops
         figures = stats.derive_ops(record, self.ops)
         if not row["nan_fields"]:
             # no field is NaN, so a NaN figure comes from fields that were not recorded: it has no value

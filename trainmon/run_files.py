@@ -53,8 +53,8 @@ class FamilyFile:
 
 
 def find_rank_dirs(path: str | Path) -> list[RankDir]:
-    """Every rank directory of the run at `path` (a run directory, one rank directory, or an msprobe
-    output root holding `*-rank<R>-*` directories), ordered by rank.
+    """Every rank directory of the run at `path` (a run directory, one rank directory, an output root
+    holding one run, or an msprobe output root holding `*-rank<R>-*` directories), ordered by rank.
 
     Raises:
         FileNotFoundError: `path` does not exist.
@@ -68,6 +68,11 @@ def find_rank_dirs(path: str | Path) -> list[RankDir]:
     if not dirs and _has_output(root):
         dirs = [root]
     if not dirs:
+        runs = sorted(d.name for d in root.iterdir() if d.is_dir() and any(d.glob("rank_*")))
+        if len(runs) == 1:  # an output root with a single run
+            return find_rank_dirs(root / runs[0])
+        if runs:
+            raise ValueError(f"{root} holds several runs ({', '.join(runs)}); give one of them, e.g. {root / runs[-1]}")
         raise ValueError(f"{root} holds no monitor output (no monitor.db, no <family>_<a>-<b>.csv, no rank_<R>/ "
                          "directories)")
     ranks: dict[int, Path] = {}

@@ -63,9 +63,18 @@ class Truth:
             json.dump(self.data, f)
 
 
-def finish(monitor) -> None:
-    """Stops the monitor and ends the job without the interpreter-exit aborts gloo jobs sometimes hit."""
+def finish(monitor, out_dir: str = None, patched_objects=()) -> None:
+    """Stops the monitor and ends the job without the interpreter-exit aborts gloo jobs sometimes hit.
+
+    With `out_dir`, writes `restored.rank<R>.json`: whether `stop()` left none of `patched_objects`
+    (framework objects whose methods trainmon wraps on the instance) with an instance attribute.
+    """
     monitor.stop()
+    if out_dir is not None:
+        leftovers = sorted({f"{type(o).__name__}.{name}" for o in patched_objects
+                            for name in ("step", "start_grad_sync") if name in vars(o)})
+        with open(os.path.join(out_dir, f"restored.rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"objects": len(patched_objects), "leftovers": leftovers}, f)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--stage", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -36,7 +37,19 @@ config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
 engine, optimizer, _, _ = deepspeed.initialize(
     model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
 rank = dist.get_rank()
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json")))
+step = 0
+if args.inject:  # registered first: the module's output as the monitor sees it carries the inf
+    bad_rank, bad_step = (int(v) for v in args.inject.split(":"))
+
+    def inject(module, inputs, output):
+        if rank == bad_rank and step == bad_step:
+            output = output.clone()
+            output[0, 0, 0] = float("inf")
+            return output
+
+    engine.module.blocks[0].register_forward_hook(inject)
+extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
 monitor.set_monitor(engine, optimizer=optimizer)
 
 truth = Truth()
@@ -61,4 +74,4 @@ for step in range(args.steps):
         truth.add(step, "param_updated", name, safe_get_full_fp32_param(p))
 
 truth.write(args.out, rank)
-finish(monitor)
+finish(monitor, args.out, [optimizer])

@@ -18,6 +18,8 @@ from trainmon import TrainerMon
 
 own = argparse.ArgumentParser()
 own.add_argument("--out", required=True)
+own.add_argument("--cc", action="store_true", help="also record collectives and p2p ops (cc_distribution)")
+own.add_argument("--inject", metavar="RANK:STEP", help="put an inf into the last layer's output on RANK at STEP")
 known, rest = own.parse_known_args()
 out = known.out
 args = train_megatron.parse_args(rest + ["--steps", "3"])
@@ -26,13 +28,25 @@ model, optimizer = train_megatron.setup(args)
 from megatron.core import parallel_state as ps
 
 rank = dist.get_rank()
-monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json")))
+step = 0
+if known.inject:  # registered first: the layer's output as the monitor sees it carries the inf
+    bad_rank, bad_step = (int(v) for v in known.inject.split(":"))
+
+    def inject(module, inputs, output):
+        if rank == bad_rank and step == bad_step:
+            hidden = output[0].clone()
+            hidden[0, 0, 0] = float("inf")
+            return (hidden,) + tuple(output[1:])
+
+    model.module.decoder.layers[-1].register_forward_hook(inject)
+extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if known.inject else {}
+monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"),
+                                  cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, **extra))
 monitor.set_monitor([model], optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
 named = [(".".join(p for p in n.split(".") if p != "module"), p) for n, p in model.named_parameters()]
 dp_group, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
 truth = Truth()
-step = 0
 
 
 def tp_full(param, tensor):
@@ -82,4 +96,4 @@ for step in range(args.steps):
             truth.add(step, key, name, tp_full(p, full))
 
 truth.write(out, rank)
-finish(monitor)
+finish(monitor, out, [optimizer] + list(model.bucket_groups))

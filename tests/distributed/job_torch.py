@@ -19,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -38,7 +39,19 @@ else:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json")))
+step = 0
+if args.inject:  # registered first: the module's output as the monitor sees it carries the inf
+    bad_rank, bad_step = (int(v) for v in args.inject.split(":"))
+
+    def inject(module, inputs, output):
+        if rank == bad_rank and step == bad_step:
+            output = output.clone()
+            output[0, 0, 0] = float("inf")
+            return output
+
+    (model.module if args.mode == "ddp" else model).blocks[0].register_forward_hook(inject)
+extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
 monitor.set_monitor(model, optimizer=optimizer)
 
 truth = Truth()

@@ -7,7 +7,7 @@ import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import SHARDED_FAMILIES, assert_norms_match, differing, the_run
+from verify import SHARDED_FAMILIES, assert_norms_match, assert_unpatched, differing, nan_analyze, the_run
 
 pytest.importorskip("deepspeed")
 
@@ -21,9 +21,17 @@ def test_zero_stage_two_ranks(tmp_path, stage):
         meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
         assert meta["adapter"].startswith("deepspeed (DeepSpeedZeroOptimizer")
         assert meta["parallel"]["dp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
+    assert_unpatched(tmp_path, (0, 1))
     checked = assert_norms_match(run, tmp_path, (0, 1), SHARDED_FAMILIES + ("grad_unreduced",))
     assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in SHARDED_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
+
+
+def test_zero2_inf_on_rank_1_is_traced_to_it(tmp_path):
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_deepspeed.py", 2, ["--stage", "2", "--out", str(tmp_path), "--inject", "1:1"], output_dir)
+    first = nan_analyze(the_run(output_dir))["first"]
+    assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "blocks.0", "forward")

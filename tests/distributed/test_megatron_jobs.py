@@ -2,11 +2,16 @@
 DistributedOptimizer shards are those of the gathered full tensors."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from launch import torchrun
-from verify import assert_norms_match, differing, norms, the_run
+from test_csv_output import read_family
+from trainmon.anomaly.cross_rank import attribute
+from trainmon.anomaly.run_inputs import rank_dirs, rank_events
+from trainmon.monitor.collective_ops import parse_comm_name
+from verify import assert_norms_match, assert_unpatched, differing, nan_analyze, norms, the_run
 
 pytest.importorskip("megatron.core")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq")
@@ -21,7 +26,15 @@ def run_job(tmp_path, nproc, *options):
         assert meta["adapter"].startswith("megatron (")
         assert meta["parallel"]["global_rank"] == rank
     assert assert_norms_match(run, tmp_path, range(nproc), FAMILIES) > 0
+    assert_unpatched(tmp_path, range(nproc))
     return run, [m["parallel"] for m in metas]
+
+
+def comm_rows(run, rank, op):
+    """{(step, "[src->dst]@group#seq"): (norm, min, max)} of one p2p op's records on one rank."""
+    frame = read_family(os.path.join(run, f"rank_{rank}"), "comm")
+    return {(r.step, r.name.split("[", 1)[1].rsplit(".", 1)[0]): (r.norm, r.min, r.max)
+            for r in frame.itertuples() if parse_comm_name(r.name)["op"] == op}
 
 
 def test_tensor_parallel_2(tmp_path):
@@ -32,11 +45,19 @@ def test_tensor_parallel_2(tmp_path):
 
 
 def test_pipeline_parallel_2(tmp_path):
-    run, coords = run_job(tmp_path, 2, "--pp", "2")
+    run, coords = run_job(tmp_path, 2, "--pp", "2", "--cc")
     assert [c["pp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
     first, last = (set(n for _, n in norms(os.path.join(run, f"rank_{r}"), "grad_reduced")) for r in (0, 1))
     assert "embedding.word_embeddings.weight" in first and "embedding.word_embeddings.weight" not in last
     assert "output_layer.weight" in last and "output_layer.weight" not in first
+    # the stages' p2p: every tensor one stage sends is received by the other with the same figures
+    sent = {r: comm_rows(run, r, "isend") for r in (0, 1)}
+    received = {r: comm_rows(run, r, "irecv") for r in (0, 1)}
+    assert sent[0] and sent[1], "activations go forward, grads backward"
+    for src, dst in ((0, 1), (1, 0)):
+        assert sent[src].keys() == received[dst].keys()
+        for key, figures in sent[src].items():
+            assert figures == pytest.approx(received[dst][key], rel=1e-12), key
 
 
 def test_data_parallel_2_distributed_optimizer(tmp_path):
@@ -52,3 +73,19 @@ def test_tensor_2_by_pipeline_2(tmp_path):
     run, coords = run_job(tmp_path, 4, "--tp", "2", "--pp", "2")
     assert [c["tp"]["ranks"] for c in coords] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [c["pp"]["ranks"] for c in coords] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def test_pipeline_inf_on_stage_0_is_traced_through_p2p(tmp_path):
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_megatron.py", 2, ["--out", str(tmp_path), "--pp", "2", "--cc", "--inject", "0:1"], output_dir)
+    run = the_run(output_dir)
+    first = nan_analyze(run)["first"]
+    # stage 0's last layer (Megatron names layers per stage)
+    assert (first["rank"], first["step"], first["module"], first["phase"]) == (0, 1, "decoder.layers.0", "forward")
+    # the collectives' records say how it got to stage 1: rank 0 -> isend[0->1] -> rank 1
+    events = sorted((e for r, d in rank_dirs(Path(run)).items() for e in rank_events(r, d)[0]),
+                    key=lambda e: e.order_key())
+    result = attribute(events)
+    assert result["origin_rank"] == 0 and result["origin"]["module"] == "decoder.layers.0"
+    link = result["chain"][0]
+    assert (link["step"], link["from"], link["to"]) == (1, [0], [1]) and "[0->1]" in link["via"]

@@ -4,7 +4,7 @@ import os
 
 from common import TinyLM
 from launch import torchrun
-from verify import SHARDED_FAMILIES, assert_norms_match, differing, the_run
+from verify import SHARDED_FAMILIES, assert_norms_match, differing, nan_analyze, the_run
 
 
 def test_ddp_two_ranks(tmp_path):
@@ -36,3 +36,12 @@ def test_fsdp2_two_ranks(tmp_path):
     assert checked == 2 * 3 * 5 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
     for family in SHARDED_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
+
+
+def test_ddp_inf_on_rank_1_is_traced_to_it(tmp_path):
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_torch.py", 2, ["--mode", "ddp", "--out", str(tmp_path), "--inject", "1:1"], output_dir)
+    report = nan_analyze(the_run(output_dir))
+    first = report["first"]
+    assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "blocks.0", "forward")
+    assert any(c["rank"] == 0 for c in report["chain"]), "the all-reduce spread it to rank 0"

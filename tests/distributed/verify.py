@@ -56,3 +56,21 @@ def differing(run_dir: str, family: str, rank_a: int, rank_b: int) -> tuple[int,
     common = set(a) & set(b)
     assert common, f"{family}: ranks {rank_a} and {rank_b} share no records"
     return sum(not math.isclose(a[k], b[k], rel_tol=1e-9) for k in common), len(common)
+
+
+def nan_analyze(run_dir: str) -> dict:
+    """`trainmon nan-analyze --json` of a run, as a user would run it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "trainmon.cli", "nan-analyze", "--json", run_dir],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def assert_unpatched(out_dir, ranks) -> None:
+    """stop() removed every instance-level wrapper from the framework objects (see common.finish)."""
+    for rank in ranks:
+        restored = json.load(open(os.path.join(out_dir, f"restored.rank{rank}.json")))
+        assert restored["objects"] > 0 and restored["leftovers"] == [], restored

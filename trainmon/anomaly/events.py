@@ -97,14 +97,25 @@ class AnomalyEvent:
     @classmethod
     def from_json(cls, data: dict) -> "AnomalyEvent":
         """Inverse of `to_json`; raises ValueError naming a missing or mistyped field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in data and n != "first"]
         if missing:
             raise ValueError(f"missing field(s) {', '.join(missing)}")
+        for name, kinds in _FIELD_TYPES.items():
+            if not isinstance(data[name], kinds) or isinstance(data[name], bool):
+                raise ValueError(f"field {name!r} = {data[name]!r} has the wrong type")
         try:
-            return cls(**{n: data[n] for n in names if n in data} | {"value": float(data["value"])})
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"bad field value: {err}") from None
+            value = float(data["value"])
+        except (TypeError, ValueError):
+            raise ValueError(f"field 'value' = {data['value']!r} is not a number") from None
+        return cls(**{n: data[n] for n in names if n in data} | {"value": value, "first": bool(data.get("first"))})
+
+
+_FIELD_TYPES = {"rank": int, "step": int, "micro_step": (int, type(None)), "pp_stage": int, "vpp_stage": int,
+                "call_index": (int, type(None)), "module": str, "phase": str, "tensor": str, "op": str,
+                "rule": str, "family": str}
 
 
 def _show(value: float) -> str:

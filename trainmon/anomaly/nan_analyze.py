@@ -2,9 +2,11 @@
 
 Reads every rank's `anomalies.jsonl`, `monitor.db` and CSV files, sorts the non-finite records by the
 ordering key `(step, micro_step, rank, pp_stage, vpp_stage, call_index)` and reports the earliest one
-(`first`), the other ranks that saw NaN/Inf at the same step and micro-step (`ties`: without
-collective records, which rank infected which cannot be told, so they are listed, not guessed), and
-the chain: the first appearance of each (rank, module, phase) after it, in order.
+(`first`), and the chain: the first appearance of each other (rank, module, phase), in key order.
+Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the rank
+they started on is found from them (`cross_rank`) and `first` is that rank's earliest record;
+without them, the earliest step and micro-step wins and the other ranks non-finite at the same step
+and micro-step are listed as `ties`, not guessed.
 
 CSV files carry no call index: within a step and micro-step their rows are ordered by phase
 (forward, backward, optimizer) and then by file order, and `call_index` is reported as null.
@@ -14,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events
 
@@ -42,7 +45,8 @@ def analyze(path: str | Path) -> dict:
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, nonfinite_records, first
         ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
-        (first plus op, value, rule, family), ties and chain (lists shaped like first).
+        (first plus op, value, rule, family), ties and chain (lists shaped like first), cross_rank
+        (`cross_rank.attribute`'s result, or None without collective records).
 
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
@@ -57,15 +61,19 @@ def analyze(path: str | Path) -> dict:
         everything += events
     ordered = _dedupe([e for _, e in sorted(enumerate(everything), key=_sort_key)])
     first: Optional[AnomalyEvent] = ordered[0] if ordered else None
+    cross = attribute(ordered)
+    if cross is not None and cross["origin"] is not None:
+        first = next(e for e in ordered if e.where() == cross["origin"])
     ties, chain, reached = [], [], set()
-    if first is not None:
+    if first is not None and cross is None:
         tied_ranks = {first.rank}
         for event in ordered[1:]:
             if (event.step, event.micro_step) == (first.step, first.micro_step) and event.rank not in tied_ranks:
                 tied_ranks.add(event.rank)
                 ties.append(event.where())
+    if first is not None:
         reached.add((first.rank, first.module, first.phase))
-        for event in ordered[1:]:
+        for event in ordered:
             place = (event.rank, event.module, event.phase)
             if place not in reached:
                 reached.add(place)
@@ -81,6 +89,7 @@ def analyze(path: str | Path) -> dict:
                           "family": first.family} if first else None),
         "ties": ties,
         "chain": chain,
+        "cross_rank": cross,
     }
 
 
@@ -109,6 +118,9 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     if result["ties"]:
         lines.append("also non-finite at the same step and micro-step (order across ranks unknown):")
         lines += [f"  {_place(t)}" for t in result["ties"]]
+    if result["cross_rank"] is not None:
+        lines.append("spread across ranks through collectives:")
+        lines += [f"  {line}" for line in format_chain(result["cross_rank"])]
     chain = result["chain"]
     lines.append(f"then reached {len(chain)} more module/phase place(s), in order:" if chain
                  else "it reached no other module")

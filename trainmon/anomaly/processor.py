@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sqlite3
 import threading
 import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from trainmon.anomaly.db_anomalies import AnomalyTable
+from trainmon.anomaly.dump import DumpRequest, write_dump
 from trainmon.anomaly.events import SCALAR_PHASE, AnomalyEvent, phase_of, split_name
 from trainmon.anomaly.rules import Rule
 from trainmon.monitor.records import RecordKey, StepBatch
 from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.db_schema import DB_NAME
 from trainmon.writers.tags import tag_of
 
 logger = logging.getLogger("trainmon")
@@ -53,28 +57,42 @@ class AnomalyProcessor(Sink):
     Args:
         rules: the configured rules (see `rules.build_rules`).
         rate_limit: limits alert log lines; every anomaly is still written to the file.
+        database: also append them to the `anomalies` table of `monitor.db` (with `format` "db").
     """
 
     name = "anomaly"
 
-    def __init__(self, rules: Sequence[Rule], rate_limit: Optional[AlertRateLimit] = None):
+    def __init__(self, rules: Sequence[Rule], rate_limit: Optional[AlertRateLimit] = None, database: bool = False):
         self.rules = list(rules)
         self.rate_limit = rate_limit or AlertRateLimit()
+        self.database = database
+        self._table: Optional[AnomalyTable] = None
         self.anomaly_count = 0
         self._file = None
         self._rank = 0
         self._lock = threading.Lock()
         self._first_by_step: dict[int, AnomalyEvent] = {}
         self._listeners: list = []
+        self._dumps: list[DumpRequest] = []
+        self._rank_dir = None
 
     def start(self, context: SinkContext) -> None:
         self._rank = context.rank
+        self._rank_dir = context.rank_dir
         context.rank_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(context.rank_dir / ANOMALIES_FILE, "a", encoding="utf-8")
+        if self.database:
+            self._table = AnomalyTable(context.rank_dir / DB_NAME)
+            self._guard_table(self._table.open)
 
     def add_listener(self, callback) -> None:
         """`callback(events)` runs in the writer thread with each anomalous step's sorted events."""
         self._listeners.append(callback)
+
+    def add_dump(self, request: DumpRequest) -> None:
+        """Queues tensors captured on the training thread; written with their step's batch."""
+        with self._lock:
+            self._dumps.append(request)
 
     def first_of_step(self, step: int) -> Optional[AnomalyEvent]:
         """The earliest anomaly of `step` on this rank, once the step was written."""
@@ -83,6 +101,13 @@ class AnomalyProcessor(Sink):
 
     # ----------------------------------------------------------------------------------- judge
     def write(self, batch: StepBatch) -> None:
+        with self._lock:
+            dumps, self._dumps = [d for d in self._dumps if d.step <= batch.step], \
+                [d for d in self._dumps if d.step > batch.step]
+        for request in dumps:
+            path = write_dump(self._rank_dir, request)
+            logger.warning("trainmon: tensors of %s at step %s micro-step %s dumped to %s",
+                           request.module or "<root>", request.step, request.micro_step, path)
         events = self._judge(batch)
         if not events:
             return
@@ -94,6 +119,8 @@ class AnomalyProcessor(Sink):
         for event in events:
             self._file.write(json.dumps(event.to_json(), allow_nan=False) + "\n")
         self._file.flush()
+        if self._table is not None:
+            self._guard_table(self._table.append, events)
         self._alert(events)
         for callback in self._listeners:
             callback(events)
@@ -129,6 +156,16 @@ class AnomalyProcessor(Sink):
                             vpp_stage=0, call_index=None, module=name, phase=SCALAR_PHASE, tensor="scalar",
                             op=op, value=value, rule=rule, family="scalar")
 
+    def _guard_table(self, method, *args) -> None:
+        """A database failure stops only the table; anomalies.jsonl and the alerts go on."""
+        try:
+            method(*args)
+        except sqlite3.Error as err:
+            logger.error("trainmon: anomalies are no longer written to %s (%s); anomalies.jsonl still has them",
+                         self._table.path, err)
+            self._table.close()
+            self._table = None
+
     def _alert(self, events: list[AnomalyEvent]) -> None:
         if not self.rate_limit.allow():
             return
@@ -142,9 +179,16 @@ class AnomalyProcessor(Sink):
             self._file.flush()
 
     def close(self) -> None:
+        with self._lock:
+            dumps, self._dumps = self._dumps, []
+        for request in dumps:
+            write_dump(self._rank_dir, request)
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._table is not None:
+            self._table.close()
+            self._table = None
 
 
 def processor_for(config) -> Optional[AnomalyProcessor]:
@@ -153,4 +197,4 @@ def processor_for(config) -> Optional[AnomalyProcessor]:
 
     if not (config.alert.rules or config.sentinel or config.alert.action != "warn"):
         return None
-    return AnomalyProcessor(build_rules(config.alert.rules))
+    return AnomalyProcessor(build_rules(config.alert.rules), database="db" in config.format)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Optional
 
 from trainmon.anomaly.events import AnomalyEvent, phase_of, split_name
+from trainmon.anomaly.db_anomalies import read_anomalies
 from trainmon.anomaly.processor import ANOMALIES_FILE
-
-DB_FILE = "monitor.db"
+from trainmon.writers.db_schema import DB_NAME
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _CSV_FILE = re.compile(r"^(?P<family>[a-z_]+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
 
@@ -80,17 +80,17 @@ ORDER BY r.step, r.call_index
 
 
 def read_db(path: Path, rank: int) -> list[AnomalyEvent]:
-    """Non-finite records of a rank's database (read-only; a running job may still be writing it)."""
+    """Non-finite records and anomalies of a rank's database (read-only; a job may still be writing it)."""
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             rows = conn.execute(_DB_QUERY).fetchall()
+            events = [e for e in read_anomalies(conn) if e.nonfinite]
         finally:
             conn.close()
     except sqlite3.Error as err:
         raise InputError(f"{path}: cannot read the monitor database ({err}); it may be corrupt or not a "
                          f"trainmon database (check with: sqlite3 {path} 'PRAGMA integrity_check')") from None
-    events = []
     for family, name, vpp, step, micro, call, pp, nans, infs in rows:
         op, value = ("nans", nans) if nans else ("infs", infs)
         events.append(_record_event(rank, step, micro, pp, vpp, call, family, name, op, value))
@@ -151,10 +151,10 @@ def rank_events(rank: int, rank_dir: Path) -> tuple[list[AnomalyEvent], list[str
     if jsonl.exists():
         events += [e for e in read_jsonl(jsonl) if e.nonfinite]
         sources.append(ANOMALIES_FILE)
-    db = rank_dir / DB_FILE
+    db = rank_dir / DB_NAME
     if db.exists():
         events += read_db(db, rank)
-        sources.append(DB_FILE)
+        sources.append(DB_NAME)
     files = csv_files(rank_dir)
     if files:
         without_counts = []

@@ -101,7 +101,7 @@ class CCConfig:
 
     _PATH: ClassVar[str] = "cc_distribution"
     enable: bool = _field(check_bool, default=False)
-    """Record collectives. Accepted; not honoured yet (one warning)."""
+    """Record statistics of torch.distributed collectives and p2p ops (see README: what cannot be seen)."""
     cc_codeline: list[str] = _field(check_list(check_str, "code-line patterns"), factory=list)
     """Only collectives called from these code lines, e.g. "train.py\\\\[23\\\\]"; empty means all."""
     cc_pre_hook: bool = _field(check_bool, default=False)
@@ -121,7 +121,8 @@ class AlertConfig:
     rules: list[RuleConfig] = _field(check_list(_section(RuleConfig), "rule objects"), factory=list)
     """Rules checked at every recorded step; the first rule that fires is reported."""
     dump: bool = _field(check_bool, default=False)
-    """Write anomalies to disk (msprobe: `anomaly_detected/`; trainmon: `anomalies.jsonl` and dumps)."""
+    """Save the inputs and outputs of a rank's first anomalous module (needs `sentinel`; msprobe: writes
+    `anomaly_detected/`). Anomalies always go to `anomalies.jsonl` when rules or the sentinel are on."""
     action: str = _field(check_choice(ALERT_ACTIONS), default="warn")
     """trainmon: what an anomaly does to training: "warn", "skip_step" or "stop"."""
 

@@ -48,7 +48,6 @@ MAX_NDIGITS = 20  # msprobe's MonitorConst.MAX_NDIGITS
 # inert value. Entries are dotted config keys; "ops:<name>" stands for an op name inside `ops`.
 # Remove an entry once the feature is honoured.
 NOT_HONOURED: dict[str, str] = {
-    "cc_distribution.enable": "collective-communication statistics are not recorded yet",
     "recording_l2_features": "L2 interpretability features (attention entropy, stable rank) are not computed",
     "l2_targets": "L2 interpretability features are not computed",
     "sa_order": "L2 interpretability features are not computed",

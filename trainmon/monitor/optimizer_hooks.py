@@ -17,6 +17,7 @@ import torch
 from trainmon.monitor.adapters.base import AdamPiece, TrainingAdapter, WatchedParam
 from trainmon.monitor.records import (ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
                                       MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED)
+from trainmon.monitor.patching import patch_attribute
 from trainmon.monitor.shard_merge import record_pieces
 from trainmon.monitor.state import HookState
 
@@ -37,7 +38,7 @@ class OptimizerHooks:
         self.sign_agreement = sign_agreement
         self.end_step = end_step
         self._handles: list = []
-        self._patched = None
+        self._restore = None
         self._warned_no_moments = False
 
     def install(self) -> None:
@@ -58,16 +59,15 @@ class OptimizerHooks:
             finally:
                 self._after_step(owner, args, kwargs)
 
-        owner.step = monitored_step
-        self._patched = owner
+        self._restore = patch_attribute(owner, "step", monitored_step)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._patched is not None:
-            del self._patched.step  # the class's step shows through again
-            self._patched = None
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     def _record(self, family: str, pieces: list) -> None:
         record_pieces(self.state, family, self.params, pieces, group=self.adapter.shard_group)

@@ -20,9 +20,13 @@ EXP_AVG_SQ = "exp_avg_sq"
 ADAM_UPDATE = "adam_update"
 ADAM_RATIO = "adam_ratio"
 MG_DIRECTION = "mg_direction"
+# Inputs/outputs of torch.distributed collectives and p2p ops (cc_distribution). A record's name is
+# `<op>[<group ranks>]@<group name>#<seq>.<input|output>[_<i>]` (p2p: `<op>[<src>-><dst>]@...`), see
+# trainmon.monitor.collective_ops.parse_comm_name.
+COMM = "comm"
 
 FAMILIES = (ACTV, ACTV_GRAD, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, PARAM_UPDATED,
-            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION)
+            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION, COMM)
 ACTIVATION_FAMILIES = frozenset({ACTV, ACTV_GRAD})
 
 # Phase of training in which a family's tensors are produced (used to name where a fault appeared).
@@ -38,6 +42,7 @@ PHASES = {
     ADAM_UPDATE: "optimizer",
     ADAM_RATIO: "optimizer",
     MG_DIRECTION: "optimizer",
+    COMM: "communication",
 }
 
 

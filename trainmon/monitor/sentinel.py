@@ -9,12 +9,14 @@ buffer joins the step's single device->host copy. Nothing is read on the host in
 """
 from __future__ import annotations
 
-import collections
-import warnings
-from typing import Optional
+import functools
+import weakref
+from typing import Callable, Optional
 
 import torch
+from torch.utils._pytree import tree_flatten
 
+from trainmon.anomaly.dump import DumpRequest, capture
 from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
@@ -68,18 +70,26 @@ class _ProbeBuffer:
         self._overflow = []
 
 
-class _SentinelModule:
-    __slots__ = ("name", "module", "vpp_stage", "pending_micro")
+class _GradConsumer:
+    """Who a tensor's grad is attributed to: the innermost module that took the tensor as input."""
 
-    def __init__(self, name: str, module: torch.nn.Module, vpp_stage: int):
-        self.name = name
-        self.module = module
-        self.vpp_stage = vpp_stage
-        self.pending_micro: collections.deque = collections.deque()
+    __slots__ = ("tensor", "name", "vpp_stage", "micro")
+
+    def __init__(self, tensor: torch.Tensor, name: str, vpp_stage: int, micro: int):
+        self.tensor = weakref.ref(tensor)
+        self.name, self.vpp_stage, self.micro = name, vpp_stage, micro
 
 
 class NanSentinel:
     """Installs the sentinel's hooks; `close_step()` adds the step's probes to the collector.
+
+    Forward: every module's floating outputs are probed. Backward: the grad of every floating module
+    input is probed once, by a hook on the input tensor, and named `<module>.input[_i]` after the
+    innermost module that took the tensor (it is that module's grad_input, i.e. what its backward
+    computed; a fault injected by a full backward hook is seen too). A chunk's root also probes the
+    grad of its outputs, for what reaches the model from the loss. Tensor hooks are used instead of
+    full backward hooks, which wrap every module's inputs and outputs in extra autograd nodes and
+    cost more than the probes themselves.
 
     Args:
         state: the shared hook state (collector, forward micro-step).
@@ -90,31 +100,37 @@ class NanSentinel:
 
     def __init__(self, state: HookState, modules: list[tuple], params: list[tuple]):
         self.state = state
-        self.modules = [_SentinelModule(*m) for m in modules]
+        self.modules = modules
         self.params = params
         self.slots = _ProbeBuffer()
         self._handles: list = []
+        self._consumers: dict[int, _GradConsumer] = {}
         self._backward_micro = 0
         self._callback_queued = False
+        self._grad_hook = state.guarded("NaN sentinel on activation grads", self._on_grad)
+        self._dump: Optional[_ForwardDump] = None
+
+    def enable_dump(self, deliver: Callable[[DumpRequest], None], rank: int) -> None:
+        """Saves the inputs and outputs of the first module with a non-finite forward output, once.
+
+        This reads the probes on the host at the end of every forward pass until the dump is taken
+        (one synchronisation per micro-batch): the tensors are gone by the end of the step.
+        """
+        self._dump = _ForwardDump(deliver, rank)
 
     def install(self) -> None:
-        # Modules fed only integer tensors (embeddings) have no input grads; torch warns about that on
-        # every such module, while the sentinel simply probes their output grads.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed "
-                                "with respect to module outputs", category=UserWarning)
-        for watched in self.modules:
-            item = f"NaN sentinel on {watched.name or '<root>'}"
-            self._handles.append(watched.module.register_forward_hook(
-                self.state.guarded(item, self._make_forward(watched))))
-            self._handles.append(watched.module.register_full_backward_hook(
-                self.state.guarded(item, self._make_backward(watched))))
+        for name, module, vpp in self.modules:
+            item = f"NaN sentinel on {name or '<root>'}"
+            self._handles.append(module.register_forward_pre_hook(
+                self.state.guarded(item, self._make_pre_forward(name, vpp))))
+            self._handles.append(module.register_forward_hook(
+                self.state.guarded(item, self._make_forward(name, vpp))))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for watched in self.modules:
-            watched.pending_micro.clear()
+        self._consumers.clear()
         self.slots.reset()
 
     # ------------------------------------------------------------------------------------ hooks
@@ -127,30 +143,52 @@ class NanSentinel:
                           str(t.dtype)) for name, t in leaves]
         self.slots.write(keys, [t for _, t in leaves])
 
-    def _make_forward(self, watched: _SentinelModule):
+    def _make_pre_forward(self, name: str, vpp: int):
+        state = self.state
+
+        def pre_forward_hook(module, args):
+            if self._dump is not None:
+                self._dump.saw(name, "input", args, start=len(self.slots.keys) if name == "" else None)
+            if not torch.is_grad_enabled():
+                return
+            micro = max(state.forward_micro, 0)
+            for leaf_name, tensor in floating_leaves(args, None, f"{name}.input"):
+                if tensor.requires_grad:
+                    self._watch_grad(tensor, leaf_name, vpp, micro)
+
+        return pre_forward_hook
+
+    def _watch_grad(self, tensor: torch.Tensor, name: str, vpp: int, micro: int) -> None:
+        consumer = self._consumers.get(id(tensor))
+        if consumer is not None and consumer.tensor() is tensor:
+            # An inner module took the same tensor (pre-hooks run outside-in): the grad is its grad_input.
+            consumer.name, consumer.vpp_stage, consumer.micro = name, vpp, micro
+            return
+        consumer = _GradConsumer(tensor, name, vpp, micro)
+        self._consumers[id(tensor)] = consumer
+        tensor.register_hook(functools.partial(self._grad_hook, consumer))
+
+    def _on_grad(self, consumer: _GradConsumer, grad: torch.Tensor) -> None:
+        self._ensure_end_of_backward()
+        self._probe(ACTV_GRAD, [(consumer.name, grad)], consumer.vpp_stage, consumer.micro)
+
+    def _make_forward(self, name: str, vpp: int):
         state = self.state
 
         def forward_hook(module, args, output):
             micro = max(state.forward_micro, 0)
-            if torch.is_grad_enabled():
-                watched.pending_micro.append(micro)
-            self._probe(ACTV, floating_leaves(output, None, f"{watched.name}.output"), watched.vpp_stage, micro)
+            leaves = floating_leaves(output, None, f"{name}.output")
+            self._probe(ACTV, leaves, vpp, micro)
+            if self._dump is not None:
+                self._dump.saw(name, "output", output)
+                if name == "":
+                    self._dump.check(self.slots, state.collector.step, micro)
+            if name == "" and torch.is_grad_enabled():
+                for leaf_name, tensor in leaves:
+                    if tensor.requires_grad:
+                        self._watch_grad(tensor, leaf_name, vpp, micro)
 
         return forward_hook
-
-    def _make_backward(self, watched: _SentinelModule):
-        def backward_hook(module, grad_input, grad_output):
-            if not watched.pending_micro:
-                return
-            micro = watched.pending_micro.popleft()
-            self._ensure_end_of_backward()
-            # The grad arriving at the module first, then the one it computed: a fault inside the
-            # module's backward shows in grad_input and is named after the module.
-            leaves = floating_leaves(grad_output, None, f"{watched.name}.output") + \
-                floating_leaves(grad_input, None, f"{watched.name}.input")
-            self._probe(ACTV_GRAD, leaves, watched.vpp_stage, micro)
-
-        return backward_hook
 
     def _ensure_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -181,6 +219,7 @@ class NanSentinel:
         if filled is not None:
             self.state.collector.add_flags(self.slots.keys, filled)
         self.slots.reset()
+        self._consumers.clear()
         self._backward_micro = 0
 
     def any_nonfinite(self) -> Optional[torch.Tensor]:
@@ -196,3 +235,45 @@ def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: b
     params = [(display_name(name, squash_name), param, vpp)
               for vpp, chunk in enumerate(chunks) for name, param in chunk.named_parameters() if param.requires_grad]
     return NanSentinel(state, modules, params)
+
+
+class _ForwardDump:
+    """Weak references to each module's inputs and outputs in the running forward pass; at its end, the
+    first non-finite forward probe names the module whose tensors are copied out (see enable_dump)."""
+
+    def __init__(self, deliver: Callable[[DumpRequest], None], rank: int):
+        self.deliver = deliver
+        self.rank = rank
+        self.done = False
+        self._first_slot = 0
+        self._io: dict[str, list] = {}
+
+    def saw(self, module: str, kind: str, obj, start: Optional[int] = None) -> None:
+        if self.done:
+            return
+        if start is not None:  # the root's pre-hook: a new forward pass
+            self._first_slot = start
+            self._io.clear()
+        leaves = [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+        self._io.setdefault(module, []).extend(
+            (f"{kind}_{i}" if len(leaves) > 1 else kind, weakref.ref(t)) for i, t in enumerate(leaves))
+
+    def check(self, slots: _ProbeBuffer, step: int, micro: int) -> None:
+        if self.done:
+            return
+        filled = slots.filled()
+        if filled is None or filled.numel() <= self._first_slot:
+            return
+        bad = ~torch.isfinite(filled[self._first_slot:])
+        if not bool(bad.any()):  # the documented host read
+            return
+        key = slots.keys[self._first_slot + int(bad.nonzero()[0, 0])]
+        if key.family != ACTV:
+            return
+        module = key.name.rpartition(".")[0]
+        tensors = [(name, ref()) for name, ref in self._io.get(module, []) if ref() is not None]
+        request = DumpRequest(rank=self.rank, step=step, micro_step=micro, module=module, phase="forward")
+        capture(request, tensors)
+        self.done = True
+        self._io.clear()
+        self.deliver(request)

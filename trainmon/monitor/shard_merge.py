@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from trainmon.monitor import stats
 from trainmon.monitor.adapters.base import WatchedParam
+from trainmon.monitor.collectives import not_monitored
 from trainmon.monitor.records import RecordKey
 from trainmon.monitor.state import HookState
 
@@ -73,14 +74,17 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
     ranks = dist.get_world_size(group)
     # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
     gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=device)
-    dist.all_gather_into_tensor(gathered, rows, group=group)
-    keys = [_key(collector, family, w, t, micro) for w, t in zip(params, pieces)]
+    with not_monitored():  # trainmon's own collective is not part of the training's communication
+        dist.all_gather_into_tensor(gathered, rows, group=group)
+    # A rank that holds no piece of a parameter labels it with the dtype of the pieces it does hold
+    # (one family's pieces share a dtype: fp32 main params, fp32 moments), so every rank writes the same.
+    some = next((t for t in pieces if t is not None), None)
+    keys = [_key(collector, family, w, t if t is not None else some, micro) for w, t in zip(params, pieces)]
     collector.record_rows(keys, merge_gathered(gathered.view(ranks, *rows.shape)))
 
 
 def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordKey:
-    shape = watched.shape if watched.shape is not None else tuple(
-        piece.shape if piece is not None else watched.param.shape)
+    shape = watched.shape if watched.shape is not None else tuple(watched.param.shape)
     dtype = piece.dtype if piece is not None else watched.param.dtype
     return RecordKey(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
                      tuple(shape), str(dtype))

@@ -1,28 +1,30 @@
 """Statistic engine: mergeable per-tensor records, computed on the tensors' device without a host sync.
 
 A record is a float64 row ``FIELDS`` = (count, nans, infs, zeros, sum, sumsq, min, max) over the FINITE
-elements (design §3): ``count`` finite elements, ``nans``/``infs`` non-finite ones, ``zeros`` finite
-elements with ``|x| < eps``.  Sums add and min/max combine, so chunks, micro-batches, shards and ranks
-merge exactly (:func:`merge_records`).  Empty input: count 0, min=+inf, max=-inf (monoid identities).
-Fields not requested in ``fields`` (except count/nans/infs, always computed) are 0 and meaningless:
-:func:`derive_ops` given ``fields=`` refuses ops that need them.
+elements (design §3): count = finite elements, nans/infs = non-finite ones, zeros = finite |x| < eps
+(compared exactly against the float64 eps).  Sums add, min/max combine, so chunks, micro-batches,
+shards and ranks merge exactly (:func:`merge_records`).  Empty input: count 0, min=+inf, max=-inf.
+Fields not in ``fields`` (count/nans/infs are always computed) hold 0 and mean nothing; pass the same
+``fields`` to :func:`derive_ops` to have it refuse ops that need them.  sum/sumsq accumulate in fp32 for
+16/32-bit inputs (fp64 for fp64), so e.g. sumsq of |x| > 1.8e19 overflows to inf like any fp32 norm.
 
-Kernel (chosen by measurement, see benchmarks/stats_kernels.py).  Each tensor is processed in
-cache-sized chunks (CPU: 2**18 elements); every chunk runs ALL of its kernels back to back, so the data
-comes from DRAM once and the other passes hit the cache.  The chunk is only ever read by elementwise ops
-that write into a reusable same-dtype workspace (never an fp32/fp64 copy); reductions accumulate in fp32
-(fp64 for fp64 inputs) through ``dtype=``/BLAS.  Exact finite-only figures without any branch:
-  A  ntn(x, +inf) -> amin;  ntn_(-inf) -> amax;  ntn_(0) -> sum, sumsq   (sentinels never win)
-  B  |x| -> hardshrink(lambda) -> ntn_(NaN:-65536P, Inf:-256P) -> clamp_max(P) -> sums of 128-rows
-     Every row sum is the exact integer B - 256*I - 65536*N times P (B = finite |x| >= eps), decoded once
-     per call on the small row tensor.  Without "zeros": code = ntn(x, codes) - a instead.
-No ``.item()``, no host copy, no Python branch on values: only shapes/dtypes drive the control flow.
+Kernel, chosen by measurement (benchmarks/stats_kernels.py).  A tensor is cut into cache-sized chunks
+(CPU 2**19 elements) and every chunk runs all its kernels back to back: the data comes from memory once,
+the other passes hit the cache.  The input is only read by elementwise ops writing into a reused
+workspace of its own dtype (never an fp32/fp64 copy); reductions accumulate via ``dtype=``/BLAS.
+Exact finite-only figures, branch-free (sentinels that can never win):
+  A  ntn(x, +inf) -> min;  ntn_(-inf) -> max;  ntn_(0) -> sum, sumsq (dot; 16-bit: 128-row norms)
+  B  |x| -> hardshrink(lambda) -> ntn_(NaN: -65536P, Inf: -256P) -> clamp_max(P) -> 128-row sums.
+     A row sum is exactly P * (B - 256 I - 65536 N) (B = finite |x| >= eps, I = infs, N = nans, all
+     <= 128), decoded with integer ops once per call.  Without "zeros": ntn(x, codes) - a instead.
+No ``.item()``, no device->host copy, no Python branch on values: only shapes/dtypes steer the code.
 """
 from __future__ import annotations
 
 import math
 import struct
 import threading
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -30,12 +32,11 @@ import torch
 FIELDS = ("count", "nans", "infs", "zeros", "sum", "sumsq", "min", "max")
 N_FIELDS = 8
 OPS = ("min", "max", "norm", "mean", "zeros", "nans", "infs")
-_IDX = {f: i for i, f in enumerate(FIELDS)}
 _ALWAYS = frozenset(("count", "nans", "infs"))
 _OP_FIELDS = {"min": ("min",), "max": ("max",), "norm": ("sumsq",), "mean": ("sum",),
               "zeros": ("zeros",), "nans": (), "infs": ()}
 _ROW = 128                                   # row width of the count code (fields of 8 bits fit fp32)
-CHUNK_ELEMS = {"cpu": 1 << 18}               # per device type; others use _DEFAULT_CHUNK
+CHUNK_ELEMS = {"cpu": 1 << 19}               # per device type (measured); others: _DEFAULT_CHUNK
 _DEFAULT_CHUNK = 1 << 22
 _INF = math.inf
 
@@ -113,19 +114,28 @@ def _workspace(device: torch.device, dtype: torch.dtype, cap: int):
     CPU (avoids page-faulting fresh buffers every call); fresh from the caching allocator elsewhere."""
     if device.type != "cpu":
         return torch.empty(cap, dtype=dtype, device=device), torch.empty(cap, dtype=dtype, device=device)
-    cache = getattr(_TLS, "ws", None)
-    if cache is None:
-        cache = _TLS.ws = {}
+    cache = _TLS.__dict__.setdefault("ws", {})
     ws = cache.get(dtype)
     if ws is None or ws[0].numel() < cap:
         ws = cache[dtype] = (torch.empty(cap, dtype=dtype), torch.empty(cap, dtype=dtype))
     return ws
 
 
+def _meta(values, dev: torch.device) -> torch.Tensor:
+    """Small host-known int64 metadata on ``dev``: pinned + non_blocking on accelerators, so no stream
+    synchronisation (a pageable host->device copy would block)."""
+    t = torch.tensor(values, dtype=torch.int64, device=dev if dev.type in ("cpu", "meta") else "cpu")
+    return t if t.device == dev else t.pin_memory().to(dev, non_blocking=True)
+
+
 # ---- the engine -------------------------------------------------------------------------------------
-def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str]) -> torch.Tensor:
+def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str],
+                   cache: dict | None = None) -> torch.Tensor:
     """float64 ``[len(tensors), 8]`` records on the tensors' (shared) device; see module docstring.
-    Identical views (same storage pointer, dtype, shape and strides) are computed once."""
+
+    Identical views (same storage, dtype, shape, strides) are computed once per call.  ``cache``
+    (optional, owned by the caller and cleared every step) extends that across calls: a view whose
+    tensor is still alive and unmodified (same ``_version``) reuses its record row."""
     fields = frozenset(fields)
     bad = fields - set(FIELDS)
     if bad:
@@ -135,123 +145,147 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     if len(tensors) == 0:
         return torch.zeros(0, N_FIELDS, dtype=torch.float64)
     dev = tensors[0].device
-    want = {f: f in fields for f in FIELDS}
-    need_a = want["sum"] or want["sumsq"] or not want["zeros"]
-    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
+    want = tuple(f in fields for f in FIELDS)
 
-    # dedupe identical views; uniq[k] is computed, rowmap[i] says which uniq row tensor i gets
-    seen: dict = {}
+    seen: dict = {}                                   # view key -> unique index
     uniq: list[torch.Tensor] = []
-    rowmap: list[int] = []
+    rowmap: list = []                                 # per input: unique index or a cached row
+    keys: list = []
     for t in tensors:
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if key not in seen:
-            seen[key] = len(uniq)
-            uniq.append(t.detach())
-        rowmap.append(seen[key])
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+        ptr = t.data_ptr() if plain else id(t)        # fake/meta/subclass: no storage to compare
+        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t._version, eps, want)
+        hit = cache.get(key) if cache is not None else None
+        if hit is not None and hit[0]() is not None:
+            rowmap.append(hit[1])
+        else:
+            if key not in seen:
+                seen[key] = len(uniq)
+                uniq.append(t.detach())
+                keys.append((key, t))
+            rowmap.append(seen[key])
+    rec = _records(uniq, dev, eps, want) if uniq else None
+    if cache is not None and uniq:
+        for (key, t), row in zip(keys, rec.unbind(0)):
+            cache[key] = (weakref.ref(t), row)
+    if len(uniq) == len(tensors):                     # no duplicate, no cache hit
+        return rec
+    rows = rec.unbind(0) if rec is not None else ()
+    return torch.stack([rows[r] if isinstance(r, int) else r for r in rowmap])
 
-    ident = torch.zeros(N_FIELDS, dtype=torch.float64, device=dev)
-    if want["min"]:
-        ident[6] = _INF
-    if want["max"]:
-        ident[7] = -_INF
-    rec = ident.expand(len(uniq), N_FIELDS).clone()   # empty tensors keep the identity record
 
+def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
+    w_min, w_max, w_sum, w_sq, w_zero = want[6], want[7], want[4], want[5], want[3]
+    need_a = w_sum or w_sq or not w_zero
+    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
     groups: dict = {}
     for u, t in enumerate(uniq):
         if t.numel():
             groups.setdefault(t.dtype, []).append(u)
+    parts = []
     for dtype, members in groups.items():
         lam, p, acc = _consts(dtype, eps)
         vmin, vmax = (torch.amin, torch.amax) if dtype == acc else (torch.min, torch.max)  # fastest
         big = min(cap, max(uniq[u].numel() for u in members))
         buf, buf2 = _workspace(dev, dtype, -(-big // _ROW) * _ROW)
         codes = (-65536.0 * p, -256.0 * p, -256.0 * p)   # NaN, +Inf, -Inf
-        owner, ns, mins, maxs, sums, sqs, rows = [], [], [], [], [], [], []
+        owner, ns, ends, mins, maxs, sums, sqs, rows = [], [], [], [], [], [], [], []
+        nrow = 0
         for u in members:
             for xc in _chunks(uniq[u], cap):
                 n = xc.numel()
                 npad = -(-n // _ROW) * _ROW
-                w, wv, wp = buf[:n], buf[:n].view(xc.shape), buf[:npad]
+                wp = buf.narrow(0, 0, npad)
+                w = wp.narrow(0, 0, n) if npad != n else wp
+                wv = w.view(xc.shape)
                 if npad != n:
-                    buf[n:npad].zero_()               # row padding: 0 = "zero" class, adds nothing
-                src = xc
-                if want["min"]:                       # NaN/+-Inf -> +inf never wins a min
-                    torch.nan_to_num(src, _INF, _INF, _INF, out=wv)
+                    buf.narrow(0, n, npad - n).zero_()   # row padding: "zero" class, adds nothing
+                first = True                          # the first fill reads x, later ones w
+
+                def fill(v):                          # every non-finite -> v (NaN gone after first)
+                    if first:
+                        torch.nan_to_num(xc, v, v, v, out=wv)
+                    else:
+                        w.nan_to_num_(0.0, v, v)
+                if w_min:                             # +inf never wins a min
+                    fill(_INF)
                     mins.append(vmin(w))
-                    src = None
-                if want["max"]:                       # all non-finite -> -inf
-                    if src is None:
-                        w.nan_to_num_(0.0, -_INF, -_INF)
-                    else:
-                        torch.nan_to_num(src, -_INF, -_INF, -_INF, out=wv)
-                        src = None
+                    first = False
+                if w_max:                             # -inf never wins a max
+                    fill(-_INF)
                     maxs.append(vmax(w))
-                if need_a:                            # non-finite -> 0: exact finite sum / sumsq
-                    if src is None:
-                        w.nan_to_num_(0.0, 0.0, 0.0)
-                    else:
-                        torch.nan_to_num(src, 0.0, 0.0, 0.0, out=wv)
-                    if want["sum"]:
+                    first = False
+                if need_a:                            # 0: exact finite sum / sumsq
+                    fill(0.0)
+                    if w_sum:
                         sums.append(w.sum(dtype=acc))
-                    if want["sumsq"]:                 # 16-bit: 128-row norms (powsum drifts 4e-5)
+                    if w_sq:                          # 16-bit: 128-row norms (powsum drifts 4e-5)
                         sqs.append(torch.dot(w, w) if dtype == acc else
                                    torch.linalg.vector_norm(wp.view(-1, _ROW), 2, 1, dtype=acc))
-                if want["zeros"]:                     # 0 | P | -256P (inf) | -65536P (nan)
+                if w_zero:                            # 0 | P | -256P (inf) | -65536P (nan)
                     torch.abs(xc, out=wv)
                     torch.ops.aten.hardshrink.out(wp, lam, out=wp)
                     wp.nan_to_num_(*codes).clamp_max_(p)
                     rows.append(wp.view(-1, _ROW).sum(1, dtype=acc))
                 else:                                 # finite -> x - a = 0
-                    c = buf2[:npad]
+                    cp = buf2.narrow(0, 0, npad)
+                    c = cp.narrow(0, 0, n)
                     if npad != n:
-                        buf2[n:npad].zero_()
-                    torch.nan_to_num(xc, *codes, out=buf2[:n].view(xc.shape))
-                    buf2[:n].sub_(w)
-                    rows.append(c.view(-1, _ROW).sum(1, dtype=acc))
+                        buf2.narrow(0, n, npad - n).zero_()
+                    torch.nan_to_num(xc, *codes, out=c.view(xc.shape))
+                    c.sub_(w)
+                    rows.append(cp.view(-1, _ROW).sum(1, dtype=acc))
+                nrow += npad // _ROW
                 owner.append(u)
                 ns.append(n)
-        _assemble(rec, dev, p, want, owner, ns, mins, maxs, sums, sqs, rows)
-    if len(uniq) == len(tensors):
-        return rec
-    return rec.index_select(0, torch.tensor(rowmap, device=dev))
+                ends.append(nrow - 1)
+        parts.append((owner, _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows)))
+    if len(parts) == 1 and parts[0][0] == list(range(len(uniq))):
+        return parts[0][1]                            # common case: one chunk per tensor, one dtype
+    rec = torch.zeros(len(uniq), N_FIELDS, dtype=torch.float64, device=dev)
+    if w_min:                                         # empty tensors keep the identity record
+        rec.select(1, 6).fill_(_INF)
+    if w_max:
+        rec.select(1, 7).fill_(-_INF)
+    for owner, ch in parts:
+        uid = _meta(owner, dev)
+        if len(set(owner)) == len(owner):
+            rec.index_copy_(0, uid, ch)
+            continue
+        rec.narrow(1, 0, 6).index_add_(0, uid, ch.narrow(1, 0, 6))
+        if w_min:
+            rec.select(1, 6).scatter_reduce_(0, uid, ch.select(1, 6), "amin")
+        if w_max:
+            rec.select(1, 7).scatter_reduce_(0, uid, ch.select(1, 7), "amax")
+    return rec
 
 
-def _assemble(rec, dev, p, want, owner, ns, mins, maxs, sums, sqs, rows) -> None:
-    """Per-chunk partials -> exact counts -> per-tensor rows of ``rec`` (a handful of small ops)."""
-    f64, i64 = torch.float64, torch.int64
-    ends, e = [], 0
-    for r in rows:
-        e += r.numel()
-        ends.append(e - 1)
-    ends = torch.tensor(ends, device=dev)
-    j = (torch.cat(rows) * (1.0 / p)).to(i64)        # exact integers  B - 256 I - 65536 N per row
+def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tensor:
+    """Per-chunk partials -> ``[chunks, 8]`` float64 with exact counts (a handful of small ops)."""
+    f64 = torch.float64
+    meta = _meta([ns, ends], dev)
+    j = (torch.cat(rows) * (1.0 / p)).to(torch.int32)   # exact: B - 256 I - 65536 N per row
     big = j & 255
-    t = (big - j) >> 8                               # I + 256 N
-    cs = torch.stack((big, t & 255, t >> 8), 1).cumsum(0).index_select(0, ends)
-    cnt = torch.diff(cs, dim=0, prepend=cs.new_zeros(1, 3)).to(f64)   # per chunk: B, I, N
-    n = torch.tensor(ns, dtype=f64, device=dev)
-    count = n - cnt[:, 1] - cnt[:, 2]
-    zero = torch.zeros_like(n)
-    cols = [count, cnt[:, 2], cnt[:, 1], count - cnt[:, 0] if want["zeros"] else zero]
-    cols.append(torch.stack(sums).to(f64) if sums else zero)
-    if sqs and sqs[0].dim():                         # 16-bit: squared row norms summed per chunk
-        lens = torch.tensor([q.numel() for q in sqs], device=dev)
-        cols.append(torch.segment_reduce(torch.cat(sqs).to(f64).square(), "sum", lengths=lens))
+    t = (big - j) >> 8                                     # I + 256 N
+    codes = torch.stack((big, t & 255, t >> 8))
+    if len(ns) == 1:                                       # one chunk: plain row totals
+        per_chunk = codes.sum(1, keepdim=True, dtype=torch.int64)
+    else:                                                  # segment sums of consecutive rows
+        cs = codes.cumsum(1, dtype=torch.int64).index_select(1, meta[1])
+        per_chunk = torch.diff(cs, dim=1, prepend=cs.new_zeros(3, 1))
+    b, i, nan = per_chunk.to(f64).unbind(0)
+    count = meta[0].to(f64) - i - nan
+    zero = torch.zeros_like(count)
+
+    def col(vals):
+        return torch.stack(vals).to(f64) if vals else zero
+    if sqs and sqs[0].dim():                          # 16-bit: squared row norms summed per chunk
+        sq = torch.segment_reduce(torch.cat(sqs).to(f64).square(), "sum",
+                                  lengths=_meta([q.numel() for q in sqs], dev))
     else:
-        cols.append(torch.stack(sqs).to(f64) if sqs else zero)
-    cols.append(torch.stack(mins).to(f64) if mins else zero)
-    cols.append(torch.stack(maxs).to(f64) if maxs else zero)
-    ch = torch.stack(cols, 1)
-    uid = torch.tensor(owner, device=dev)
-    if len(set(owner)) == len(owner):                # one chunk per tensor: place directly
-        rec.index_copy_(0, uid, ch)
-        return
-    rec[:, :6].index_add_(0, uid, ch[:, :6])
-    if mins:
-        rec[:, 6].scatter_reduce_(0, uid, ch[:, 6], "amin")
-    if maxs:
-        rec[:, 7].scatter_reduce_(0, uid, ch[:, 7], "amax")
+        sq = col(sqs)
+    return torch.stack([count, nan, i, count - b if want[3] else zero, col(sums), sq, col(mins),
+                        col(maxs)], 1)
 
 
 def merge_records(records: torch.Tensor) -> torch.Tensor:
@@ -260,7 +294,10 @@ def merge_records(records: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"merge_records expects [k, {N_FIELDS}], got {tuple(records.shape)}")
     r = records.to(torch.float64)
     if r.shape[0] == 0:
-        return torch.tensor([0.0] * 6 + [_INF, -_INF], dtype=torch.float64, device=r.device)
+        out = torch.zeros(N_FIELDS, dtype=torch.float64, device=r.device)
+        out.narrow(0, 6, 1).fill_(_INF)
+        out.narrow(0, 7, 1).fill_(-_INF)
+        return out
     return torch.cat((r[:, :6].sum(0), r[:, 6].amin(0, keepdim=True), r[:, 7].amax(0, keepdim=True)))
 
 

@@ -16,6 +16,7 @@ from trainmon.monitor.config import MonitorConfig, load_config
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
 from trainmon.monitor.adapters import ADAPTER, NOT_RECORDED, PER_MICRO_BATCH, TrainingAdapter, select_adapter
 from trainmon.monitor.adapters.base import group_coordinates
+from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
 from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
@@ -69,6 +70,7 @@ class TrainerMon:
         self._schedule: Optional[CollectionSchedule] = None
         self._state: Optional[HookState] = None
         self._stacks: Optional[StackRecorder] = None
+        self._comm: Optional[CollectiveMonitor] = None
         self._dynamic: Optional[DynamicConfigWatcher] = None
         self._chunks: list[torch.nn.Module] = []
         self._optimizer = None
@@ -149,13 +151,22 @@ class TrainerMon:
         state = self._state
         self._schedule = CollectionSchedule(
             config.start_step, config.step_interval, config.collect_times,
-            rank_enabled=not config.module_ranks or self.rank in config.module_ranks)
+            rank_enabled=not config.module_ranks or self.rank in config.module_ranks or self._merges_across_ranks())
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
         params = self._adapter.prepare(watched_params(self._chunks, config))
         if config.sentinel:
             self._sentinel = nan_sentinel(state, self._chunks, config.squash_name)
+            if config.alert.dump:
+                self._sentinel.enable_dump(self._anomalies.add_dump, self.rank)
             self._hooks.append(self._sentinel)
+        elif config.alert.dump:
+            logger.warning("trainmon: alert.dump saves tensors found by the NaN sentinel; add \"sentinel\": true "
+                           "to the config to get dumps")
+        if config.alert.action != "warn" and not (config.sentinel or config.xy_distribution or config.wg_distribution):
+            logger.warning("trainmon: alert.action %r acts on NaN/Inf seen before optimizer.step(), but neither the "
+                           "sentinel nor activation/weight-grad statistics are on; add \"sentinel\": true",
+                           config.alert.action)
         if config.alert.action != "warn" and self._anomalies is not None:
             self._hooks.append(StepGate(
                 config.alert.action, self._adapter.step_owner(), step_of=lambda: self.step, end_step=self._end_step,
@@ -163,8 +174,13 @@ class TrainerMon:
                 drain=self._writer.drain, processor=self._anomalies))
         if config.xy_distribution:
             modules = watched_modules(self._chunks, config)
-            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only,
-                                               backward=not config.forward_only))
+            backward = not config.forward_only
+            if backward and not self._adapter.module_backward_hooks:
+                logger.warning("trainmon: activation grads (actv_grad) are not recorded with the %s adapter: module "
+                               "backward hooks break its in-place operations; set forward_only to silence this",
+                               self._adapter.name)
+                backward = False
+            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only, backward=backward))
             if config.stack_info:
                 self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
                 self._hooks.append(self._stacks)
@@ -181,11 +197,27 @@ class TrainerMon:
             params_before_after=config.param_distribution, moments=config.mv_distribution,
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step))
         self._hooks.append(_MicroStepCounter(state, self._chunks[0]))
+        cc = config.cc_distribution
+        if cc.enable and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
+                                           self.output_dir / "cc_log.json")
+            self._hooks.append(self._comm)
+        elif cc.enable:
+            logger.warning("trainmon: cc_distribution is on but torch.distributed is not initialised: "
+                           "no collectives to record")
         for hooks in self._hooks:
             hooks.install()
         if config.print_struct:
             write_json(self.output_dir / "module_struct.json", module_structure(self._chunks))
         state.start_step(self.step, self._schedule.wants(self.step))
+
+    def _merges_across_ranks(self) -> bool:
+        """Sharded tensors merge their records in a collective: every rank of the group must collect."""
+        if self._adapter.shard_group is None or torch.distributed.get_world_size(self._adapter.shard_group) == 1:
+            return False
+        logger.warning("trainmon: module_ranks is ignored with the %s adapter: its sharded tensors are merged "
+                       "across ranks, so every rank collects the same steps", self._adapter.name)
+        return True
 
     def _unreduced_mode(self, config: MonitorConfig) -> str:
         return PER_MICRO_BATCH if config.monitor_mbs_grad else self._adapter.unreduced_capture
@@ -196,6 +228,7 @@ class TrainerMon:
         self._hooks.clear()
         self._stacks = None
         self._sentinel = None
+        self._comm = None
 
     # ------------------------------------------------------------------------------ step cycle
     def _end_step(self) -> None:
@@ -210,6 +243,8 @@ class TrainerMon:
             self._writer.put(state.collector.finish_step())
         if self._stacks is not None:
             self._stacks.step_finished(collected)
+        if self._comm is not None:
+            self._comm.step_finished(collected)
         self.step += 1
         if self._dynamic is not None:
             new_config = self._dynamic.poll(self.step)

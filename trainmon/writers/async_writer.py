@@ -73,6 +73,9 @@ class AsyncWriter:
                                    "steps are dropped (writer_policy 'drop') and counted in run.json",
                                    self.max_queue, batch.step)
                 return
+            if self.blocked_puts == 0:
+                logger.warning("trainmon: the writer falls behind (%s steps queued); training waits for it "
+                               "(writer_policy 'block'), the time waited is recorded in run.json", self.max_queue)
             start = time.perf_counter()
             self._queue.put(batch)
             self.blocked_seconds += time.perf_counter() - start

@@ -52,7 +52,8 @@ class AdamPiece:
     grad: Optional[torch.Tensor] = None  # the reduced grad piece aligned with the moments, when still alive
 
 
-# Records `tensors[i]` (a piece of `params[i]`, or None) as `family`; merged across `group` when given.
+# What an adapter's capture point calls: records `pieces[i]` (this rank's piece of `params[i]`, or None)
+# as unreduced grads, merged across `group` when it is not None.
 UnreducedRecorder = Callable[[Sequence[WatchedParam], Sequence[Optional[torch.Tensor]], Optional[object]], None]
 
 
@@ -62,6 +63,7 @@ class TrainingAdapter(Protocol):
     name: str
     unreduced_capture: str  # ACCUMULATED, PER_MICRO_BATCH, ADAPTER or NOT_RECORDED
     shard_group: Optional[object]  # process group over which pieces of reduced grads/weights/moments merge
+    module_backward_hooks: bool  # whether torch's full backward hooks work on the framework's modules
 
     def describe(self) -> dict:
         """Parallel coordinates of this rank (global rank, tp/pp/dp/vpp ranks, group ranks) for run.json."""
@@ -104,6 +106,7 @@ class PlainAdapter:
     unreduced_capture: str = ACCUMULATED
     name: str = "plain"
     shard_group: Optional[object] = None
+    module_backward_hooks: bool = True
     _group_of: dict = field(default_factory=dict)
 
     def describe(self) -> dict:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam, group_coordinates
+from trainmon.monitor.patching import patch_attribute
 
 logger = logging.getLogger("trainmon")
 
@@ -42,6 +43,8 @@ class MegatronAdapter:
     """Args: optimizer (what get_megatron_optimizer returned), chunks (the DDP-wrapped model chunks)."""
 
     unreduced_capture = ADAPTER
+    # torch's full backward hooks wrap module outputs in a view that Megatron's in-place ops reject.
+    module_backward_hooks = False
 
     def __init__(self, optimizer, chunks: list[torch.nn.Module]):
         from megatron.core import parallel_state
@@ -57,7 +60,7 @@ class MegatronAdapter:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self._where: dict[int, _Location] = {}
-        self._patched: list = []
+        self._restores: list = []
 
     def describe(self) -> dict:
         import torch.distributed as dist
@@ -160,7 +163,8 @@ class MegatronAdapter:
     def install_unreduced(self, params, record) -> None:
         watched = {id(w.param): w for w in params}
         for chunk in self.chunks:
-            for bucket_group in getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", []):
+            groups = getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", [])
+            for bucket_group in groups:
                 members = [watched[id(p)] for bucket in bucket_group.buckets for p in bucket.params_list
                            if id(p) in watched]
                 if members:
@@ -177,10 +181,9 @@ class MegatronAdapter:
                 record(members, pieces, self.tp_group)
             return original(*args, **kwargs)
 
-        bucket_group.start_grad_sync = start_grad_sync
-        self._patched.append(bucket_group)
+        self._restores.append(patch_attribute(bucket_group, "start_grad_sync", start_grad_sync))
 
     def remove(self) -> None:
-        for bucket_group in self._patched:
-            del bucket_group.start_grad_sync  # the class's method shows through again
-        self._patched.clear()
+        for restore in self._restores:
+            restore()
+        self._restores.clear()

@@ -1,0 +1,52 @@
+"""Cross-rank attribution from collective records (trainmon.anomaly.cross_rank) on hand-made event lists."""
+from trainmon.anomaly.cross_rank import attribute, format_chain
+from trainmon.anomaly.events import AnomalyEvent
+
+
+def event(rank, step, family, module, micro=None, phase="forward", tensor="output"):
+    return AnomalyEvent(rank=rank, step=step, micro_step=micro, pp_stage=0, vpp_stage=0, call_index=None,
+                        module=module, phase=phase, tensor=tensor, op="infs", value=1.0, rule="AnomalyNan",
+                        family=family)
+
+
+def test_all_reduce_blames_the_rank_whose_input_was_not_finite():
+    events = [
+        event(0, 3, "grad_reduced", "head.weight", phase="optimizer"),  # rank 0 sorts first, but was infected
+        event(1, 3, "actv", "blocks.0", micro=0),
+        event(1, 3, "comm", "all_reduce[0,1]@0#4.input", phase="communication"),
+        event(0, 3, "comm", "all_reduce[0,1]@0#4.output", phase="communication"),
+        event(1, 3, "comm", "all_reduce[0,1]@0#4.output", phase="communication"),
+    ]
+    result = attribute(events)
+    assert result["origin_rank"] == 1
+    assert result["origin"]["module"] == "blocks.0" and result["origin"]["step"] == 3
+    assert result["chain"] == [{"step": 3, "from": [1], "via": "all_reduce[0,1]@0#4", "to": [0]}]
+    assert format_chain(result) == ["rank 1 -> all_reduce[0,1]@0#4 (step 3) -> rank 0"]
+
+
+def test_p2p_carries_a_stage_output_to_the_next_stage_and_grads_back():
+    events = [
+        event(0, 2, "actv", "decoder.layers.1", micro=0),
+        event(0, 2, "comm", "isend[0->1]@14#0.input", phase="communication"),
+        event(1, 2, "comm", "irecv[0->1]@14#0.output", phase="communication"),
+        event(1, 2, "actv", "decoder.layers.0", micro=0),
+        event(1, 2, "comm", "isend[1->0]@14#0.input", phase="communication"),  # its grads go back
+    ]
+    result = attribute(events)
+    assert result["origin_rank"] == 0 and result["origin"]["module"] == "decoder.layers.1"
+    assert [(c["from"], c["to"]) for c in result["chain"]] == [([0], [1]), ([1], [0])]
+
+
+def test_a_receive_alone_still_names_its_source():
+    result = attribute([event(1, 0, "comm", "recv[0->1]@0#0.output", phase="communication")])
+    assert result["origin_rank"] == 0 and result["origin"] is None
+
+
+def test_outputs_without_recorded_inputs_are_not_guessed():
+    events = [event(r, 1, "comm", "all_reduce[0,1]@0#0.output", phase="communication") for r in (0, 1)]
+    assert attribute(events) == {"origin_rank": None, "origin": None, "chain": [],
+                                 "unattributed": ["all_reduce[0,1]@0#0"]}
+
+
+def test_no_collective_involved():
+    assert attribute([event(0, 1, "actv", "blocks.0", micro=0)]) is None

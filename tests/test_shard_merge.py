@@ -1,0 +1,61 @@
+"""Merging the records of a tensor's pieces gives the record of the whole tensor (single process)."""
+import math
+
+import pytest
+import torch
+
+from trainmon import TrainerMon
+from trainmon.monitor import stats
+from trainmon.monitor.collector import StepCollector
+from trainmon.monitor.patching import patch_attribute
+from trainmon.monitor.shard_merge import identity_record, merge_gathered, piece_records
+from trainmon.monitor.state import HookState
+from training import make_model
+
+
+def test_merged_pieces_equal_the_whole_tensor():
+    torch.manual_seed(0)
+    whole = [torch.randn(40) * 3, torch.randn(7, 5)]
+    whole[0][[3, 17]] = float("nan")
+    whole[0][5] = float("inf")
+    whole[1][2, 2] = 0.0
+    state = HookState(StepCollector(1e-8, ["norm", "min", "max", "mean", "zeros", "nans", "infs"], 0), 1, True)
+    # three "ranks": the second holds nothing of the second tensor
+    flat = whole[1].reshape(-1)
+    pieces = [[whole[0][:10], flat[:20]], [whole[0][10:25], None], [whole[0][25:], flat[20:]]]
+    gathered = torch.stack([piece_records(state, p, torch.device("cpu")) for p in pieces])
+    merged = merge_gathered(gathered)
+    direct = stats.tensor_records(whole, 1e-8, state.collector.fields)
+    for got, want in zip(merged, direct):
+        for g, w in zip(got.tolist(), want.tolist()):
+            assert math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-9), (merged, direct)  # fp32 accumulation
+
+
+def test_identity_record_leaves_a_record_unchanged():
+    row = stats.tensor_records([torch.tensor([1.0, -2.0])], 1e-8, stats.fields_for_ops(["norm"]))
+    both = merge_gathered(torch.stack([row, identity_record("cpu").unsqueeze(0)]))
+    assert torch.equal(both, row)
+
+
+def test_patch_attribute_restores_what_the_instance_had():
+    class Owner:
+        def step(self):
+            return "class"
+
+    plain, own = Owner(), Owner()
+    own.step = lambda: "instance"
+    undo_plain = patch_attribute(plain, "step", lambda: "patched")
+    undo_own = patch_attribute(own, "step", lambda: "p")
+    assert plain.step() == "patched" and own.step() == "p"
+    undo_plain()
+    undo_own()
+    assert plain.step() == "class" and "step" not in vars(plain) and own.step() == "instance"
+
+
+def test_an_optimizer_no_adapter_understands_is_named(output_dir, write_config):
+    class Homemade:
+        def step(self):
+            pass
+
+    with pytest.raises(ValueError, match="test_shard_merge.Homemade"):
+        TrainerMon(write_config(wg_distribution=True)).set_monitor(make_model(), optimizer=Homemade())

@@ -1,0 +1,62 @@
+"""`alert.dump`: the inputs and outputs of the first anomalous module, saved with safetensors plus a JSON
+description, once per rank (the first anomalous step), size-capped.
+
+Capture (`capture`) runs on the training thread while the tensors still exist and copies at most
+`max_bytes` to the host; each tensor beyond its share is cut to its first elements (flattened) and
+the JSON says so. Writing (`write_dump`) runs in the writer thread.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DUMP_DIR = "anomaly_dumps"
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+@dataclass
+class DumpRequest:
+    """Host copies of one module's tensors at the first anomaly of a rank."""
+
+    rank: int
+    step: int
+    micro_step: int
+    module: str
+    phase: str
+    tensors: dict = field(default_factory=dict)  # name -> contiguous CPU tensor
+    described: dict = field(default_factory=dict)  # name -> {shape, dtype, stored_elements, nans, infs}
+
+
+def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Copies `tensors` to the host into `request`, each within an equal share of `max_bytes`."""
+    share = max_bytes // max(1, len(tensors))
+    for name, tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        keep = min(flat.numel(), max(1, share // max(1, flat.element_size())))
+        host = flat[:keep].to("cpu", copy=True)
+        request.tensors[name] = host.reshape(tensor.shape) if keep == flat.numel() else host
+        floating = host.is_floating_point()
+        request.described[name] = {
+            "shape": list(tensor.shape), "dtype": str(tensor.dtype), "stored_elements": keep,
+            "truncated": keep < flat.numel(),
+            "nans_in_stored": int(torch.isnan(host).sum()) if floating else 0,
+            "infs_in_stored": int(torch.isinf(host).sum()) if floating else 0,
+        }
+
+
+def write_dump(rank_dir: Path, request: DumpRequest) -> Path:
+    """Writes `<rank_dir>/anomaly_dumps/step<S>_micro<M>_<module>.safetensors` and its `.json`."""
+    from safetensors.torch import save_file
+
+    directory = rank_dir / DUMP_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"step{request.step}_micro{request.micro_step}_{request.module or 'root'}"
+    save_file({name: t.contiguous() for name, t in request.tensors.items()}, str(directory / f"{stem}.safetensors"))
+    description = {"rank": request.rank, "step": request.step, "micro_step": request.micro_step,
+                   "module": request.module, "phase": request.phase, "tensors": request.described,
+                   "file": f"{stem}.safetensors"}
+    (directory / f"{stem}.json").write_text(json.dumps(description, indent=1))
+    return directory / f"{stem}.json"

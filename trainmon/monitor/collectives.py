@@ -1,0 +1,284 @@
+"""`cc_distribution`: statistics of the inputs and outputs of torch.distributed collectives and p2p ops.
+
+The functions in `torch.distributed` (and `torch.distributed.distributed_c10d`, the same objects) are
+replaced by wrappers while the monitor is installed; `remove()` puts the originals back. Outputs of a
+synchronous call are recorded when it returns, those of an asynchronous one when its `Work.wait()`
+returns (`Work.wait` is wrapped too). Inputs are recorded before the call with `cc_pre_hook` (a send's
+tensor always: it has no output). See collective_ops for the record names.
+
+Functions bound before installation are not seen (`from torch.distributed import all_reduce` at
+import time), except where a framework's binding is known and re-pointed too (DeepSpeed's comm backend
+binds all_gather_into_tensor / reduce_scatter_tensor when it initialises). Also not seen: collectives
+issued from C++ (DDP's built-in reducer without a Python communication hook, ProcessGroup methods
+called directly, DeepSpeed's shared-memory CPU all-reduce) and outputs of async ops completed through
+`Work.get_future()` instead of `wait()` (DDP communication hooks).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from trainmon.monitor.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, RECEIVES, SENDS, collective_name,
+                                             compact_ranks, floating, p2p_name, tensor_names)
+from trainmon.monitor.records import COMM, RecordKey
+from trainmon.monitor.state import HookState
+
+logger = logging.getLogger("trainmon")
+_local = threading.local()
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # trainmon's frames are not call sites
+
+
+@contextlib.contextmanager
+def not_monitored():
+    """Collectives called inside (trainmon's own, or those a wrapped op makes internally) are not recorded."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _suspended() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+class CollectiveMonitor:
+    """Installs the wrappers; one per TrainerMon.
+
+    Args:
+        state: the shared hook state (collecting flag, collector).
+        pre_hook: also record inputs (`cc_pre_hook`).
+        codelines: record only calls whose stack has a `file[line]` matching one of these regexes.
+        log_only: only list the collectives used (op, group, dtypes, call sites) in `log_path` after the first
+            collected step, then stop watching (`cc_log_only`).
+        log_path: where the `log_only` list goes.
+    """
+
+    def __init__(self, state: HookState, pre_hook: bool, codelines, log_only: bool, log_path: Path):
+        self.state = state
+        self.pre_hook = pre_hook
+        self.codelines = [re.compile(p) for p in codelines]
+        self.log_only = log_only
+        self.log_path = log_path
+        self._originals: dict = {}
+        self._wait = None
+        self._rebound: list = []  # (holder, attribute, original) of known framework bindings
+        self._installed = False
+        self._step = None
+        self._seq: dict = {}
+        self._pending: dict = {}  # id(Work) → (Work, [(name, tensor)])
+        self._ranks: dict = {}
+        self._log: dict = {}
+
+    # ------------------------------------------------------------------------- install/remove
+    def install(self) -> None:
+        for op in ALL_OPS:
+            original = getattr(dist, op)
+            self._originals[op] = original
+            wrapper = self._wrap_batch(original) if op == BATCH_P2P else self._wrap(op, original)
+            setattr(dist, op, wrapper)
+            if getattr(c10d, op, None) is original:
+                setattr(c10d, op, wrapper)
+        wrappers = {id(self._originals[op]): getattr(dist, op) for op in ALL_OPS}
+        for holder, attribute in _known_bindings():
+            bound = getattr(holder, attribute)
+            if id(bound) in wrappers:
+                setattr(holder, attribute, wrappers[id(bound)])
+                self._rebound.append((holder, attribute, bound))
+        self._wait = c10d.Work.wait
+        monitor, original_wait = self, self._wait
+
+        @functools.wraps(original_wait)
+        def wait(work, *args, **kwargs):
+            done = original_wait(work, *args, **kwargs)
+            if monitor._pending:
+                monitor._completed(work)
+            return done
+
+        c10d.Work.wait = wait
+        self._installed = True
+
+    def remove(self) -> None:
+        if not self._installed:
+            return
+        for op, original in self._originals.items():
+            if getattr(c10d, op, None) is getattr(dist, op):
+                setattr(c10d, op, original)
+            setattr(dist, op, original)
+        c10d.Work.wait = self._wait
+        for holder, attribute, original in self._rebound:
+            setattr(holder, attribute, original)
+        self._rebound.clear()
+        self._originals.clear()
+        self._pending.clear()
+        self._installed = False
+
+    def step_finished(self, collected: bool) -> None:
+        if self.log_only and collected and self._installed:
+            self.log_path.write_text(json.dumps(self._log, indent=1, sort_keys=True))
+            logger.info("trainmon: cc_log_only: collectives listed in %s; collectives are no longer watched",
+                        self.log_path)
+            self.remove()
+
+    # ----------------------------------------------------------------------------- wrappers
+    def _wrap(self, op: str, original):
+        signature = inspect.signature(original)
+        record = self.state.guarded(f"collective {op}", self._before)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if _suspended() or not self._installed or not self.state.collecting:
+                return original(*args, **kwargs)
+            outputs = record(op, signature, args, kwargs)
+            with not_monitored():  # what the op calls internally is part of this call
+                result = original(*args, **kwargs)
+            if outputs:
+                self._outputs_ready(result, outputs)
+            return result
+
+        return wrapper
+
+    def _wrap_batch(self, original):
+        record = self.state.guarded(f"collective {BATCH_P2P}", self._before_batch)
+
+        @functools.wraps(original)
+        def batch_isend_irecv(p2p_op_list):
+            if _suspended() or not self._installed or not self.state.collecting:
+                return original(p2p_op_list)
+            outputs = record(p2p_op_list)
+            with not_monitored():
+                works = original(p2p_op_list)
+            if outputs:
+                # One work per op on backends without coalescing; else the last work completes them all.
+                if works and len(works) == len(p2p_op_list):
+                    for work, out in zip(works, outputs):
+                        if out:
+                            self._pending[id(work)] = (work, out)
+                elif works:
+                    self._pending[id(works[-1])] = (works[-1], [o for out in outputs for o in out])
+            return works
+
+        return batch_isend_irecv
+
+    def _outputs_ready(self, result, outputs) -> None:
+        if isinstance(result, c10d.Work):
+            self._pending[id(result)] = (result, outputs)
+        else:
+            self.state.guarded("collective outputs", self._record)(outputs)
+
+    def _completed(self, work) -> None:
+        entry = self._pending.pop(id(work), None)
+        if entry is not None and entry[0] is work and self.state.collecting:
+            self.state.guarded("collective outputs", self._record)(entry[1])
+
+    # ----------------------------------------------------------------------------- records
+    def _new_step(self) -> None:
+        if self._step != self.state.collector.step:
+            self._step = self.state.collector.step
+            self._seq.clear()
+            self._pending.clear()
+
+    def _next_seq(self, key) -> int:
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
+        return seq
+
+    def _group(self, group) -> tuple[str, str]:
+        """(compact ranks, torch's group name) of `group`."""
+        described = self._ranks.get(group)
+        if described is None:
+            described = self._ranks[group] = (compact_ranks(dist.get_process_group_ranks(group)),
+                                              c10d._get_process_group_name(group))
+        return described
+
+    def _before(self, op: str, signature, args, kwargs):
+        """Names the call, records its inputs when wanted; returns the (name, tensor) outputs to record."""
+        self._new_step()
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        group = _resolved(a.get("group"))
+        if op in COLLECTIVES:
+            base = collective_name(op, *self._group(group), self._next_seq(("group", id(group))))
+            inputs, outputs = COLLECTIVES[op].inputs(a), COLLECTIVES[op].outputs(a)
+        else:
+            me, peer = dist.get_rank(), _peer(a, group, "dst" if op in SENDS else "src")
+            src, dst = (me, peer) if op in SENDS else (peer, me)
+            base = p2p_name(op, src, dst, self._group(group)[1], self._next_seq(("p2p", id(group), src, dst)))
+            inputs, outputs = ([a["tensor"]], []) if op in SENDS else ([], [a["tensor"]])
+        return self._named(op, base, inputs, outputs, always_inputs=op in SENDS)
+
+    def _before_batch(self, p2p_op_list):
+        self._new_step()
+        me, per_op = dist.get_rank(), []
+        for p2p in p2p_op_list:
+            sends = getattr(p2p.op, "__name__", "") in SENDS
+            src, dst = (me, p2p.peer) if sends else (p2p.peer, me)
+            op = "isend" if sends else "irecv"
+            group = _resolved(p2p.group)
+            base = p2p_name(op, src, dst, self._group(group)[1], self._next_seq(("p2p", id(group), src, dst)))
+            per_op.append(self._named(op, base, [p2p.tensor] if sends else [], [] if sends else [p2p.tensor],
+                                      always_inputs=sends) or [])
+        return per_op
+
+    def _named(self, op, base, inputs, outputs, always_inputs: bool):
+        inputs, outputs = floating(inputs), floating(outputs)
+        if self.codelines or self.log_only:
+            sites = [f"{f.filename}[{f.lineno}]" for f in traceback.extract_stack()
+                     if not f.filename.startswith(_OWN)]
+            if self.codelines and not any(p.search(s) for p in self.codelines for s in sites):
+                return []
+            if self.log_only:
+                self._log_use(op, base, inputs or outputs, sites)
+                return []
+        if inputs and (self.pre_hook or always_inputs):
+            self._record(list(zip(tensor_names(base, "input", len(inputs)), inputs)))
+        return list(zip(tensor_names(base, "output", len(outputs)), outputs))
+
+    def _log_use(self, op: str, base: str, tensors, sites) -> None:
+        entry = self._log.setdefault(op, {"groups": [], "dtypes": [], "call_sites": []})
+        for field, value in (("groups", base[base.index("[") + 1:base.index("]")]),
+                             ("dtypes", str(tensors[0].dtype) if tensors else "none"),
+                             ("call_sites", sites[-1] if sites else "unknown")):
+            if value not in entry[field]:
+                entry[field].append(value)
+
+    def _record(self, named) -> None:
+        if not named:
+            return
+        collector = self.state.collector
+        keys = [RecordKey(COMM, name, 0, None, collector.next_call_index(), tuple(t.shape), str(t.dtype))
+                for name, t in named]
+        collector.record(keys, [t.detach() for _, t in named])
+
+
+def _peer(arguments: dict, group, key: str) -> int:
+    """The peer's global rank from `dst`/`src`, or from `group_dst`/`group_src` (a rank in `group`)."""
+    if arguments.get(key) is not None:
+        return int(arguments[key])
+    return dist.get_global_rank(group, int(arguments[f"group_{key}"]))
+
+
+def _known_bindings() -> list:
+    """(object, attribute) where a loaded framework keeps a torch.distributed function it bound earlier."""
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+    backend = getattr(deepspeed_comm, "cdb", None)
+    return [(backend, a) for a in ("all_gather_function", "reduce_scatter_function") if hasattr(backend, a)]
+
+
+def _resolved(group):
+    """The group a call runs on: None means the default group (one sequence counter for both spellings)."""
+    return group if group is not None else c10d._get_default_group()

@@ -58,15 +58,17 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
             json.dump(config, f)
         monitor = TrainerMon(path)
         monitor.set_monitor(model, optimizer=optimizer)
-    cpu, wall = [], []
+    sink_cpu = time_sinks(monitor) if monitor is not None else {}
+    cpu, wall, train_cpu = [], [], []
     for _ in range(warmup + steps):
         tokens, labels = synthetic_batch(gen, 8, 128, 1024)
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0, t0 = time.process_time(), time.perf_counter(), time.thread_time()
         lm_loss(model, tokens, labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
+        train_cpu.append(time.thread_time() - t0)
     flush_start = time.perf_counter()
     if monitor is not None:
         monitor.stop()
@@ -77,11 +79,25 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
         with open(monitor.output_dir / "run.json") as f:
             writer = json.load(f).get("writer", {})
     return {"tier": tier, "formats": formats, "cpu_s": statistics.median(cpu[warmup:]),
+            "train_thread_cpu_s": statistics.median(train_cpu[warmup:]),
+            "sink_cpu_s": {name: sum(t) / len(t) for name, t in sink_cpu.items() if t},
             "disk_by_sink": {sink: size / (warmup + steps) for sink, size in disk_by_sink(out_dir).items()},
             "blocked_s": writer.get("blocked_seconds", 0.0),
             "wall_s": statistics.median(wall[warmup:]), "peak_rss_mb": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 1024, "flush_at_stop_s": flush,
             "disk_bytes_per_step": disk / (warmup + steps)}
+
+
+def time_sinks(monitor) -> dict:
+    """{sink: [writer-thread CPU seconds of each write]}: the cost of a sink, unaffected by other processes."""
+    spent: dict = {}
+    for sink in monitor._writer.sink.sinks:
+        def timed(batch, write=sink.write, times=spent.setdefault(sink.name, [])):
+            start = time.thread_time()
+            write(batch)
+            times.append(time.thread_time() - start)
+        sink.write = timed
+    return spent
 
 
 def disk_by_sink(out_dir: str) -> dict:
@@ -136,14 +152,16 @@ def main() -> int:
 def print_sink_table(results: list[dict]) -> None:
     """One line per (tier, format set): step times, ratios against the same tier with `api`, disk by sink."""
     api = {r["tier"]: r for r in results if r["formats"] == ["api"]}
-    print(f"{'tier':6} {'format':22} {'cpu/step':>9} {'wall/step':>9} {'cpu/api':>7} {'wall/api':>8} "
-          f"{'blocked':>8} disk/step by sink")
+    print(f"{'tier':6} {'format':22} {'cpu/step':>9} {'train':>8} {'wall/step':>9} {'cpu/api':>7} {'wall/api':>8} "
+          f"{'blocked':>8}  writer CPU and disk per step, by sink")
     for r in results:
         ref = api.get(r["tier"])
         ratio = (lambda key: f"{r[key] / ref[key]:.3f}") if ref else (lambda key: "-")
-        disk = ", ".join(f"{sink} {size / 1024:.1f}KB" for sink, size in r["disk_by_sink"].items()) or "-"
+        disk = ", ".join(f"{sink} {r['sink_cpu_s'].get(sink, 0) * 1e3:.1f}ms {size / 1024:.1f}KB"
+                         for sink, size in r["disk_by_sink"].items()) or "-"
         formats = "-" if r["tier"] == "none" else ",".join(r["formats"])
-        print(f"{r['tier']:6} {formats:22} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms "
+        print(f"{r['tier']:6} {formats:22} {r['cpu_s']*1e3:8.1f}ms {r['train_thread_cpu_s']*1e3:6.1f}ms "
+              f"{r['wall_s']*1e3:8.1f}ms "
               f"{ratio('cpu_s'):>7} {ratio('wall_s'):>8} {r['blocked_s']:7.2f}s {disk}")
 
 

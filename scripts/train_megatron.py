@@ -2,8 +2,8 @@
 
   OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29511 \
       scripts/train_megatron.py --tp 2 --config configs/megatron.json
-  # --pp 2 (1F1B pipeline), --distopt (DistributedOptimizer over DP), --bf16 (Float16Module);
-  # 4 processes: --tp 2 --pp 2.
+  # --pp 2 (1F1B pipeline), --pp 2 --vpp 2 (interleaved, 2 model chunks per stage),
+  # --distopt (DistributedOptimizer over DP), --bf16 (Float16Module); 4 processes: --tp 2 --pp 2.
 
 Output: $MONITOR_OUTPUT_DIR (default ./monitor_output)/<run>/rank_<R>/.
 """
@@ -22,6 +22,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (needs --pp > 1)")
     parser.add_argument("--distopt", action="store_true", help="DistributedOptimizer (shards over DP)")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
     parser.add_argument("--steps", type=int, default=5)
@@ -30,13 +31,13 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="default: 2 per pipeline chunk")
     parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "megatron.json"))
     return parser.parse_args(argv)
 
 
 def setup(args):
-    """Process groups, the DDP-wrapped GPT model and Megatron's optimizer; returns (model, optimizer)."""
+    """Process groups, the DDP-wrapped GPT model chunks and Megatron's optimizer; returns (chunks, optimizer)."""
     import cpu_shims
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -49,31 +50,36 @@ def setup(args):
 
     cpu_shims.apply()
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             pipeline_model_parallel_size=args.pp)
+    vpp = args.vpp if args.vpp > 1 else None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, use_cpu_initialization=True,
+        num_layers=args.layers or 2 * args.pp * args.vpp, hidden_size=args.hidden, num_attention_heads=4, use_cpu_initialization=True,
         pipeline_dtype=dtype, params_dtype=torch.float32, bf16=args.bf16, tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp, hidden_dropout=0.0, attention_dropout=0.0,
+        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
-                     max_sequence_length=args.seq, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=args.pp == 1, position_embedding_type="learned_absolute")
-    if args.bf16:
-        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    chunks = []
+    for stage in range(args.vpp):
+        stage_kw = {"ignore_virtual": False, "vp_stage": stage} if vpp else {}
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+                         max_sequence_length=args.seq, pre_process=parallel_state.is_pipeline_first_stage(**stage_kw),
+                         post_process=parallel_state.is_pipeline_last_stage(**stage_kw),
+                         share_embeddings_and_output_weights=args.pp == 1, position_embedding_type="learned_absolute",
+                         vp_stage=stage if vpp else None)
+        if args.bf16:
+            model = Float16Module(config, model)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model))
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=args.bf16, params_dtype=torch.float32,
-        use_distributed_optimizer=args.distopt, clip_grad=1.0), [model])
-    config.no_sync_func = model.no_sync
+        use_distributed_optimizer=args.distopt, clip_grad=1.0), chunks)
+    config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    return model, optimizer
+    return chunks, optimizer
 
 
 def batches(args):
@@ -101,14 +107,16 @@ def forward_step(data, model):
     return output, partial(_loss, batch["loss_mask"])
 
 
-def train_step(args, model, optimizer, data):
+def train_step(args, chunks, optimizer, data):
     """One optimizer step over `args.micro_batches` micro-batches; returns the mean loss (last stage) or None."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.zero_grad_buffer()
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=args.micro_batches,
+        forward_step_func=forward_step, data_iterator=[data] * len(chunks) if len(chunks) > 1 else data,
+        model=chunks, num_microbatches=args.micro_batches,
         seq_length=args.seq, micro_batch_size=args.mbs, decoder_seq_length=args.seq, forward_only=False)
     optimizer.step()
     return sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else None
@@ -116,14 +124,14 @@ def train_step(args, model, optimizer, data):
 
 def main() -> None:
     args = parse_args()
-    model, optimizer = setup(args)
+    chunks, optimizer = setup(args)
     from trainmon import TrainerMon
 
     monitor = TrainerMon(args.config)
-    monitor.set_monitor([model], optimizer=optimizer, grad_acc_steps=args.micro_batches)
+    monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
     data = batches(args)
     for step in range(args.steps):
-        loss = train_step(args, model, optimizer, data)
+        loss = train_step(args, chunks, optimizer, data)
         if loss is not None:
             print(f"[rank{dist.get_rank()}] step {step} loss {loss:.4f}", flush=True)
     monitor.stop()

@@ -140,3 +140,29 @@ def test_clean_run_reports_null_first(output_dir, write_config, capsys):
     assert report["first"] is None and report["chain"] == [] and report["nonfinite_records"] == 0
     assert cli_main(["nan-analyze", str(monitor.output_dir.parent)]) == 0
     assert "clean" in capsys.readouterr().out
+
+
+def test_loop_that_stops_on_a_nan_loss_keeps_the_unfinished_step(output_dir, write_config, capsys):
+    """The usual `if not torch.isfinite(loss): raise` before optimizer.step(): stop() still writes the step."""
+    from trainmon.demo import lm_loss
+    from training import batches
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    clock = Clock(model, 1)
+    forward_inf(model, clock, "layers.0.mlp.2", 1, 0)
+    data = batches()
+    with pytest.raises(FloatingPointError):
+        with TrainerMon(write_config(**SENTINEL_ONLY)) as monitor:
+            monitor.set_monitor(model, optimizer=optimizer)
+            for _ in range(3):
+                tokens, labels = next(data)
+                loss = lm_loss(model, tokens, labels)
+                loss.backward()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError("loss is not finite")
+                optimizer.step()
+                optimizer.zero_grad()
+    report = nan_analyze_json(monitor.output_dir.parent, capsys)
+    assert {k: report["first"][k] for k in ("step", "micro_step", "module", "phase")} == \
+        {"step": 1, "micro_step": 0, "module": "layers.0.mlp.2", "phase": "forward"}

@@ -59,6 +59,11 @@ def test_every_module_param_and_update_is_probed(output_dir, write_config, monke
     run_steps(model, optimizer, 2, grad_acc_steps=2)
     monitor.stop()
     modules = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList)]  # never called
+    # containers that return their last child's output object (attn -> proj, mlp -> mlp.2, model -> head) are
+    # not read twice
+    repeated = {"", "layers.0.attn", "layers.1.attn", "layers.0.mlp", "layers.1.mlp"}
+    assert repeated == _returning_a_childs_output(model)
+    modules = [m for m in modules if m not in repeated]
     params = dict(model.named_parameters())
     assert len(batches) == 2
     for batch in batches:
@@ -75,3 +80,17 @@ def test_every_module_param_and_update_is_probed(output_dir, write_config, monke
     for name, param in params.items():
         assert abs(last[name] - float(param.detach().sum(dtype=torch.float32))) <= 1e-6 * (1 + abs(last[name]))
     assert (monitor.output_dir / "anomalies.jsonl").read_text() == ""
+
+
+def _returning_a_childs_output(model) -> set:
+    seen, repeated, handles, alive = set(), set(), [], []
+    for name, module in model.named_modules():
+        def hook(m, args, out, name=name):
+            alive.append(out)  # ids stay unique while the objects live
+            (repeated.add(name) if id(out) in seen else seen.add(id(out)))
+        handles.append(module.register_forward_hook(hook))
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    model(tokens)
+    for handle in handles:
+        handle.remove()
+    return repeated

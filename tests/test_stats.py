@@ -136,10 +136,17 @@ def test_fields_for_ops():
         fields_for_ops(["nrom"])
 
 
+def test_extreme_eps():
+    x = sprinkle(torch.tensor([0.0, -0.0, 1e-30, 2.0, -3.0, 0.0, 5.0, 1e-45, 1.0, 1e-39, 1.0, 1.0]))
+    for eps in (0.0, 1e-45, 2e-45, 1e-40, 1e-20, INF, 1e300):   # 0: nothing is |x| < 0
+        for dtype in FLOATS + [torch.float64]:
+            check(tensor_records([x.to(dtype)], eps, ALL)[0], x.to(dtype), eps)
+
+
 def test_bad_arguments():
     x = torch.ones(3)
     with pytest.raises(ValueError):
-        tensor_records([x], 0.0, ALL)
+        tensor_records([x], -1e-8, ALL)
     with pytest.raises(ValueError):
         tensor_records([x], NAN, ALL)
     with pytest.raises(ValueError, match="unknown record fields"):
@@ -324,3 +331,27 @@ def test_cache_reuses_unmodified_views_only():
     w = torch.full((30,), 7.0)
     assert tensor_records([w], 1e-8, ALL, cache=cache)[0, 4] == 210.0
     assert hit.shape == (1, N_FIELDS)
+
+
+def test_inference_mode_and_threads():
+    import threading
+    with torch.inference_mode():
+        x = sprinkle(torch.randn(100, 30))
+        check(tensor_records([x, x], 1e-8, ALL, cache={})[1], x, 1e-8)
+    y = torch.randn(64, 64)
+    check(tensor_records([y], 1e-8, ALL)[0], y, 1e-8)   # workspace made in inference mode still usable
+    errors = []
+
+    def work(seed):
+        try:
+            for k in range(5):
+                z = sprinkle(torch.randn(700, 300 + seed), seed=k)
+                check(tensor_records([z], 1e-8, ALL)[0], z, 1e-8)
+        except Exception as e:                       # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -149,3 +149,35 @@ def test_fields_no_op_needs_are_stored_as_not_recorded(output_dir, write_config)
     assert nulls[0] > 0 and nulls[1:] == (nulls[0], nulls[0], 0, 0)
     frame = open_run(monitor.output_dir).records()
     assert frame["norm"].notna().all() and frame["raw_min"].isna().all()
+
+
+def test_show_reads_the_database(output_dir, write_config, capsys):
+    from trainmon.cli import main
+
+    monitor, _ = monitored(write_config, steps=2, grad_acc_steps=1, format=["db"], xy_distribution=False,
+                           on_step=lambda monitor, step: monitor.log_scalar("loss", 3.25 + step))
+    assert main(["show", str(output_dir), "--scalars"]) == 0  # an output root with one run
+    out = capsys.readouterr().out
+    assert "loss" in out and "3.25" in out and "4.25" in out
+    assert main(["show", str(monitor.output_dir.parent), "--family", "exp_avg", "--step", "1", "--ops", "norm"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["rank", "tag", "step", "norm"] and all(" 1 " in line for line in lines[1:])
+
+
+def test_open_run_reads_every_ranks_database(output_dir, write_config):
+    """Two ranks of one job (RANK/WORLD_SIZE from the launcher's environment) write one run."""
+    config = write_config(targets={}, wg_distribution=True, ops=OPS, format=["db"], append_output=["job", "job~"])
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+        child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "train_child.py"), config,
+                                "--steps", "3"], capture_output=True, text=True, timeout=180, env=env)
+        assert child.returncode == 0, child.stderr[-3000:]
+    run = open_run(output_dir / "job")
+    assert run.ranks == [0, 1] and run.metadata(1)["world_size"] == 2
+    grads = run.family(GRAD_REDUCED, steps=range(1, 3))
+    assert sorted(set(grads.step)) == [1, 2] and sorted(set(grads["rank"])) == [0, 1]
+    assert grads[grads["rank"] == 1].tag.str.contains("/rank1/post_grad").all()
+    # same model, same data: both ranks hold the same figures
+    by_rank = [grads[grads["rank"] == r].sort_values(["step", "name"]).norm.to_numpy() for r in (0, 1)]
+    np.testing.assert_array_equal(*by_rank)
+    assert sorted(run.scalars("loss")["rank"]) == [0, 0, 0, 1, 1, 1]

@@ -47,3 +47,13 @@ def test_a_missing_tensorboard_package_names_the_fix(tmp_path, monkeypatch):
                           per_micro_families=frozenset())
     with pytest.raises(ImportError, match="pip install tensorboard"):
         TensorBoardSink().start(context)
+
+
+def test_tensorboard_logdir_shows_one_run_per_rank(output_dir, write_config):
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    monitor, _ = monitored(write_config, steps=1, grad_acc_steps=1, format=["tensorboard"], xy_distribution=False)
+    logdir = EventMultiplexer()
+    logdir.AddRunsFromDirectory(str(output_dir))  # what `tensorboard --logdir monitor_output` does
+    logdir.Reload()
+    assert list(logdir.Runs()) == [f"{monitor.output_dir.parent.name}/rank_0"]

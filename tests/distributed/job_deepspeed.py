@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--stage", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--bf16", action="store_true", help="bf16 weights; with --stage 1, DeepSpeed's BF16_Optimizer")
 parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
@@ -33,7 +34,10 @@ zero = {"stage": args.stage}
 if args.stage == 3:
     zero["stage3_param_persistence_threshold"] = 0  # else a tiny model is not partitioned at all
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 6}
+          "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 6,
+          "bf16": {"enabled": args.bf16}}
+if args.bf16 and args.stage == 1:
+    config["data_types"] = {"grad_accum_dtype": "fp32"}  # DeepSpeed picks its BF16_Optimizer
 engine, optimizer, _, _ = deepspeed.initialize(
     model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
 rank = dist.get_rank()

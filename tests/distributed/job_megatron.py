@@ -24,7 +24,7 @@ known, rest = own.parse_known_args()
 out = known.out
 args = train_megatron.parse_args(rest + ["--steps", "3"])
 torch.set_num_threads(1)
-model, optimizer = train_megatron.setup(args)
+chunks, optimizer = train_megatron.setup(args)
 from megatron.core import parallel_state as ps
 
 rank = dist.get_rank()
@@ -38,13 +38,26 @@ if known.inject:  # registered first: the layer's output as the monitor sees it 
             hidden[0, 0, 0] = float("inf")
             return (hidden,) + tuple(output[1:])
 
-    model.module.decoder.layers[-1].register_forward_hook(inject)
+    chunks[-1].module.decoder.layers[-1].register_forward_hook(inject)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if known.inject else {}
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"),
                                   cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, **extra))
-monitor.set_monitor([model], optimizer=optimizer, grad_acc_steps=args.micro_batches)
+monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
-named = [(".".join(p for p in n.split(".") if p != "module"), p) for n, p in model.named_parameters()]
+
+
+def global_names(chunk):
+    """(name, param) with Megatron's global layer numbers (each stage and chunk numbers its layers from 0)."""
+    layers = {name: f"{name.rsplit('.', 1)[0]}.{module.layer_number - 1}" for name, module in chunk.named_modules()
+              if hasattr(module, "layer_number") and name.rsplit(".", 1)[-1].isdigit()}
+    for name, param in chunk.named_parameters():
+        local = next((prefix for prefix in layers if name.startswith(prefix + ".")), None)
+        yield (layers[local] + name[len(local):] if local else name), param
+
+
+# Names as trainmon writes them (squash_name), with "<chunk>:" for virtual pipeline chunks after the first.
+named = [((f"{vpp}:" if vpp else "") + ".".join(p for p in n.split(".") if p != "module"), p)
+         for vpp, chunk in enumerate(chunks) for n, p in global_names(chunk)]
 dp_group, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
 truth = Truth()
 
@@ -67,7 +80,8 @@ def dp_full(param, shard, param_range):
     return flat.view(param.shape)
 
 
-finalize = model.config.finalize_model_grads_func
+config = chunks[0].config
+finalize = config.finalize_model_grads_func
 
 
 def finalize_and_record(*a, **k):
@@ -80,11 +94,11 @@ def finalize_and_record(*a, **k):
     return finalize(*a, **k)
 
 
-model.config.finalize_model_grads_func = finalize_and_record
+config.finalize_model_grads_func = finalize_and_record
 (chained,) = optimizer.chained_optimizers
 data = train_megatron.batches(args)
 for step in range(args.steps):
-    train_megatron.train_step(args, model, optimizer, data)
+    train_megatron.train_step(args, chunks, optimizer, data)
     for name, p in named:
         for key in ("exp_avg", "exp_avg_sq"):
             if args.distopt:
@@ -96,4 +110,4 @@ for step in range(args.steps):
             truth.add(step, key, name, tp_full(p, full))
 
 truth.write(out, rank)
-finish(monitor, out, [optimizer] + list(model.bucket_groups))
+finish(monitor, out, [optimizer] + [group for chunk in chunks for group in chunk.bucket_groups])

@@ -50,6 +50,9 @@ def test_pipeline_parallel_2(tmp_path):
     first, last = (set(n for _, n in norms(os.path.join(run, f"rank_{r}"), "grad_reduced")) for r in (0, 1))
     assert "embedding.word_embeddings.weight" in first and "embedding.word_embeddings.weight" not in last
     assert "output_layer.weight" in last and "output_layer.weight" not in first
+    # layers carry their global numbers: 0-1 on stage 0, 2-3 on stage 1
+    assert {n.split(".")[2] for n in first | last if n.startswith("decoder.layers.")} == {"0", "1", "2", "3"}
+    assert "decoder.layers.2.mlp.linear_fc1.weight" in last and "decoder.layers.2.mlp.linear_fc1.weight" not in first
     # the stages' p2p: every tensor one stage sends is received by the other with the same figures
     sent = {r: comm_rows(run, r, "isend") for r in (0, 1)}
     received = {r: comm_rows(run, r, "irecv") for r in (0, 1)}
@@ -60,6 +63,20 @@ def test_pipeline_parallel_2(tmp_path):
             assert figures == pytest.approx(received[dst][key], rel=1e-12), key
 
 
+def test_virtual_pipeline_2_by_2(tmp_path):
+    """Interleaved schedule: each stage holds two model chunks (vpp_stage 0 and 1)."""
+    run, coords = run_job(tmp_path, 2, "--pp", "2", "--vpp", "2")
+    assert [c["vpp"] for c in coords] == [{"size": 2}, {"size": 2}]
+    for rank in (0, 1):
+        frame = read_family(os.path.join(run, f"rank_{rank}"), "grad_reduced")
+        assert set(frame.vpp_stage) == {0, 1}
+    first, last = (set(norms(os.path.join(run, f"rank_{r}"), "grad_reduced")) for r in (0, 1))
+    assert (0, "embedding.word_embeddings.weight") in first and (0, "1:output_layer.weight") in last
+    # interleaved, 2 layers per chunk: stage 0 holds layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7
+    layers = {r: sorted({n.split(".")[2] for _, n in names if ".layers." in n}) for r, names in ((0, first), (1, last))}
+    assert layers == {0: ["0", "1", "4", "5"], 1: ["2", "3", "6", "7"]}
+
+
 def test_data_parallel_2_distributed_optimizer(tmp_path):
     run, coords = run_job(tmp_path, 2, "--distopt")
     assert [c["dp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
@@ -67,6 +84,13 @@ def test_data_parallel_2_distributed_optimizer(tmp_path):
     assert changed == total, "each DP rank's unreduced grads come from its own data"
     for family in ("grad_reduced", "exp_avg", "exp_avg_sq"):
         assert differing(run, family, 0, 1)[0] == 0, family
+
+
+def test_data_parallel_2_distributed_optimizer_bf16(tmp_path):
+    """Float16Module (bf16 weights), fp32 grad buffer, fp32 main-param shards in DistributedOptimizer."""
+    run, coords = run_job(tmp_path, 2, "--distopt", "--bf16")
+    changed, total = differing(run, "grad_unreduced", 0, 1)
+    assert changed == total
 
 
 def test_tensor_2_by_pipeline_2(tmp_path):
@@ -80,12 +104,12 @@ def test_pipeline_inf_on_stage_0_is_traced_through_p2p(tmp_path):
     torchrun("job_megatron.py", 2, ["--out", str(tmp_path), "--pp", "2", "--cc", "--inject", "0:1"], output_dir)
     run = the_run(output_dir)
     first = nan_analyze(run)["first"]
-    # stage 0's last layer (Megatron names layers per stage)
-    assert (first["rank"], first["step"], first["module"], first["phase"]) == (0, 1, "decoder.layers.0", "forward")
+    # stage 0's last layer (layers 0-1 are on stage 0, 2-3 on stage 1)
+    assert (first["rank"], first["step"], first["module"], first["phase"]) == (0, 1, "decoder.layers.1", "forward")
     # the collectives' records say how it got to stage 1: rank 0 -> isend[0->1] -> rank 1
     events = sorted((e for r, d in rank_dirs(Path(run)).items() for e in rank_events(r, d)[0]),
                     key=lambda e: e.order_key())
     result = attribute(events)
-    assert result["origin_rank"] == 0 and result["origin"]["module"] == "decoder.layers.0"
+    assert result["origin_rank"] == 0 and result["origin"]["module"] == "decoder.layers.1"
     link = result["chain"][0]
     assert (link["step"], link["from"], link["to"]) == (1, [0], [1]) and "[0->1]" in link["via"]

@@ -19,10 +19,12 @@ def the_run(output_dir) -> str:
 
 
 def norms(rank_dir: str, family: str) -> dict:
-    """{(step, name): norm} of one family, written once per (step, name)."""
+    """{(step, name): norm} of one family, written once per (step, vpp_stage, name); the name of a virtual
+    pipeline chunk after the first gets a `<vpp_stage>:` prefix."""
     frame = read_family(rank_dir, family)
-    assert not frame.duplicated(["step", "name"]).any(), f"{family}: repeated rows in {rank_dir}"
-    return {(int(r.step), r.name): float(r.norm) for r in frame.itertuples()}
+    assert not frame.duplicated(["step", "vpp_stage", "name"]).any(), f"{family}: repeated rows in {rank_dir}"
+    return {(int(r.step), f"{r.vpp_stage}:{r.name}" if r.vpp_stage else r.name): float(r.norm)
+            for r in frame.itertuples()}
 
 
 def truth(out_dir: str, rank: int) -> dict:

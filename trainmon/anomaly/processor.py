@@ -104,10 +104,7 @@ class AnomalyProcessor(Sink):
         with self._lock:
             dumps, self._dumps = [d for d in self._dumps if d.step <= batch.step], \
                 [d for d in self._dumps if d.step > batch.step]
-        for request in dumps:
-            path = write_dump(self._rank_dir, request)
-            logger.warning("trainmon: tensors of %s at step %s micro-step %s dumped to %s",
-                           request.module or "<root>", request.step, request.micro_step, path)
+        self._write_dumps(dumps)
         events = self._judge(batch)
         if not events:
             return
@@ -156,6 +153,18 @@ class AnomalyProcessor(Sink):
                             vpp_stage=0, call_index=None, module=name, phase=SCALAR_PHASE, tensor="scalar",
                             op=op, value=value, rule=rule, family="scalar")
 
+    def _write_dumps(self, dumps: list[DumpRequest]) -> None:
+        # A dump that cannot be written (disk full, safetensors missing) must not stop the anomaly records.
+        for request in dumps:
+            try:
+                path = write_dump(self._rank_dir, request)
+            except (OSError, ImportError) as err:
+                logger.error("trainmon: the tensor dump of %s at step %s was not written: %s",
+                             request.module or "<root>", request.step, err)
+                continue
+            logger.warning("trainmon: tensors of %s at step %s micro-step %s dumped to %s",
+                           request.module or "<root>", request.step, request.micro_step, path)
+
     def _guard_table(self, method, *args) -> None:
         """A database failure stops only the table; anomalies.jsonl and the alerts go on."""
         try:
@@ -181,8 +190,7 @@ class AnomalyProcessor(Sink):
     def close(self) -> None:
         with self._lock:
             dumps, self._dumps = self._dumps, []
-        for request in dumps:
-            write_dump(self._rank_dir, request)
+        self._write_dumps(dumps)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -44,9 +44,12 @@ class _ProbeBuffer:
     def write(self, keys: list[RecordKey], tensors: list[torch.Tensor]) -> None:
         if self._buffer is None:
             self._buffer = torch.empty(self._capacity, dtype=torch.float32, device=tensors[0].device)
-        values = (probe(tensors[0]) if len(tensors) == 1 else torch.stack([probe(t) for t in tensors])).reshape(-1)
         start = len(self.keys)
         self.keys.extend(keys)
+        if len(tensors) == 1 and start < self._buffer.numel():
+            self._buffer[start].copy_(probe(tensors[0]))  # the common case, with the fewest small ops
+            return
+        values = torch.stack([probe(t) for t in tensors])
         fit = max(0, min(len(self.keys), self._buffer.numel()) - start)
         if fit:
             self._buffer[start:start + fit].copy_(values[:fit])
@@ -105,6 +108,7 @@ class NanSentinel:
         self.slots = _ProbeBuffer()
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
+        self._probed: dict[int, tuple] = {}
         self._backward_micro = 0
         self._callback_queued = False
         self._grad_hook = state.guarded("NaN sentinel on activation grads", self._on_grad)
@@ -131,6 +135,7 @@ class NanSentinel:
             handle.remove()
         self._handles.clear()
         self._consumers.clear()
+        self._probed.clear()
         self.slots.reset()
 
     # ------------------------------------------------------------------------------------ hooks
@@ -142,6 +147,15 @@ class NanSentinel:
         keys = [RecordKey(family, name, vpp_stage, micro, collector.next_call_index(), tuple(t.shape),
                           str(t.dtype)) for name, t in leaves]
         self.slots.write(keys, [t for _, t in leaves])
+
+    def _first_sight(self, tensor: torch.Tensor) -> bool:
+        """False for a tensor object already probed unchanged this step: a container returning its last
+        child's output (nn.Sequential, a model returning its head's output) is not read twice."""
+        seen = self._probed.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+            return False
+        self._probed[id(tensor)] = (weakref.ref(tensor), tensor._version)
+        return True
 
     def _make_pre_forward(self, name: str, vpp: int):
         state = self.state
@@ -178,7 +192,7 @@ class NanSentinel:
         def forward_hook(module, args, output):
             micro = max(state.forward_micro, 0)
             leaves = floating_leaves(output, None, f"{name}.output")
-            self._probe(ACTV, leaves, vpp, micro)
+            self._probe(ACTV, [(n, t) for n, t in leaves if self._first_sight(t)], vpp, micro)
             if self._dump is not None:
                 self._dump.saw(name, "output", output)
                 if name == "":
@@ -220,7 +234,13 @@ class NanSentinel:
             self.state.collector.add_flags(self.slots.keys, filled)
         self.slots.reset()
         self._consumers.clear()
+        self._probed.clear()
         self._backward_micro = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether probes of the running step are waiting for `close_step`."""
+        return bool(self.slots.keys)
 
     def any_nonfinite(self) -> Optional[torch.Tensor]:
         """Device bool: whether a probe of this step so far is non-finite (None when none was taken)."""

@@ -2,7 +2,8 @@
 
 A record is a float64 row ``FIELDS`` = (count, nans, infs, zeros, sum, sumsq, min, max) over the FINITE
 elements (design §3): count = finite elements, nans/infs = non-finite ones, zeros = finite |x| < eps
-(compared exactly against the float64 eps).  Sums add, min/max combine, so chunks, micro-batches,
+(compared exactly against the float64 eps >= 0; eps below a dtype's smallest normal number relies on
+subnormal arithmetic, i.e. no flush-to-zero).  Sums add, min/max combine, so chunks, micro-batches,
 shards and ranks merge exactly (:func:`merge_records`).  Empty input: count 0, min=+inf, max=-inf.
 Fields not in ``fields`` (count/nans/infs are always computed) hold 0 and mean nothing; pass the same
 ``fields`` to :func:`derive_ops` to have it refuse ops that need them.  sum/sumsq accumulate in fp32 for
@@ -64,7 +65,8 @@ def _from_bits(dtype: torch.dtype, b: int) -> float:
 
 def _consts(dtype: torch.dtype, eps: float):
     """(lambda, P, acc dtype): lambda = largest dtype value < eps (|x| <= lambda <=> |x| < eps);
-    P = power of two <= smallest dtype value >= eps, small enough that 65536*P is finite."""
+    P = power of two <= smallest dtype value >= eps, small enough that the codes (65536 P) fit the
+    dtype and a row of them (2**23 P) fits the accumulation dtype."""
     key = (dtype, eps)
     c = _CONSTS.get(key)
     if c is None:
@@ -77,10 +79,11 @@ def _consts(dtype: torch.dtype, eps: float):
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if _from_bits(dtype, mid) < eps else (lo, mid - 1)
         lam = _from_bits(dtype, lo)
-        thr = _from_bits(dtype, lo + 1) if lo < fmax_bits else _INF
-        cap = 2.0 ** (math.floor(math.log2(_from_bits(dtype, fmax_bits))) - 17)
-        p = min(2.0 ** math.floor(math.log2(thr)), cap) if thr != _INF else cap
+        thr = _from_bits(dtype, lo + 1) if lo < fmax_bits and eps > 0 else _INF   # eps 0: no zeros
         acc = torch.float64 if dtype == torch.float64 else torch.float32
+        cap = 2.0 ** min(math.frexp(_from_bits(dtype, fmax_bits))[1] - 18,   # codes fit the dtype,
+                         math.frexp(torch.finfo(acc).max)[1] - 25)           # row sums fit acc
+        p = min(2.0 ** math.floor(math.log2(thr)), cap) if thr != _INF else cap
         c = _CONSTS[key] = (lam, p, acc)
     return c
 
@@ -117,7 +120,8 @@ def _workspace(device: torch.device, dtype: torch.dtype, cap: int):
     cache = _TLS.__dict__.setdefault("ws", {})
     ws = cache.get(dtype)
     if ws is None or ws[0].numel() < cap:
-        ws = cache[dtype] = (torch.empty(cap, dtype=dtype), torch.empty(cap, dtype=dtype))
+        with torch.inference_mode(False):            # a normal tensor works in and out of the mode
+            ws = cache[dtype] = (torch.empty(cap, dtype=dtype), torch.empty(cap, dtype=dtype))
     return ws
 
 
@@ -140,12 +144,13 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     bad = fields - set(FIELDS)
     if bad:
         raise ValueError(f"unknown record fields {sorted(bad)}; allowed: {', '.join(FIELDS)}")
-    if not (eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     if len(tensors) == 0:
         return torch.zeros(0, N_FIELDS, dtype=torch.float64)
     dev = tensors[0].device
-    want = tuple(f in fields for f in FIELDS)
+    # eps == 0: nothing is |x| < 0, the zeros field is exactly 0 without a pass
+    want = tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS)
 
     seen: dict = {}                                   # view key -> unique index
     uniq: list[torch.Tensor] = []
@@ -154,8 +159,9 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     for t in tensors:
         plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
         ptr = t.data_ptr() if plain else id(t)        # fake/meta/subclass: no storage to compare
-        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t._version, eps, want)
-        hit = cache.get(key) if cache is not None else None
+        version = None if t.is_inference() else t._version   # inference tensors: never cached
+        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), version, eps, want)
+        hit = cache.get(key) if cache is not None and version is not None else None
         if hit is not None and hit[0]() is not None:
             rowmap.append(hit[1])
         else:
@@ -165,9 +171,10 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
                 keys.append((key, t))
             rowmap.append(seen[key])
     rec = _records(uniq, dev, eps, want) if uniq else None
-    if cache is not None and uniq:
-        for (key, t), row in zip(keys, rec.unbind(0)):
-            cache[key] = (weakref.ref(t), row)
+    if cache is not None and uniq:                    # rows of a private copy: callers may edit rec
+        for (key, t), row in zip(keys, rec.clone().unbind(0)):
+            if key[4] is not None:
+                cache[key] = (weakref.ref(t), row)
     if len(uniq) == len(tensors):                     # no duplicate, no cache hit
         return rec
     rows = rec.unbind(0) if rec is not None else ()
@@ -264,7 +271,7 @@ def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tens
     """Per-chunk partials -> ``[chunks, 8]`` float64 with exact counts (a handful of small ops)."""
     f64 = torch.float64
     meta = _meta([ns, ends], dev)
-    j = (torch.cat(rows) * (1.0 / p)).to(torch.int32)   # exact: B - 256 I - 65536 N per row
+    j = (torch.cat(rows).to(f64) * (1.0 / p)).to(torch.int32)   # exact: B - 256 I - 65536 N
     big = j & 255
     t = (big - j) >> 8                                     # I + 256 N
     codes = torch.stack((big, t & 255, t >> 8))
@@ -273,19 +280,25 @@ def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tens
     else:                                                  # segment sums of consecutive rows
         cs = codes.cumsum(1, dtype=torch.int64).index_select(1, meta[1])
         per_chunk = torch.diff(cs, dim=1, prepend=cs.new_zeros(3, 1))
-    b, i, nan = per_chunk.to(f64).unbind(0)
-    count = meta[0].to(f64) - i - nan
-    zero = torch.zeros_like(count)
+    n, b, i, nan = torch.cat((meta.narrow(0, 0, 1), per_chunk)).to(f64).unbind(0)
+    count = n - i - nan
+    col = {"zero": torch.zeros_like(count)}
+    if sqs and sqs[0].dim():     # 16-bit: squared row norms summed per chunk; unsafe=True skips the
+        col["sq"] = torch.segment_reduce(   # kernel's .item() validation of lengths (a hidden sync)
+            torch.cat(sqs).to(f64).square(), "sum", lengths=_meta([q.numel() for q in sqs], dev),
+            unsafe=True)
 
-    def col(vals):
-        return torch.stack(vals).to(f64) if vals else zero
-    if sqs and sqs[0].dim():                          # 16-bit: squared row norms summed per chunk
-        sq = torch.segment_reduce(torch.cat(sqs).to(f64).square(), "sum",
-                                  lengths=_meta([q.numel() for q in sqs], dev))
-    else:
-        sq = col(sqs)
-    return torch.stack([count, nan, i, count - b if want[3] else zero, col(sums), sq, col(mins),
-                        col(maxs)], 1)
+        sqs = []
+    groups: dict = {}                                 # one stack + cast per dtype of 0-d partials
+    for name, vals in (("sum", sums), ("sq", sqs), ("min", mins), ("max", maxs)):
+        if vals:
+            groups.setdefault(vals[0].dtype, []).append((name, vals))
+    for items in groups.values():
+        stacked = torch.stack([v for _, vals in items for v in vals]).to(f64).view(len(items), -1)
+        col.update(zip((name for name, _ in items), stacked.unbind(0)))
+    z = col["zero"]
+    return torch.stack([count, nan, i, count - b if want[3] else z, col.get("sum", z), col.get("sq", z),
+                        col.get("min", z), col.get("max", z)], 1)
 
 
 def merge_records(records: torch.Tensor) -> torch.Tensor:

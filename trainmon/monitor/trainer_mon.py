@@ -154,10 +154,11 @@ class TrainerMon:
             rank_enabled=not config.module_ranks or self.rank in config.module_ranks or self._merges_across_ranks())
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
-        params = self._adapter.prepare(watched_params(self._chunks, config))
+        params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
+                                        for w in watched_params(self._chunks, config)])
         if config.sentinel:
             self._sentinel = nan_sentinel(state, self._chunks, config.squash_name)
-            if config.alert.dump:
+            if config.alert.dump and self._anomalies is not None:
                 self._sentinel.enable_dump(self._anomalies.add_dump, self.rank)
             self._hooks.append(self._sentinel)
         elif config.alert.dump:
@@ -174,6 +175,8 @@ class TrainerMon:
                 drain=self._writer.drain, processor=self._anomalies))
         if config.xy_distribution:
             modules = watched_modules(self._chunks, config)
+            for watched in modules:
+                watched.name = self._adapter.rename(watched.vpp_stage, watched.name)
             backward = not config.forward_only
             if backward and not self._adapter.module_backward_hooks:
                 logger.warning("trainmon: activation grads (actv_grad) are not recorded with the %s adapter: module "
@@ -298,6 +301,9 @@ class TrainerMon:
     # ---------------------------------------------------------------------------------- teardown
     def stop(self) -> None:
         """Removes every hook and writes every queued step. Safe to call twice."""
+        if self._sentinel is not None and self._sentinel.pending:
+            # An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes.
+            self._sentinel.close_step()
         self._remove()
         if self._state is not None and not self._state.collector.empty:
             self._writer.put(self._state.collector.finish_step())

@@ -71,6 +71,9 @@ class TrainingAdapter(Protocol):
     def pp_stage(self) -> int:
         """This rank's pipeline stage (0 without pipeline parallelism)."""
 
+    def rename(self, vpp_stage: int, name: str) -> str:
+        """The name written for a module or parameter of chunk `vpp_stage` (e.g. global layer numbers)."""
+
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
         """Returns `params` with full shapes filled in where the local tensors are shards."""
 
@@ -114,6 +117,9 @@ class PlainAdapter:
 
     def pp_stage(self) -> int:
         return 0
+
+    def rename(self, vpp_stage: int, name: str) -> str:
+        return name
 
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}

@@ -51,6 +51,9 @@ class DeepSpeedAdapter:
     def pp_stage(self) -> int:
         return 0
 
+    def rename(self, vpp_stage: int, name: str) -> str:
+        return name
+
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
         if not self.zero3:
             return params

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,17 @@ from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam, gro
 from trainmon.monitor.patching import patch_attribute
 
 logger = logging.getLogger("trainmon")
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
+
+
+def _layer_offset(chunk: torch.nn.Module) -> int:
+    """Global index of the chunk's first transformer layer (`layer_number` is global and 1-based)."""
+    for name, module in chunk.named_modules():
+        if name.endswith("layers.0") and hasattr(module, "layer_number"):
+            return module.layer_number - 1
+    return 0
 
 
 def is_megatron_optimizer(optimizer) -> bool:
@@ -61,6 +73,7 @@ class MegatronAdapter:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self._where: dict[int, _Location] = {}
         self._restores: list = []
+        self._layer_offsets = [_layer_offset(chunk) for chunk in chunks]
 
     def describe(self) -> dict:
         import torch.distributed as dist
@@ -74,6 +87,13 @@ class MegatronAdapter:
 
     def pp_stage(self) -> int:
         return self.ps.get_pipeline_model_parallel_rank()
+
+    def rename(self, vpp_stage: int, name: str) -> str:
+        """`layers.<i>` with the global layer number: Megatron numbers each stage's (and chunk's) layers from 0."""
+        offset = self._layer_offsets[vpp_stage]
+        if not offset:
+            return name
+        return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}", name)
 
     # ------------------------------------------------------------------------------ mapping
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:

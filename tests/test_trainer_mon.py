@@ -4,6 +4,7 @@ import logging
 import os
 import time
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -266,3 +267,51 @@ def test_append_output_continues_an_existing_run(output_dir, write_config):
     second.stop()
     assert second.output_dir == first.output_dir
     assert sorted(set(read_family(first.output_dir, "grad_reduced").step)) == [0, 1, 2, 3]
+
+
+class InPlaceRelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.relu(self.lin(x)))
+
+
+def test_an_activation_modified_in_place_is_never_reported_with_later_values(output_dir, write_config, caplog):
+    torch.manual_seed(0)
+    model = InPlaceRelu()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, forward_only=True, ops=OPS))
+    monitor.set_monitor(model, optimizer=optimizer)
+    x = torch.randn(16, 8)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for _ in range(2):
+            with torch.no_grad():  # not through the module: its hooks would record this call too
+                expected = torch.nn.functional.linear(x, model.lin.weight, model.lin.bias)
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    monitor.stop()
+    actv = read_family(monitor.output_dir, "actv")
+    # step 0: the held output of `lin` was changed by the in-place ReLU, so its record is dropped (said once)
+    assert "lin.output" not in set(actv[actv.step == 0].name)
+    assert sum("lin.output" in r.getMessage() for r in caplog.records) == 1
+    # step 1: it is reduced in its hook, before the ReLU, and shows the negative values the ReLU removes
+    row = actv[(actv.step == 1) & (actv.name == "lin.output")].iloc[0]
+    assert row["min"] == pytest.approx(float(expected.min()), rel=1e-5) and row["min"] < 0
+    assert actv[(actv.step == 1) & (actv.name == "relu.output")].iloc[0]["min"] >= 0
+
+
+@pytest.mark.parametrize("batch_mb", [0, 1])
+def test_batched_and_per_hook_reduction_agree(output_dir, write_config, batch_mb):
+    default, *_ = train(write_config, steps=2, grad_acc_steps=2, **FULL)
+    default.stop()
+    other, *_ = train(write_config, steps=2, grad_acc_steps=2, **FULL, stats_batch_mb=batch_mb)
+    other.stop()
+    for family in ["actv", "actv_grad"]:
+        a = read_family(default.output_dir, family).sort_values(["name", "step", "micro_step"]).reset_index(drop=True)
+        b = read_family(other.output_dir, family).sort_values(["name", "step", "micro_step"]).reset_index(drop=True)
+        pd.testing.assert_frame_equal(a, b)

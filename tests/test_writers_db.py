@@ -167,6 +167,7 @@ def test_show_reads_the_database(output_dir, write_config, capsys):
 def test_open_run_reads_every_ranks_database(output_dir, write_config):
     """Two ranks of one job (RANK/WORLD_SIZE from the launcher's environment) write one run."""
     config = write_config(targets={}, wg_distribution=True, ops=OPS, format=["db"], append_output=["job", "job~"])
+    (output_dir / "job").mkdir(parents=True)  # append_output reuses an existing run between the two bounds
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
         child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "train_child.py"), config,

@@ -26,8 +26,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     text = json.dumps(result, indent=1) if args.json else format_report(result)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+        try:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        except OSError as err:
+            print(f"trainmon nan-analyze: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+            return 2
     else:
         print(text)
     return 0

@@ -27,11 +27,10 @@ import threading
 import traceback
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from trainmon.monitor.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, RECEIVES, SENDS, collective_name,
+from trainmon.monitor.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
                                              compact_ranks, floating, p2p_name, tensor_names)
 from trainmon.monitor.records import COMM, RecordKey
 from trainmon.monitor.state import HookState

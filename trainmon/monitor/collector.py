@@ -1,6 +1,7 @@
 """Per-step accumulation of device-side statistic records and the step's single host transfer."""
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Optional, Sequence
 
@@ -9,21 +10,32 @@ import torch
 from trainmon.monitor import stats
 from trainmon.monitor.records import RecordKey, StepBatch
 
+logger = logging.getLogger("trainmon")
+
 
 class StepCollector:
     """Gathers the records of one step on the device and ships them to the host in one copy.
 
-    Hooks call `record()` with tensors; statistics are computed at once on the tensors' device
-    (a batch per call) and kept there. A tensor object seen twice in a step (a module's output
-    is the next module's input) is reduced once.
+    Records are computed on the tensors' device and stay there. Activations (`defer=True`) are
+    held until `batch_bytes` of them are pending and then reduced in one batch, because the engine's
+    cost per call dwarfs its cost per tensor when a hook brings one or two tensors. A tensor object
+    seen twice in a step (a module's output is the next module's input) is reduced once.
+
+    A deferred tensor that is modified in place before its batch is reduced would be reported with
+    its later values; that record is dropped instead, reported once, and its name is reduced at
+    once (in its hook) from then on.
     """
 
-    def __init__(self, eps: float, ops: Sequence[str], rank: int, pp_stage: int = 0):
+    def __init__(self, eps: float, ops: Sequence[str], rank: int, pp_stage: int = 0,
+                 batch_bytes: int = 256 << 20):
         self.eps = eps
         self.fields = stats.fields_for_ops(ops)
         self.rank = rank
         self.pp_stage = pp_stage
+        self.batch_bytes = batch_bytes
         self.step = 0
+        self.dropped_in_place: dict[str, int] = {}
+        self._eager_names: set[str] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -34,6 +46,11 @@ class StepCollector:
         self._flags: list[torch.Tensor] = []
         self._seen: dict[int, tuple] = {}
         self._call_index = 0
+        self._pending_keys: list[RecordKey] = []
+        self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
+        self._pending_tensors: list[torch.Tensor] = []
+        self._pending_versions: list[int] = []
+        self._pending_bytes = 0
 
     def next_call_index(self) -> int:
         """Reserves the ordering position of one hooked event."""
@@ -41,31 +58,72 @@ class StepCollector:
         self._call_index += 1
         return index
 
-    def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], reuse: bool = False) -> None:
-        """Computes the records of `tensors` (one per key) and keeps them on the device.
+    def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
+        """Records `tensors` (one per key).
 
-        With `reuse`, a tensor object already reduced this step (same object, same version) reuses
-        its record instead of being read again.
+        Without `defer` the records are computed now, in one batch (use it for tensors that change
+        right after, like weights around an update). With `defer` the tensors may be held until the
+        pending batch is reduced, and a tensor object already seen this step is not read again.
         """
         if not tensors:
             return
-        if not reuse:
+        if not defer:
             self._add(keys, stats.tensor_records(tensors, self.eps, self.fields))
             return
-        fresh_keys, fresh = [], []
         for key, tensor in zip(keys, tensors):
             cached = self._seen.get(id(tensor))
             if cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
-                self._add([key], cached[2])
+                self._reuse(key, cached[2])
+            elif key.name in self._eager_names:
+                rows = stats.tensor_records([tensor], self.eps, self.fields)
+                self._add([key], rows)
+                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows)
             else:
-                fresh_keys.append(key)
-                fresh.append(tensor)
-        if not fresh:
+                slot = len(self._pending_tensors)
+                self._pending_tensors.append(tensor)
+                self._pending_versions.append(tensor._version)
+                self._pending_keys.append(key)
+                self._pending_slots.append(slot)
+                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
+                self._pending_bytes += tensor.numel() * tensor.element_size()
+        if self._pending_bytes >= self.batch_bytes:
+            self.flush_pending()
+
+    def _reuse(self, key: RecordKey, source) -> None:
+        if isinstance(source, int):  # still pending: share its slot
+            self._pending_keys.append(key)
+            self._pending_slots.append(source)
+        else:
+            self._add([key], source)
+
+    def flush_pending(self) -> None:
+        """Reduces every pending tensor in one batch."""
+        if not self._pending_keys:
             return
-        rows = stats.tensor_records(fresh, self.eps, self.fields)
-        self._add(fresh_keys, rows)
-        for i, tensor in enumerate(fresh):
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[i:i + 1])
+        tensors, keys, slots = self._pending_tensors, self._pending_keys, self._pending_slots
+        modified = {slot for slot, (t, v) in enumerate(zip(tensors, self._pending_versions)) if t._version != v}
+        rows = stats.tensor_records(tensors, self.eps, self.fields)
+        for slot, tensor in enumerate(tensors):
+            if slot not in modified:
+                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[slot:slot + 1])
+        kept = [i for i, slot in enumerate(slots) if slot not in modified]
+        if len(kept) < len(keys):
+            self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])
+        if kept:
+            index = torch.tensor([slots[i] for i in kept], device=rows.device)
+            self._add([keys[i] for i in kept], rows.index_select(0, index))
+        self._pending_keys, self._pending_slots = [], []
+        self._pending_tensors, self._pending_versions = [], []
+        self._pending_bytes = 0
+
+    def _drop_modified(self, keys: Sequence[RecordKey]) -> None:
+        for key in keys:
+            if key.name not in self._eager_names:
+                logger.warning("trainmon: %s was modified in place before its statistics were computed; "
+                               "its record of step %s is dropped and it is reduced in its hook from now on",
+                               key.name, self.step)
+            self._eager_names.add(key.name)
+            self.dropped_in_place[key.name] = self.dropped_in_place.get(key.name, 0) + 1
 
     def record_rows(self, keys: Sequence[RecordKey], rows: torch.Tensor) -> None:
         """Adds precomputed (e.g. merged across shards) records, [len(keys), N_FIELDS]."""
@@ -82,6 +140,7 @@ class StepCollector:
 
     def any_nonfinite(self) -> Optional[torch.Tensor]:
         """Device bool: whether a record of this step so far counted a NaN or Inf (None before the first)."""
+        self.flush_pending()
         if not self._blocks:
             return None
         rows = torch.cat([b.reshape(-1, len(stats.FIELDS)) for b in self._blocks])
@@ -95,10 +154,11 @@ class StepCollector:
 
     @property
     def empty(self) -> bool:
-        return not self._keys and not self._scalars and not self._flag_keys
+        return not self._keys and not self._pending_keys and not self._scalars and not self._flag_keys
 
     def finish_step(self) -> StepBatch:
         """Packs the step into one device buffer, starts its single copy to the host, and resets."""
+        self.flush_pending()
         tensor_scalars = [(n, v) for n, v in self._scalars.items() if isinstance(v, torch.Tensor)]
         batch = StepBatch(step=self.step, rank=self.rank, pp_stage=self.pp_stage, keys=self._keys,
                           scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)},

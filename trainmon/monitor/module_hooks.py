@@ -104,4 +104,4 @@ class ActivationHooks:
         collector = self.state.collector
         keys = [RecordKey(family, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
                           tuple(t.shape), str(t.dtype)) for leaf_name, t in leaves]
-        collector.record(keys, [t for _, t in leaves], reuse=True)
+        collector.record(keys, [t for _, t in leaves], defer=True)

@@ -75,6 +75,7 @@ class OptimizerHooks:
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self.state.collecting:
             return
+        self.state.collector.flush_pending()  # release the held activations before the update
         if self.reduced_grads:
             self._record(GRAD_REDUCED, self.adapter.reduced_grads(self.params))
         if self.params_before_after:

@@ -116,7 +116,8 @@ class TrainerMon:
             logger.error("trainmon: cannot write to the output directory %s (%s); training continues, file "
                          "outputs are disabled", self.output_dir, err)
 
-        collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage())
+        collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage(),
+                                  batch_bytes=self.config.stats_batch_mb << 20)
         self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
         self._writer = self._start_writer()
         if dynamic_enabled():

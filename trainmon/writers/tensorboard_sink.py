@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -11,6 +12,29 @@ from typing import Iterable, Optional
 from trainmon.monitor.records import StepBatch
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.writers.tags import tag_of
+
+
+def _fast_record_writer(record_writer):
+    """TensorBoard's RecordWriter with a compiled CRC32C when the `crc32c` package is installed.
+
+    TensorBoard checksums every record with a pure-Python CRC32C (about 50 ms for one step's event
+    of a small model); the framing is the same, only the checksum is computed in C.
+    """
+    try:
+        from crc32c import crc32c
+    except ImportError:
+        return record_writer
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    class CompiledCrcRecordWriter(record_writer):
+        def write(self, data: bytes) -> None:
+            header = struct.pack("<Q", len(data))
+            self._writer.write(header + struct.pack("<I", masked(header)) + data + struct.pack("<I", masked(data)))
+
+    return CompiledCrcRecordWriter
 
 
 def import_tensorboard():
@@ -22,7 +46,7 @@ def import_tensorboard():
     except ImportError as err:
         raise ImportError("the 'tensorboard' format needs the tensorboard package: pip install tensorboard "
                           f"(or pip install 'trainmon[tensorboard]'); import failed with: {err}") from err
-    return RecordWriter, Event, Summary
+    return _fast_record_writer(RecordWriter), Event, Summary
 
 
 class EventWriter:

@@ -13,15 +13,11 @@ an accumulation cycle); reduced grads are read when it starts, before clipping (
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 
 from trainmon.monitor.adapters.base import (ACCUMULATED, PER_MICRO_BATCH, AdamPiece, WatchedParam,
                                             data_parallel_coordinates)
-
-logger = logging.getLogger("trainmon")
 
 
 def is_deepspeed_optimizer(optimizer) -> bool:

@@ -9,13 +9,9 @@ per-parameter grads and that collective.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from trainmon.monitor.adapters.base import NOT_RECORDED, PlainAdapter, data_parallel_coordinates
-
-logger = logging.getLogger("trainmon")
 
 
 def is_fsdp2(chunks) -> bool:

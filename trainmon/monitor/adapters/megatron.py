@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -22,8 +21,6 @@ import torch
 
 from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam, group_coordinates
 from trainmon.monitor.patching import patch_attribute
-
-logger = logging.getLogger("trainmon")
 
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")

@@ -36,8 +36,12 @@ TIERS = {
 }
 
 
-def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict) -> dict:
-    """Trains in this process and returns the medians (the child side)."""
+def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict, interleave: int = 1) -> dict:
+    """Trains in this process and returns the medians (the child side).
+
+    With `interleave` k > 1 the monitor collects every k-th step only, and the collected steps are
+    compared with the idle ones of the same process: a ratio free of the drift between processes.
+    """
     import torch
 
     from trainmon import TrainerMon
@@ -52,7 +56,8 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     out_dir = tempfile.mkdtemp(prefix="trainmon_bench_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
     if TIERS[tier] is not None or extra:
-        config = {"targets": {}, "ops": OPS, "format": formats, **(TIERS[tier] or {}), **extra}
+        config = {"targets": {}, "ops": OPS, "format": formats, **(TIERS[tier] or {}), **extra,
+                  "step_interval": interleave}
         path = os.path.join(out_dir, "config.json")
         with open(path, "w") as f:
             json.dump(config, f)
@@ -60,7 +65,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
         monitor.set_monitor(model, optimizer=optimizer)
     sink_cpu = time_sinks(monitor) if monitor is not None else {}
     cpu, wall, train_cpu = [], [], []
-    for _ in range(warmup + steps):
+    for _ in range(warmup + steps * interleave):
         tokens, labels = synthetic_batch(gen, 8, 128, 1024)
         c0, w0, t0 = time.process_time(), time.perf_counter(), time.thread_time()
         lm_loss(model, tokens, labels).backward()
@@ -78,7 +83,10 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     if monitor is not None:
         with open(monitor.output_dir / "run.json") as f:
             writer = json.load(f).get("writer", {})
-    return {"tier": tier, "formats": formats, "cpu_s": statistics.median(cpu[warmup:]),
+    collected = [c for i, c in enumerate(cpu) if i >= warmup and i % interleave == 0]
+    idle = [c for i, c in enumerate(cpu) if i >= warmup and i % interleave != 0]
+    return {"tier": tier, "formats": formats, "cpu_s": statistics.median(collected),
+            "idle_cpu_s": statistics.median(idle) if idle else None,
             "train_thread_cpu_s": statistics.median(train_cpu[warmup:]),
             "sink_cpu_s": {name: sum(t) / len(t) for name, t in sink_cpu.items() if t},
             "disk_by_sink": {sink: size / (warmup + steps) for sink, size in disk_by_sink(out_dir).items()},
@@ -120,11 +128,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--extra", default="{}", help="JSON merged into every monitored config")
     parser.add_argument("--sinks", help='format sets to compare, ";"-separated, e.g. "api;csv;db" (overrides --format)')
+    parser.add_argument("--interleave", type=int, default=1,
+                        help="collect every k-th step and also report collected/idle steps of the same process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     formats = args.format.split(",")
     if args.child:
-        print(json.dumps(run_tier(args.child, formats, args.steps, args.warmup, json.loads(args.extra))))
+        print(json.dumps(run_tier(args.child, formats, args.steps, args.warmup, json.loads(args.extra),
+                                  args.interleave)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     format_sets = args.sinks.split(";") if args.sinks else [args.format]
@@ -133,19 +144,22 @@ def main() -> int:
     results = []
     for tier, fmt in runs:
         out = subprocess.run([sys.executable, __file__, "--child", tier, "--format", fmt,
-                              "--steps", str(args.steps), "--warmup", str(args.warmup), "--extra", args.extra],
+                              "--steps", str(args.steps), "--warmup", str(args.warmup), "--extra", args.extra,
+                              "--interleave", str(args.interleave)],
                              check=True, capture_output=True, text=True, env=env)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     if args.sinks:
         print_sink_table(results)
         return 0
     base = next((r for r in results if r["tier"] == "none"), None)
-    print(f"{'tier':8} {'cpu/step':>9} {'wall/step':>9} {'cpu×':>6} {'wall×':>6} {'rss MB':>7} {'disk/step':>10}")
+    print(f"{'tier':8} {'cpu/step':>9} {'wall/step':>9} {'cpu×':>6} {'wall×':>6} {'in-run×':>7} {'rss MB':>7} "
+          f"{'disk/step':>10}")
     for r in results:
         cpu_ratio = r["cpu_s"] / base["cpu_s"] if base else float("nan")
         wall_ratio = r["wall_s"] / base["wall_s"] if base else float("nan")
+        in_run = f"{r['cpu_s'] / r['idle_cpu_s']:7.3f}" if r.get("idle_cpu_s") else f"{'-':>7}"
         print(f"{r['tier']:8} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms {cpu_ratio:6.3f} {wall_ratio:6.3f} "
-              f"{r['peak_rss_mb']:7.0f} {r['disk_bytes_per_step']/1024:8.1f}KB")
+              f"{in_run} {r['peak_rss_mb']:7.0f} {r['disk_bytes_per_step']/1024:8.1f}KB")
     return 0
 
 

@@ -59,35 +59,46 @@ class StepCollector:
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
-        """Records `tensors` (one per key).
+        """Records `tensors` (one per key); a tensor object already reduced this step, unchanged since
+        (same version), reuses its record instead of being read again.
 
-        Without `defer` the records are computed now, in one batch (use it for tensors that change
-        right after, like weights around an update). With `defer` the tensors may be held until the
-        pending batch is reduced, and a tensor object already seen this step is not read again.
+        Without `defer` the new records are computed now, in one batch (use it for tensors that
+        change right after, like weights around an update). With `defer` the tensors may be held
+        until the pending batch is reduced.
         """
         if not tensors:
             return
-        if not defer:
-            self._add(keys, stats.tensor_records(tensors, self.eps, self.fields))
-            return
+        fresh: list[tuple[RecordKey, torch.Tensor]] = []
         for key, tensor in zip(keys, tensors):
             cached = self._seen.get(id(tensor))
             if cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
                 self._reuse(key, cached[2])
-            elif key.name in self._eager_names:
-                rows = stats.tensor_records([tensor], self.eps, self.fields)
-                self._add([key], rows)
-                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows)
             else:
-                slot = len(self._pending_tensors)
-                self._pending_tensors.append(tensor)
-                self._pending_versions.append(tensor._version)
-                self._pending_keys.append(key)
-                self._pending_slots.append(slot)
-                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
-                self._pending_bytes += tensor.numel() * tensor.element_size()
+                fresh.append((key, tensor))
+        if not defer:
+            self._reduce_now(fresh)
+            return
+        for key, tensor in fresh:
+            if key.name in self._eager_names:
+                self._reduce_now([(key, tensor)])
+                continue
+            slot = len(self._pending_tensors)
+            self._pending_tensors.append(tensor)
+            self._pending_versions.append(tensor._version)
+            self._pending_keys.append(key)
+            self._pending_slots.append(slot)
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
+            self._pending_bytes += tensor.numel() * tensor.element_size()
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
+
+    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
+        if not items:
+            return
+        rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
+        self._add([k for k, _ in items], rows)
+        for i, (_, tensor) in enumerate(items):
+            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[i:i + 1])
 
     def _reuse(self, key: RecordKey, source) -> None:
         if isinstance(source, int):  # still pending: share its slot

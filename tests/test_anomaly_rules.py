@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from training import BATCH, SEQ, VOCAB, batches, make_model, run_steps
+from training import BATCH, SEQ, VOCAB, batches, make_model
 from trainmon import TrainerMon
 from trainmon.anomaly.processor import AlertRateLimit
 from trainmon.anomaly.rules import AnomalyNan, AnomalySpike, AnomalyTurbulence

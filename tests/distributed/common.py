@@ -80,3 +80,21 @@ def finish(monitor, out_dir: str = None, patched_objects=()) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def inject_inf(module: nn.Module, spec: str, rank: int, current_step) -> None:
+    """Puts an inf into element [0, 0, 0] of `module`'s output (the first element of a tuple output) on
+    the rank and step of `spec` ("RANK:STEP"); `current_step()` tells the running step.
+
+    Register it before the monitor's hooks, so the output the monitor sees already carries the inf.
+    """
+    bad_rank, bad_step = (int(v) for v in spec.split(":"))
+
+    def hook(module, inputs, output):
+        if rank != bad_rank or current_step() != bad_step:
+            return None
+        hidden = (output[0] if isinstance(output, tuple) else output).clone()
+        hidden[0, 0, 0] = float("inf")
+        return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+    module.register_forward_hook(hook)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
-from common import TinyLM, Truth, batches, finish, write_config
+from common import TinyLM, Truth, batches, finish, inject_inf, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -42,16 +42,8 @@ engine, optimizer, _, _ = deepspeed.initialize(
     model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
 rank = dist.get_rank()
 step = 0
-if args.inject:  # registered first: the module's output as the monitor sees it carries the inf
-    bad_rank, bad_step = (int(v) for v in args.inject.split(":"))
-
-    def inject(module, inputs, output):
-        if rank == bad_rank and step == bad_step:
-            output = output.clone()
-            output[0, 0, 0] = float("inf")
-            return output
-
-    engine.module.blocks[0].register_forward_hook(inject)
+if args.inject:  # the module's output as the monitor sees it carries the inf
+    inject_inf(engine.module.blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
 monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
 monitor.set_monitor(engine, optimizer=optimizer)

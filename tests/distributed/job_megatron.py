@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import train_megatron
-from common import Truth, finish, write_config
+from common import Truth, finish, inject_inf, write_config
 from trainmon import TrainerMon
 
 own = argparse.ArgumentParser()
@@ -29,16 +29,8 @@ from megatron.core import parallel_state as ps
 
 rank = dist.get_rank()
 step = 0
-if known.inject:  # registered first: the layer's output as the monitor sees it carries the inf
-    bad_rank, bad_step = (int(v) for v in known.inject.split(":"))
-
-    def inject(module, inputs, output):
-        if rank == bad_rank and step == bad_step:
-            hidden = output[0].clone()
-            hidden[0, 0, 0] = float("inf")
-            return (hidden,) + tuple(output[1:])
-
-    chunks[-1].module.decoder.layers[-1].register_forward_hook(inject)
+if known.inject:  # the module's output as the monitor sees it carries the inf
+    inject_inf(chunks[-1].module.decoder.layers[-1], known.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if known.inject else {}
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"),
                                   cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, **extra))

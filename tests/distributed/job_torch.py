@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-from common import TinyLM, Truth, batches, finish, write_config
+from common import TinyLM, Truth, batches, finish, inject_inf, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -40,16 +40,8 @@ else:
     fully_shard(model, mesh=mesh)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 step = 0
-if args.inject:  # registered first: the module's output as the monitor sees it carries the inf
-    bad_rank, bad_step = (int(v) for v in args.inject.split(":"))
-
-    def inject(module, inputs, output):
-        if rank == bad_rank and step == bad_step:
-            output = output.clone()
-            output[0, 0, 0] = float("inf")
-            return output
-
-    (model.module if args.mode == "ddp" else model).blocks[0].register_forward_hook(inject)
+if args.inject:  # the module's output as the monitor sees it carries the inf
+    inject_inf((model.module if args.mode == "ddp" else model).blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
 monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
 monitor.set_monitor(model, optimizer=optimizer)

@@ -27,7 +27,7 @@ def filled(value, n=4):
 
 
 def expected_step0(rank):
-    mine, peer = rank + 1, 2 - rank
+    mine = rank + 1
     world, pair = "[0,1]@0", "[0,1]@1"
     out = {
         f"all_reduce{world}#0.input": filled(mine), f"all_reduce{world}#0.output": filled(3),

@@ -16,6 +16,7 @@ import torch
 
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.processor import AnomalyProcessor
+from trainmon.monitor.patching import patch_attribute
 
 logger = logging.getLogger("trainmon")
 
@@ -57,13 +58,10 @@ class StepGate:
         self.drain = drain
         self.processor = processor
         self.skipped_steps: list[int] = []
-        self._had_own_step = False
-        self._own_step = None
+        self._restore: Optional[Callable[[], None]] = None
         self._later_anomaly: Optional[AnomalyEvent] = None
 
     def install(self) -> None:
-        self._had_own_step = "step" in vars(self.optimizer)
-        self._own_step = vars(self.optimizer).get("step")
         original = self.optimizer.step
 
         def gated_step(*args, **kwargs):
@@ -73,15 +71,14 @@ class StepGate:
                 return original(*args, **kwargs)
             return self._refuse()
 
-        self.optimizer.step = gated_step
+        self._restore = patch_attribute(self.optimizer, "step", gated_step)
         if self.action == "stop":
             self.processor.add_listener(self._on_written_anomaly)
 
     def remove(self) -> None:
-        if self._had_own_step:
-            self.optimizer.step = self._own_step
-        else:
-            vars(self.optimizer).pop("step", None)
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     def _on_written_anomaly(self, events: list[AnomalyEvent]) -> None:
         # Writer thread: remembered, raised on the training thread at the next optimizer.step().

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import struct
 import threading
-import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -133,13 +132,10 @@ def _meta(values, dev: torch.device) -> torch.Tensor:
 
 
 # ---- the engine -------------------------------------------------------------------------------------
-def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str],
-                   cache: dict | None = None) -> torch.Tensor:
+def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str]) -> torch.Tensor:
     """float64 ``[len(tensors), 8]`` records on the tensors' (shared) device; see module docstring.
 
-    Identical views (same storage, dtype, shape, strides) are computed once per call.  ``cache``
-    (optional, owned by the caller and cleared every step) extends that across calls: a view whose
-    tensor is still alive and unmodified (same ``_version``) reuses its record row."""
+    Identical views (same storage, dtype, shape, strides) are computed once per call."""
     fields = frozenset(fields)
     bad = fields - set(FIELDS)
     if bad:
@@ -154,34 +150,33 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
 
     seen: dict = {}                                   # view key -> unique index
     uniq: list[torch.Tensor] = []
-    rowmap: list = []                                 # per input: unique index or a cached row
-    keys: list = []
+    rowmap: list[int] = []                            # per input: its unique index
     for t in tensors:
         plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
         ptr = t.data_ptr() if plain else id(t)        # fake/meta/subclass: no storage to compare
-        version = None if t.is_inference() else t._version   # inference tensors: never cached
-        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), version, eps, want)
-        hit = cache.get(key) if cache is not None and version is not None else None
-        if hit is not None and hit[0]() is not None:
-            rowmap.append(hit[1])
-        else:
-            if key not in seen:
-                seen[key] = len(uniq)
-                uniq.append(t.detach())
-                keys.append((key, t))
-            rowmap.append(seen[key])
-    rec = _records(uniq, dev, eps, want) if uniq else None
-    if cache is not None and uniq:                    # rows of a private copy: callers may edit rec
-        for (key, t), row in zip(keys, rec.clone().unbind(0)):
-            if key[4] is not None:
-                cache[key] = (weakref.ref(t), row)
-    if len(uniq) == len(tensors):                     # no duplicate, no cache hit
+        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key not in seen:
+            seen[key] = len(uniq)
+            uniq.append(t.detach())
+        rowmap.append(seen[key])
+    rec = _records(uniq, dev, eps, want)
+    if len(uniq) == len(tensors):
         return rec
-    rows = rec.unbind(0) if rec is not None else ()
-    return torch.stack([rows[r] if isinstance(r, int) else r for r in rowmap])
+    return rec.index_select(0, _meta(rowmap, dev))
 
 
 def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
+    if dev.type != "cpu":
+        return _exact_records(uniq, dev, eps, want)
+    from trainmon.monitor.stats_cpu import finite_first_records
+
+    cap = CHUNK_ELEMS["cpu"]
+    return finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap)[0],
+                                lambda tensors: _exact_records(tensors, dev, eps, want))
+
+
+def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
+    """The branch-free exact kernels (module docstring)."""
     w_min, w_max, w_sum, w_sq, w_zero = want[6], want[7], want[4], want[5], want[3]
     need_a = w_sum or w_sq or not w_zero
     cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)

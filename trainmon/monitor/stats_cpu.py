@@ -14,6 +14,9 @@ from typing import Callable, Sequence
 import torch
 
 _FAST_DTYPES = (torch.float32, torch.float64)
+# Tensors up to this size (biases, norms, small weights) are reduced together as segments of one
+# buffer: for them the cost of an op call, not of the data, dominates.
+_SMALL = 1 << 12
 
 
 def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
@@ -31,8 +34,15 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     fast = [u for u, t in enumerate(uniq) if t.dtype in _FAST_DTYPES and t.is_contiguous() and t.numel()]
     slow = sorted(set(range(len(uniq))) - set(fast))
     rec = torch.zeros(len(uniq), 8, dtype=torch.float64)
+    small = [u for u in fast if uniq[u].numel() <= _SMALL]
+    large = [u for u in fast if uniq[u].numel() > _SMALL]
+    for dtype in _FAST_DTYPES:
+        group = [u for u in small if uniq[u].dtype == dtype]
+        if group:
+            rec[group] = _assume_finite_small([uniq[u] for u in group], eps, want, consts(dtype, eps)[0])
+    if large:
+        rec[large] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
     if fast:
-        rec[fast] = _assume_finite([uniq[u] for u in fast], eps, want, consts, workspace)
         # Finite sums and extremes mean no element was NaN or Inf (`.numpy()` reads the CPU values).
         finite = torch.isfinite(rec[fast][:, 4:8]).all(1).numpy()
         slow = sorted(slow + [u for u, ok in zip(fast, finite) if not ok])
@@ -41,41 +51,43 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     return rec
 
 
-def _count_at_least(flat: torch.Tensor, lam: float, buffer: torch.Tensor) -> torch.Tensor:
-    """Number of |x| > lam (lam being the largest value below eps: |x| >= eps), chunk by chunk
-    through a reused buffer, so no temporary of the tensor's size is made.
-
-    hardshrink zeroes |x| <= lam, sign maps the rest to ±1, and the dot product of that with itself
-    counts them: exact in fp32 while a chunk has fewer than 2**24 elements, and three cheap float
-    passes where a bool mask and count_nonzero cost twice as much.
-    """
-    chunk = buffer.numel()
-    counts = []
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk]
-        out = buffer[:part.numel()]
-        torch.ops.aten.hardshrink.out(part, lam, out=out)
-        torch.sign(out, out=out)
-        counts.append(torch.dot(out, out))
-    return counts[0] if len(counts) == 1 else torch.stack(counts).to(torch.float64).sum()
-
-
 def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
                    workspace: Callable) -> torch.Tensor:
+    """Records that hold when every element is finite, reading each tensor in cache-sized chunks.
+
+    Every pass over a chunk after the first hits the cache: weights and optimizer state are cold
+    when the optimizer step ends, and whole-tensor passes would each stream them from memory.
+    """
     count = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64)
     zero = torch.zeros_like(count)
     sums, squares, mins, maxs, large = [], [], [], [], []
     for t in tensors:
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        buffer = workspace(t.dtype)
+        lam = consts(t.dtype, eps)[0]
         flat = t.view(-1)
-        sums.append(flat.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
+        parts = [flat[start:start + buffer.numel()] for start in range(0, flat.numel(), buffer.numel())]
+        chunk_sums, chunk_squares, chunk_mins, chunk_maxs, chunk_large = [], [], [], [], []
+        for part in parts:
+            chunk_sums.append(part.sum(dtype=acc))
+            if want[5]:
+                chunk_squares.append(torch.dot(part, part))
+            if want[6]:
+                chunk_mins.append(part.amin())
+            if want[7]:
+                chunk_maxs.append(part.amax())
+            if want[3]:
+                chunk_large.append(_count_at_least(part, lam, buffer))
+        one = len(parts) == 1
+        sums.append(chunk_sums[0] if one else torch.stack(chunk_sums).sum())
         if want[5]:
-            squares.append(torch.dot(flat, flat))
+            squares.append(chunk_squares[0] if one else torch.stack(chunk_squares).sum())
         if want[6]:
-            mins.append(flat.amin())
+            mins.append(chunk_mins[0] if one else torch.stack(chunk_mins).amin())
         if want[7]:
-            maxs.append(flat.amax())
+            maxs.append(chunk_maxs[0] if one else torch.stack(chunk_maxs).amax())
         if want[3]:
-            large.append(_count_at_least(flat, consts(t.dtype, eps)[0], workspace(t.dtype)))
+            large.append(chunk_large[0] if one else torch.stack(chunk_large).sum())
 
     def column(values, wanted):
         return torch.stack(values).to(torch.float64) if wanted else zero
@@ -88,3 +100,43 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     if not want[4]:
         rec[:, 4] = torch.where(torch.isfinite(rec[:, 4]), 0.0, rec[:, 4])  # keep the check, not the figure
     return rec
+
+
+def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tuple, lam: float) -> torch.Tensor:
+    """The records of `_assume_finite` for many small tensors of one dtype, in a dozen op calls."""
+    lengths = torch.tensor([t.numel() for t in tensors])
+    flat = torch.cat([t.view(-1) for t in tensors])
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+
+    def per_tensor(values: torch.Tensor, reduce: str) -> torch.Tensor:
+        return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True).to(torch.float64)
+
+    count = lengths.to(torch.float64)
+    zero = torch.zeros_like(count)
+    columns = [count, zero, zero, zero, per_tensor(flat.to(acc), "sum"), zero, zero, zero]
+    if want[3]:
+        at_least = torch.nn.functional.hardshrink(flat, lam).sign_().square_()
+        columns[3] = count - per_tensor(at_least, "sum")
+    if want[5]:
+        columns[5] = per_tensor(flat.to(acc).square(), "sum")
+    if want[6]:
+        columns[6] = per_tensor(flat, "min")
+    if want[7]:
+        columns[7] = per_tensor(flat, "max")
+    rec = torch.stack(columns, 1)
+    if not want[4]:
+        rec[:, 4] = torch.where(torch.isfinite(rec[:, 4]), 0.0, rec[:, 4])  # keep the check, not the figure
+    return rec
+
+
+def _count_at_least(part: torch.Tensor, lam: float, buffer: torch.Tensor) -> torch.Tensor:
+    """Number of |x| > lam in one chunk (lam being the largest value below eps: |x| >= eps).
+
+    hardshrink zeroes |x| <= lam, sign maps the rest to ±1, and the dot product of that with itself
+    counts them: exact in fp32 for a chunk of fewer than 2**24 elements, and three cheap float passes
+    where a bool mask and count_nonzero cost twice as much.
+    """
+    out = buffer[:part.numel()]
+    torch.ops.aten.hardshrink.out(part, lam, out=out)
+    torch.sign(out, out=out)
+    return torch.dot(out, out)

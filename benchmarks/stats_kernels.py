@@ -10,6 +10,11 @@ activation statistics ~15%, i.e. ~4x).  Workload: forward inputs/outputs and bac
 hooks on every module of the §7 model built below (4 layers, hidden 256, seq 128, batch 8, vocab 4096):
 172 floating tensors / 81.9M elements per step, 89 distinct views / 47.5M elements.
 
+The CHOSEN rows are the branch-free exact kernels, which accelerators run. On CPU, tensor_records now
+computes the figures that hold for all-finite tensors first (trainmon/monitor/stats_cpu.py: sum, dot,
+amin, amax, hardshrink/sign count; ~1 ns per element on this VM) and runs the exact kernels only on
+tensors that hold a NaN or Inf.
+
 RESULTS (AMD EPYC, 2 vCPU VM shared with other jobs, load 2-4.7, torch 2.13 CPU; three full runs,
 x norm pass shown as the range over runs; fp32 | bf16; "passes" = sweeps over each element):
   candidate                                   passes   ms (fp32)    x norm fp32    x norm bf16

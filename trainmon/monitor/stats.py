@@ -19,6 +19,8 @@ Exact finite-only figures, branch-free (sentinels that can never win):
      A row sum is exactly P * (B - 256 I - 65536 N) (B = finite |x| >= eps, I = infs, N = nans, all
      <= 128), decoded with integer ops once per call.  Without "zeros": ntn(x, codes) - a instead.
 No ``.item()``, no device->host copy, no Python branch on values: only shapes/dtypes steer the code.
+CPU tensors take a cheaper route (stats_cpu.py): there reading a value waits for no device, so the
+figures that hold for all-finite tensors come first and only tensors with a NaN/Inf take these kernels.
 """
 from __future__ import annotations
 

@@ -299,6 +299,7 @@ def test_an_activation_modified_in_place_is_never_reported_with_later_values(out
     # step 0: the held output of `lin` was changed by the in-place ReLU, so its record is dropped (said once)
     assert "lin.output" not in set(actv[actv.step == 0].name)
     assert sum("lin.output" in r.getMessage() for r in caplog.records) == 1
+    assert json.loads((monitor.output_dir / "run.json").read_text())["records_dropped_in_place"] == {"lin.output": 1}
     # step 1: it is reduced in its hook, before the ReLU, and shows the negative values the ReLU removes
     row = actv[(actv.step == 1) & (actv.name == "lin.output")].iloc[0]
     assert row["min"] == pytest.approx(float(expected.min()), rel=1e-5) and row["min"] < 0

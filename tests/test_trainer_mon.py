@@ -316,3 +316,29 @@ def test_batched_and_per_hook_reduction_agree(output_dir, write_config, batch_mb
         a = read_family(default.output_dir, family).sort_values(["name", "step", "micro_step"]).reset_index(drop=True)
         b = read_family(other.output_dir, family).sort_values(["name", "step", "micro_step"]).reset_index(drop=True)
         pd.testing.assert_frame_equal(a, b)
+
+
+def test_output_grads_from_tensor_hooks_equal_those_of_module_backward_hooks(output_dir, write_config, monkeypatch):
+    """The mode used where module backward hooks cannot run (Megatron) records the same output grads."""
+    from trainmon.monitor import trainer_mon
+
+    config = dict(all_xy=True, xy_distribution=True, backward_only=True, ops=OPS, ndigits=17)
+    full, *_ = train(write_config, steps=2, grad_acc_steps=2, **config)
+    full.stop()
+    select = trainer_mon.select_adapter
+
+    def without_module_backward_hooks(chunks, optimizer):
+        adapter = select(chunks, optimizer)
+        adapter.module_backward_hooks = False
+        return adapter
+
+    monkeypatch.setattr(trainer_mon, "select_adapter", without_module_backward_hooks)
+    tensor, *_ = train(write_config, steps=2, grad_acc_steps=2, **config)
+    tensor.stop()
+    by_tensor_hooks = read_family(tensor.output_dir, "actv_grad").set_index(["name", "step", "micro_step"])
+    by_module_hooks = read_family(full.output_dir, "actv_grad").set_index(["name", "step", "micro_step"])
+    assert by_tensor_hooks.index.get_level_values(0).str.endswith(".output").all()
+    outputs = by_module_hooks.loc[by_module_hooks.index.get_level_values(0).str.endswith(".output")]
+    assert len(outputs) > 40
+    pd.testing.assert_frame_equal(by_tensor_hooks.sort_index(), outputs.sort_index())
+

@@ -20,6 +20,7 @@ own = argparse.ArgumentParser()
 own.add_argument("--out", required=True)
 own.add_argument("--cc", action="store_true", help="also record collectives and p2p ops (cc_distribution)")
 own.add_argument("--inject", metavar="RANK:STEP", help="put an inf into the last layer's output on RANK at STEP")
+own.add_argument("--xy", action="store_true", help="also record activations and their grads (xy_distribution)")
 known, rest = own.parse_known_args()
 out = known.out
 args = train_megatron.parse_args(rest + ["--steps", "3"])
@@ -32,6 +33,8 @@ step = 0
 if known.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf(chunks[-1].module.decoder.layers[-1], known.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if known.inject else {}
+if known.xy:
+    extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"),
                                   cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, **extra))
 monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)

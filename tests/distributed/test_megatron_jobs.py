@@ -44,6 +44,17 @@ def test_tensor_parallel_2(tmp_path):
         assert differing(run, family, 0, 1)[0] == 0, family
 
 
+def test_activation_grads_of_module_outputs_under_megatron(tmp_path):
+    """Megatron's in-place ops reject the views of module backward hooks; output grads come from tensor hooks."""
+    run, _ = run_job(tmp_path, 2, "--tp", "2", "--xy")
+    for rank in (0, 1):
+        grads = read_family(os.path.join(run, f"rank_{rank}"), "actv_grad")
+        assert grads.name.str.contains(r"\.output(?:_\d+)?$").all(), "only output grads in this mode"
+        assert {"decoder.layers.1.mlp.output_0", "decoder.layers.0.self_attention.output_0"} <= set(grads.name)
+        assert (grads.nans == 0).all() and (grads.norm > 0).all()
+        assert sorted(set(grads.step)) == [0, 1, 2]
+
+
 def test_pipeline_parallel_2(tmp_path):
     run, coords = run_job(tmp_path, 2, "--pp", "2", "--cc")
     assert [c["pp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]

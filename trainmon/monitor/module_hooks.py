@@ -31,13 +31,21 @@ class WatchedModule:
 
 
 class ActivationHooks:
-    """Registers forward hooks (and full backward hooks) on the watched modules."""
+    """Registers forward hooks (and backward hooks) on the watched modules.
 
-    def __init__(self, state: HookState, modules: list[WatchedModule], forward: bool, backward: bool):
+    Activation grads come from torch's full backward hooks (`grad_input` and `grad_output` of each
+    module call). Where a framework's in-place operations reject the views those hooks put around
+    module outputs (Megatron), `output_grads_only` takes the grads with respect to each output from
+    tensor hooks instead, which leave the outputs untouched; input grads are then not recorded.
+    """
+
+    def __init__(self, state: HookState, modules: list[WatchedModule], forward: bool, backward: bool,
+                 output_grads_only: bool = False):
         self.state = state
         self.modules = modules
         self.forward = forward
         self.backward = backward
+        self.output_grads_only = output_grads_only
         self._handles: list = []
 
     def install(self) -> None:
@@ -49,7 +57,7 @@ class ActivationHooks:
             item = f"activations of {watched.name or '<root>'}"
             self._handles.append(watched.module.register_forward_hook(
                 self.state.guarded(item, self._make_forward(watched))))
-            if self.backward:
+            if self.backward and not self.output_grads_only:
                 self._handles.append(watched.module.register_full_backward_hook(
                     self.state.guarded(item, self._make_backward(watched))))
 
@@ -77,7 +85,10 @@ class ActivationHooks:
             micro = max(state.forward_micro, 0)
             name = self._call_name(watched, micro)
             if self.backward and torch.is_grad_enabled():
-                watched.pending_backward.append((micro, name))
+                if self.output_grads_only:
+                    self._hook_output_grads(watched, name, micro, output)
+                else:
+                    watched.pending_backward.append((micro, name))
             if self.forward:
                 self._record(ACTV, watched, name, micro, args, output,
                              watched.input_sel, watched.output_sel)
@@ -95,6 +106,21 @@ class ActivationHooks:
                          watched.input_grad_sel, watched.output_grad_sel)
 
         return backward_hook
+
+    def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
+        for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):
+            if tensor.requires_grad:
+                tensor.register_hook(self.state.guarded(
+                    f"activations of {watched.name or '<root>'}",
+                    lambda grad, leaf_name=leaf_name: self._record_grad(watched, leaf_name, micro, grad)))
+
+    def _record_grad(self, watched: WatchedModule, leaf_name: str, micro: int, grad: torch.Tensor) -> None:
+        if not self.state.collecting:
+            return
+        collector = self.state.collector
+        key = RecordKey(ACTV_GRAD, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
+                        tuple(grad.shape), str(grad.dtype))
+        collector.record([key], [grad], defer=True)
 
     def _record(self, family, watched, name, micro, inputs, outputs, input_sel, output_sel) -> None:
         leaves = floating_leaves(inputs, input_sel, f"{name}.input") + \

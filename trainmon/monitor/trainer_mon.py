@@ -179,12 +179,13 @@ class TrainerMon:
             for watched in modules:
                 watched.name = self._adapter.rename(watched.vpp_stage, watched.name)
             backward = not config.forward_only
-            if backward and not self._adapter.module_backward_hooks:
-                logger.warning("trainmon: activation grads (actv_grad) are not recorded with the %s adapter: module "
-                               "backward hooks break its in-place operations; set forward_only to silence this",
+            output_grads_only = backward and not self._adapter.module_backward_hooks
+            if output_grads_only:
+                logger.warning("trainmon: with the %s adapter activation grads (actv_grad) are recorded for module "
+                               "outputs only: module backward hooks break its in-place operations",
                                self._adapter.name)
-                backward = False
-            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only, backward=backward))
+            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only, backward=backward,
+                                               output_grads_only=output_grads_only))
             if config.stack_info:
                 self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
                 self._hooks.append(self._stacks)

@@ -3,8 +3,8 @@ from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import AnomalyEvent
 
 
-def event(rank, step, family, module, micro=None, phase="forward", tensor="output"):
-    return AnomalyEvent(rank=rank, step=step, micro_step=micro, pp_stage=0, vpp_stage=0, call_index=None,
+def event(rank, step, family, module, micro=None, phase="forward", tensor="output", call=None):
+    return AnomalyEvent(rank=rank, step=step, micro_step=micro, pp_stage=0, vpp_stage=0, call_index=call,
                         module=module, phase=phase, tensor=tensor, op="infs", value=1.0, rule="AnomalyNan",
                         family=family)
 
@@ -20,7 +20,8 @@ def test_all_reduce_blames_the_rank_whose_input_was_not_finite():
     result = attribute(events)
     assert result["origin_rank"] == 1
     assert result["origin"]["module"] == "blocks.0" and result["origin"]["step"] == 3
-    assert result["chain"] == [{"step": 3, "from": [1], "via": "all_reduce[0,1]@0#4", "to": [0]}]
+    assert result["chain"] == [{"step": 3, "from": [1], "via": "all_reduce[0,1]@0#4", "to": [0],
+                                "calls": 1}]
     assert format_chain(result) == ["rank 1 -> all_reduce[0,1]@0#4 (step 3) -> rank 0"]
 
 
@@ -35,6 +36,31 @@ def test_p2p_carries_a_stage_output_to_the_next_stage_and_grads_back():
     result = attribute(events)
     assert result["origin_rank"] == 0 and result["origin"]["module"] == "decoder.layers.1"
     assert [(c["from"], c["to"]) for c in result["chain"]] == [([0], [1]), ([1], [0])]
+
+
+def test_the_chain_follows_each_ranks_call_order_not_rank_numbers():
+    """PP2 × DP2: rank 1 (stage 0) sends to rank 3, and only later do the DP grad all-reduces reach ranks 0
+    and 2. Rank 0's records sort first by the ordering key, yet its all-reduces come after rank 1's send."""
+    comm = dict(family="comm", phase="communication")
+    events = sorted([
+        event(1, 1, "actv", "decoder.layers.1", micro=0, call=5),
+        event(1, 1, module="isend[1->3]@22#0.input", call=6, **comm),
+        event(3, 1, module="irecv[1->3]@22#0.output", call=2, **comm),
+        event(3, 1, module="isend[3->1]@22#0.input", call=9, **comm),
+        event(1, 1, module="irecv[3->1]@22#0.output", call=12, **comm),
+        *[event(1, 1, module=f"all_reduce[0,1]@5#{seq}.input", call=20 + seq, **comm) for seq in range(3)],
+        *[event(0, 1, module=f"all_reduce[0,1]@5#{seq}.output", call=30 + seq, **comm) for seq in range(3)],
+        event(3, 1, module="all_reduce[2,3]@7#0.input", call=40, **comm),
+        event(2, 1, module="all_reduce[2,3]@7#0.output", call=41, **comm),
+    ], key=lambda e: e.order_key())
+    result = attribute(events)
+    assert result["origin_rank"] == 1
+    links = [(c["via"], c["from"], c["to"], c["calls"]) for c in result["chain"]]
+    assert links[0] == ("isend[1->3]@22#0", [1], [3], 1)
+    assert ("all_reduce[0,1]@5#0", [1], [0], 3) in links, "three calls of one series make one link"
+    grads_back = next(i for i, link in enumerate(links) if link[1:3] == ([3], [1]))
+    assert grads_back < links.index(("all_reduce[0,1]@5#0", [1], [0], 3))
+    assert "rank 1 -> all_reduce[0,1]@5#0 and 2 more of its series (step 1) -> rank 0" in format_chain(result)
 
 
 def test_a_receive_alone_still_names_its_source():

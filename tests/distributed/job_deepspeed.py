@@ -45,7 +45,7 @@ step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf(engine.module.blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), mg_direction=True, **extra))
 monitor.set_monitor(engine, optimizer=optimizer)
 
 truth = Truth()
@@ -60,14 +60,16 @@ for step in range(args.steps):
     for name, p in replica.named_parameters():
         truth.add(step, "grad_unreduced", name, p.grad)
     engine.backward(engine(x, y))
+    grads = {name: safe_get_full_grad(p) for name, p in named}
     for name, p in named:
-        truth.add(step, "grad_reduced", name, safe_get_full_grad(p))
+        truth.add(step, "grad_reduced", name, grads[name])
         truth.add(step, "param_origin", name, safe_get_full_fp32_param(p))
     engine.step()
     for name, p in named:
         for key in ("exp_avg", "exp_avg_sq"):
             truth.add(step, key, name, safe_get_full_optimizer_state(p, key))
         truth.add(step, "param_updated", name, safe_get_full_fp32_param(p))
+        truth.add_sign_agreement(step, name, grads[name], safe_get_full_optimizer_state(p, "exp_avg"))
 
 truth.write(args.out, rank)
 finish(monitor, args.out, [optimizer])

@@ -36,7 +36,8 @@ extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if k
 if known.xy:
     extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"),
-                                  cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, **extra))
+                                  cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, mg_direction=True,
+                                  **extra))
 monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
 
@@ -55,6 +56,7 @@ named = [((f"{vpp}:" if vpp else "") + ".".join(p for p in n.split(".") if p != 
          for vpp, chunk in enumerate(chunks) for n, p in global_names(chunk)]
 dp_group, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
 truth = Truth()
+reduced = {}  # name: the full reduced grad of the running step
 
 
 def tp_full(param, tensor):
@@ -85,7 +87,8 @@ def finalize_and_record(*a, **k):
         local = p.main_grad.detach().clone()
         truth.add(step, "grad_unreduced", name, tp_full(p, local))
         dist.all_reduce(local, group=dp_group)
-        truth.add(step, "grad_reduced", name, tp_full(p, local / dp_size))
+        reduced[name] = tp_full(p, local / dp_size)
+        truth.add(step, "grad_reduced", name, reduced[name])
     return finalize(*a, **k)
 
 
@@ -102,7 +105,10 @@ for step in range(args.steps):
                 full = dp_full(p, shard, chained._get_model_param_range_map(p)["param"] if owned else None)
             else:
                 full = chained.optimizer.state[p][key]
-            truth.add(step, key, name, tp_full(p, full))
+            full = tp_full(p, full)
+            truth.add(step, key, name, full)
+            if key == "exp_avg":
+                truth.add_sign_agreement(step, name, reduced[name], full)
 
 truth.write(out, rank)
 finish(monitor, out, [optimizer] + [group for chunk in chunks for group in chunk.bucket_groups])

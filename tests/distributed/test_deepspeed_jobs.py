@@ -10,6 +10,7 @@ from launch import torchrun
 from verify import SHARDED_FAMILIES, assert_norms_match, assert_unpatched, differing, nan_analyze, the_run
 
 pytest.importorskip("deepspeed")
+OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -22,11 +23,11 @@ def test_zero_stage_two_ranks(tmp_path, stage):
         assert meta["adapter"].startswith("deepspeed (DeepSpeedZeroOptimizer")
         assert meta["parallel"]["dp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
     assert_unpatched(tmp_path, (0, 1))
-    checked = assert_norms_match(run, tmp_path, (0, 1), SHARDED_FAMILIES + ("grad_unreduced",))
-    assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
+    checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES + ("grad_unreduced",))
+    assert checked == 2 * 3 * 7 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each rank's unreduced grads come from its own data"
-    for family in SHARDED_FAMILIES:
+    for family in OPTIMIZER_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
 
 
@@ -37,8 +38,8 @@ def test_bf16_optimizer_two_ranks(tmp_path):
     run = the_run(output_dir)
     assert json.load(open(os.path.join(run, "rank_0", "run.json")))["adapter"] == "deepspeed (BF16_Optimizer)"
     # grad_unreduced is left out: the job's fp32 replica cannot reproduce bf16 grads to 1e-5
-    checked = assert_norms_match(run, tmp_path, (0, 1), SHARDED_FAMILIES)
-    assert checked == 2 * 3 * 5 * len(list(TinyLM().parameters()))
+    checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES)
+    assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))
 
 
 def test_zero2_inf_on_rank_1_is_traced_to_it(tmp_path):

@@ -14,7 +14,7 @@ from trainmon.monitor.collective_ops import parse_comm_name
 from verify import assert_norms_match, assert_unpatched, differing, nan_analyze, norms, the_run
 
 pytest.importorskip("megatron.core")
-FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq")
+FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "mg_direction")
 
 
 def run_job(tmp_path, nproc, *options):
@@ -110,17 +110,21 @@ def test_tensor_2_by_pipeline_2(tmp_path):
     assert [c["pp"]["ranks"] for c in coords] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
-def test_pipeline_inf_on_stage_0_is_traced_through_p2p(tmp_path):
+def test_pipeline_inf_on_rank_1_is_traced_through_p2p(tmp_path):
+    """PP2 × DP2: rank 1 is stage 0 of the second data-parallel replica; its next stage is rank 3."""
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_megatron.py", 2, ["--out", str(tmp_path), "--pp", "2", "--cc", "--inject", "0:1"], output_dir)
+    torchrun("job_megatron.py", 4, ["--out", str(tmp_path), "--pp", "2", "--cc", "--inject", "1:1"], output_dir)
     run = the_run(output_dir)
     first = nan_analyze(run)["first"]
     # stage 0's last layer (layers 0-1 are on stage 0, 2-3 on stage 1)
-    assert (first["rank"], first["step"], first["module"], first["phase"]) == (0, 1, "decoder.layers.1", "forward")
-    # the collectives' records say how it got to stage 1: rank 0 -> isend[0->1] -> rank 1
+    assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "decoder.layers.1", "forward")
+    # the collectives' records say how it spread: rank 1 -> isend[1->3] -> rank 3 (the next stage), and the
+    # data-parallel grad reduction took it to the other replica's ranks
     events = sorted((e for r, d in rank_dirs(Path(run)).items() for e in rank_events(r, d)[0]),
                     key=lambda e: e.order_key())
     result = attribute(events)
-    assert result["origin_rank"] == 0 and result["origin"]["module"] == "decoder.layers.1"
+    assert result["origin_rank"] == 1 and result["origin"]["module"] == "decoder.layers.1"
     link = result["chain"][0]
-    assert (link["step"], link["from"], link["to"]) == (1, [0], [1]) and "[0->1]" in link["via"]
+    assert (link["step"], link["from"], link["to"]) == (1, [1], [3]) and "[1->3]" in link["via"]
+    step_1 = [link for link in result["chain"] if link["step"] == 1]
+    assert {rank for link in step_1 for rank in link["to"]} - {1} == {0, 2, 3}, step_1

@@ -40,6 +40,7 @@ class OptimizerHooks:
         self._handles: list = []
         self._restore = None
         self._warned_no_moments = False
+        self._grad_signs: list = []
 
     def install(self) -> None:
         owner = self.adapter.step_owner()
@@ -76,8 +77,13 @@ class OptimizerHooks:
         if not self.state.collecting:
             return
         self.state.collector.flush_pending()  # release the held activations before the update
-        if self.reduced_grads:
-            self._record(GRAD_REDUCED, self.adapter.reduced_grads(self.params))
+        if self.reduced_grads or self.sign_agreement:
+            grads = self.adapter.reduced_grads(self.params)
+            if self.reduced_grads:
+                self._record(GRAD_REDUCED, grads)
+            if self.sign_agreement:
+                # Frameworks free or reuse the reduced grads during their step: only the signs are kept.
+                self._grad_signs = [torch.sign(g) if g is not None else None for g in grads]
         if self.params_before_after:
             self._record(PARAM_ORIGIN, self.adapter.main_params(self.params))
 
@@ -110,8 +116,10 @@ class OptimizerHooks:
             self._record(ADAM_UPDATE, list(updates))
             self._record(ADAM_RATIO, list(ratios))
         if self.sign_agreement:
-            self._record(MG_DIRECTION, [(torch.sign(p.grad) == torch.sign(p.exp_avg)).float()
-                                        if p is not None and p.grad is not None else None for p in pieces])
+            signs, self._grad_signs = self._grad_signs, []
+            self._record(MG_DIRECTION, [(sign == torch.sign(p.exp_avg)).float()
+                                        if p is not None and sign is not None else None
+                                        for p, sign in zip(pieces, signs)])
 
 
 def _adam_update_and_ratio(piece: AdamPiece):

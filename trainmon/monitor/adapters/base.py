@@ -10,6 +10,9 @@ tensor, or None when the rank holds nothing of it (or holds a duplicate that ano
 - which tensors are the Adam moments, with the step and hyper-parameters to bias-correct them,
 - where the gradient is seen before its reduction.
 
+A parameter's reduced-grad piece and its Adam-moment pieces cover the same elements, in the same order
+(`mg_direction` compares them element by element).
+
 When pieces are shards, `shard_group` names the ranks whose pieces make up a whole parameter; the
 core merges the pieces' records across it (see `shard_merge`), never the tensors.
 """
@@ -49,7 +52,6 @@ class AdamPiece:
     step: object  # tensor or number
     betas: tuple
     eps: float
-    grad: Optional[torch.Tensor] = None  # the reduced grad piece aligned with the moments, when still alive
 
 
 # What an adapter's capture point calls: records `pieces[i]` (this rank's piece of `params[i]`, or None)
@@ -149,7 +151,7 @@ class PlainAdapter:
                 continue
             group = self._group_of.get(id(w.param), self.optimizer.defaults)
             out.append(AdamPiece(state["exp_avg"], state["exp_avg_sq"], state["step"], tuple(group["betas"]),
-                                 group["eps"], w.param.grad))
+                                 group["eps"]))
         return out
 
 

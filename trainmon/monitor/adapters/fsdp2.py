@@ -52,6 +52,5 @@ class FSDP2Adapter(PlainAdapter):
 
     def adam_pieces(self, params):
         pieces = super().adam_pieces(params)
-        return [type(p)(_local(p.exp_avg), _local(p.exp_avg_sq), _local(p.step), p.betas, p.eps,
-                        _local(p.grad) if p.grad is not None else None) if p is not None else None
-                for p in pieces]
+        return [type(p)(_local(p.exp_avg), _local(p.exp_avg_sq), _local(p.step), p.betas, p.eps)
+                if p is not None else None for p in pieces]

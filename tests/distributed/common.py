@@ -54,9 +54,11 @@ class Truth:
     def __init__(self):
         self.data: dict = {}
 
-    def add(self, step: int, family: str, name: str, tensor) -> None:
+    def add(self, step: int, family: str, name: str, tensor, micro: int = None) -> None:
+        """With `micro`, the figure of that micro-step of the step, stored as `<name>@<micro>`."""
         if tensor is not None:
-            self.data.setdefault(str(step), {}).setdefault(family, {})[name] = float(tensor.double().norm())
+            key = name if micro is None else f"{name}@{micro}"
+            self.data.setdefault(str(step), {}).setdefault(family, {})[key] = float(tensor.double().norm())
 
     def add_sign_agreement(self, step: int, name: str, grad, exp_avg) -> None:
         """mg_direction: 1 where sign(grad) = sign(exp_avg); its norm is √(agreeing elements)."""

@@ -1,9 +1,13 @@
 """DDP or FSDP2 training of a tiny LM under TrainerMon, with the figures computed directly for comparison.
 
-  torchrun --nproc_per_node=2 job_torch.py --mode ddp|fsdp2 --out DIR
+  torchrun --nproc_per_node=2 job_torch.py --mode ddp|fsdp2 --out DIR [--micro-batches N]
+
+With FSDP2 the unreduced grads are recorded per micro-batch; with several micro-batches, odd steps
+accumulate all but the last without reduce-scattering (`set_requires_gradient_sync(False)`).
 """
 import argparse
 import copy
+import json
 import os
 import sys
 
@@ -19,6 +23,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--micro-batches", type=int, default=1, help="per step (fsdp2 only)")
 parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
 args = parser.parse_args()
 
@@ -38,13 +43,24 @@ else:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+unsharded = {}  # FSDP2's unsharded parameters, as its modules hold them during forward
+
+
+def keep_unsharded(module, inputs):
+    unsharded.update((id(p), p) for p in module.parameters() if not hasattr(p, "device_mesh"))
+
+
+if args.mode == "fsdp2":
+    for module in model.modules():
+        module.register_forward_pre_hook(keep_unsharded)
+pre_hook_count = sum(len(m._forward_pre_hooks) for m in model.modules())
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf((model.module if args.mode == "ddp" else model).blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
 monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
-monitor.set_monitor(model, optimizer=optimizer)
+monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
 truth = Truth()
 data = batches(100 + rank)
@@ -59,14 +75,17 @@ def squash(name):
 
 
 for step in range(args.steps):
-    x, y = next(data)
     replica.load_state_dict({k: full(v) for k, v in model.state_dict().items()} if args.mode == "fsdp2"
                             else model.module.state_dict())
-    replica.zero_grad(set_to_none=True)
-    replica(x, y).backward()
-    model(x, y).backward()
-    for name, p in replica.named_parameters():
-        truth.add(step, "grad_unreduced", name, p.grad)
+    for micro in range(args.micro_batches):
+        x, y = next(data)
+        if args.mode == "fsdp2":
+            model.set_requires_gradient_sync(step % 2 == 0 or micro == args.micro_batches - 1)
+        replica.zero_grad(set_to_none=True)
+        replica(x, y).backward()
+        model(x, y).backward()
+        for name, p in replica.named_parameters():
+            truth.add(step, "grad_unreduced", name, p.grad, micro=micro if args.mode == "fsdp2" else None)
     for name, p in model.named_parameters():
         truth.add(step, "grad_reduced", squash(name), full(p.grad))
         truth.add(step, "param_origin", squash(name), full(p.detach()))
@@ -79,4 +98,8 @@ for step in range(args.steps):
     optimizer.zero_grad(set_to_none=True)
 
 truth.write(args.out, rank)
+monitor.stop()
+with open(os.path.join(args.out, f"hooks.rank{rank}.json"), "w") as f:  # what stop() left behind
+    json.dump({"unsharded": len(unsharded), "hooked": sum(bool(p._backward_hooks) for p in unsharded.values()),
+               "pre_hooks_added": sum(len(m._forward_pre_hooks) for m in model.modules()) - pre_hook_count}, f)
 finish(monitor)

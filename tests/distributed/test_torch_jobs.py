@@ -25,17 +25,25 @@ def test_ddp_two_ranks(tmp_path):
 
 def test_fsdp2_two_ranks(tmp_path):
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_torch.py", 2, ["--mode", "fsdp2", "--out", str(tmp_path)], output_dir)
+    torchrun("job_torch.py", 2, ["--mode", "fsdp2", "--out", str(tmp_path), "--micro-batches", "2"], output_dir)
     run = the_run(output_dir)
     for rank in (0, 1):
         meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
         assert meta["adapter"] == "fsdp2"
         assert meta["parallel"]["dp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
-        assert not any(f.startswith("grad_unreduced") for f in os.listdir(os.path.join(run, f"rank_{rank}")))
+    parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), SHARDED_FAMILIES)
-    assert checked == 2 * 3 * 5 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
+    assert checked == 2 * 3 * 5 * parameters  # ranks × steps × families × parameters
+    # Each micro-batch's own unsharded grad, whether FSDP reduce-scatters after it or accumulates (odd steps).
+    checked = assert_norms_match(run, tmp_path, (0, 1), ("grad_unreduced",), per_micro=True)
+    assert checked == 2 * 3 * 2 * parameters  # ranks × steps × micro-batches × parameters
+    changed, total = differing(run, "grad_unreduced", 0, 1, per_micro=True)
+    assert changed == total, "each rank's unreduced grads come from its own data"
     for family in SHARDED_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
+    for rank in (0, 1):
+        left = json.load(open(tmp_path / f"hooks.rank{rank}.json"))
+        assert left == {"unsharded": parameters, "hooked": 0, "pre_hooks_added": 0}, "stop() removes every hook"
 
 
 def test_ddp_inf_on_rank_1_is_traced_to_it(tmp_path):

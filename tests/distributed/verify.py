@@ -18,13 +18,18 @@ def the_run(output_dir) -> str:
     return runs[0]
 
 
-def norms(rank_dir: str, family: str) -> dict:
+def norms(rank_dir: str, family: str, per_micro: bool = False) -> dict:
     """{(step, name): norm} of one family, written once per (step, vpp_stage, name); the name of a virtual
-    pipeline chunk after the first gets a `<vpp_stage>:` prefix."""
+    pipeline chunk after the first gets a `<vpp_stage>:` prefix. With `per_micro`, written once per
+    micro-step too, and named `<name>@<micro_step>`."""
     frame = read_family(rank_dir, family)
-    assert not frame.duplicated(["step", "vpp_stage", "name"]).any(), f"{family}: repeated rows in {rank_dir}"
-    return {(int(r.step), f"{r.vpp_stage}:{r.name}" if r.vpp_stage else r.name): float(r.norm)
-            for r in frame.itertuples()}
+    index = ["step", "micro_step", "vpp_stage", "name"] if per_micro else ["step", "vpp_stage", "name"]
+    assert not frame.duplicated(index).any(), f"{family}: repeated rows in {rank_dir}"
+    out = {}
+    for r in frame.itertuples():
+        name = f"{r.vpp_stage}:{r.name}" if r.vpp_stage else r.name
+        out[(int(r.step), f"{name}@{int(r.micro_step)}" if per_micro else name)] = float(r.norm)
+    return out
 
 
 def truth(out_dir: str, rank: int) -> dict:
@@ -32,13 +37,15 @@ def truth(out_dir: str, rank: int) -> dict:
         return json.load(f)
 
 
-def assert_norms_match(run_dir: str, out_dir: str, ranks, families, rel=1e-5) -> int:
-    """Every norm the job computed directly appears in the CSV with the same value; returns the count."""
+def assert_norms_match(run_dir: str, out_dir: str, ranks, families, rel=1e-5, per_micro=False) -> int:
+    """Every norm the job computed directly appears in the CSV with the same value; returns the count.
+
+    With `per_micro` the families' figures are per micro-step (see `norms` and `Truth.add`)."""
     checked = 0
     for rank in ranks:
         expected = truth(out_dir, rank)
         for family in families:
-            written = norms(os.path.join(run_dir, f"rank_{rank}"), family)
+            written = norms(os.path.join(run_dir, f"rank_{rank}"), family, per_micro)
             assert expected, f"rank {rank}: the job computed nothing to compare with"
             for step, by_family in expected.items():
                 assert by_family.get(family), f"rank {rank} {family} step {step}: nothing computed directly"
@@ -51,10 +58,10 @@ def assert_norms_match(run_dir: str, out_dir: str, ranks, families, rel=1e-5) ->
     return checked
 
 
-def differing(run_dir: str, family: str, rank_a: int, rank_b: int) -> tuple[int, int]:
+def differing(run_dir: str, family: str, rank_a: int, rank_b: int, per_micro=False) -> tuple[int, int]:
     """(rows that differ, rows compared) between two ranks' records of a family."""
-    a = norms(os.path.join(run_dir, f"rank_{rank_a}"), family)
-    b = norms(os.path.join(run_dir, f"rank_{rank_b}"), family)
+    a = norms(os.path.join(run_dir, f"rank_{rank_a}"), family, per_micro)
+    b = norms(os.path.join(run_dir, f"rank_{rank_b}"), family, per_micro)
     common = set(a) & set(b)
     assert common, f"{family}: ranks {rank_a} and {rank_b} share no records"
     return sum(not math.isclose(a[k], b[k], rel_tol=1e-9) for k in common), len(common)

@@ -4,7 +4,7 @@ In ACCUMULATED mode the accumulated grad is recorded once per step, at the end o
 micro-batch's backward, before any reduction. In PER_MICRO_BATCH mode (`monitor_mbs_grad`, or a
 framework that reduces during backward) every micro-batch's own contribution is recorded (the grad
 a backward pass adds, not the running sum). Adapters with their own capture point record through
-`record_pieces` too.
+`record_pieces` too, per step or per micro-batch as their `unreduced_capture` says.
 """
 from __future__ import annotations
 
@@ -20,6 +20,30 @@ def _queue_end_of_backward(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+class BackwardPasses:
+    """Counts backward passes in `state.backward_micro`, the micro-step of per-micro-batch records.
+
+    A hook running inside a backward pass calls `seen()`; the first call of a pass queues one callback
+    that runs when the pass ends: it runs `at_end`, then advances the count.
+    """
+
+    def __init__(self, state: HookState, at_end=None):
+        self.state = state
+        self._at_end = at_end
+        self._queued = False
+
+    def seen(self) -> None:
+        if not self._queued:
+            self._queued = True
+            _queue_end_of_backward(self.state.guarded("weight grads", self._end))
+
+    def _end(self) -> None:
+        self._queued = False
+        if self._at_end is not None:
+            self._at_end()
+        self.state.backward_micro += 1
+
+
 class GradHooks:
     def __init__(self, state: HookState, params: list[WatchedParam], mode: str):
         self.state = state
@@ -27,7 +51,7 @@ class GradHooks:
         self.per_micro_batch = mode == PER_MICRO_BATCH
         self._handles: list = []
         self._pending: list[WatchedParam] = []
-        self._callback_queued = False
+        self._backward = BackwardPasses(state, self._record_pending)
 
     def install(self) -> None:
         for watched in self.params:
@@ -45,19 +69,11 @@ class GradHooks:
         self._handles.clear()
         self._pending.clear()
 
-    def _ensure_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            _queue_end_of_backward(self.state.guarded("weight grads", self._end_of_backward))
-
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        state = self.state
+    def _record_pending(self) -> None:
         pending, self._pending = self._pending, []
         if pending:
             grads = [(w, w.param.grad) for w in pending if w.param.grad is not None]
             self._record([w for w, _ in grads], [g for _, g in grads], micro=None)
-        state.backward_micro += 1
 
     def _make_accumulated_hook(self, watched: WatchedParam):
         state = self.state
@@ -65,7 +81,7 @@ class GradHooks:
         def post_accumulate_hook(param):
             if not state.collecting:
                 return
-            self._ensure_end_of_backward()
+            self._backward.seen()
             if state.backward_micro == state.grad_acc_steps - 1:
                 self._pending.append(watched)
 
@@ -77,7 +93,7 @@ class GradHooks:
         def contribution_hook(grad):
             if not state.collecting:
                 return None
-            self._ensure_end_of_backward()
+            self._backward.seen()
             # The contribution is freed after accumulation, so it is reduced now rather than batched.
             self._record([watched], [grad], micro=state.backward_micro)
             return None
@@ -89,12 +105,14 @@ class GradHooks:
 
 
 class AdapterGradCapture:
-    """Unreduced grads from the adapter's own capture point (a DDP communication hook, a grad-buffer sync)."""
+    """Unreduced grads from the adapter's own capture point (a DDP communication hook, a grad-buffer sync,
+    FSDP2's unsharded parameters); with `per_micro_batch` each record is the running backward pass's."""
 
-    def __init__(self, state: HookState, adapter, params: list[WatchedParam]):
+    def __init__(self, state: HookState, adapter, params: list[WatchedParam], per_micro_batch: bool = False):
         self.state = state
         self.adapter = adapter
         self.params = params
+        self._backward = BackwardPasses(state) if per_micro_batch else None
 
     def install(self) -> None:
         self.adapter.install_unreduced(self.params, self.state.guarded("unreduced weight grads", self._record))
@@ -103,5 +121,10 @@ class AdapterGradCapture:
         self.adapter.remove()
 
     def _record(self, watched, pieces, group=None) -> None:
-        if self.state.collecting:
-            record_pieces(self.state, GRAD_UNREDUCED, watched, pieces, group=group)
+        if not self.state.collecting:
+            return
+        micro = None
+        if self._backward is not None:
+            self._backward.seen()
+            micro = self.state.backward_micro
+        record_pieces(self.state, GRAD_UNREDUCED, watched, pieces, group=group, micro=micro)

@@ -14,7 +14,8 @@ from trainmon.monitor import stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
-from trainmon.monitor.adapters import ADAPTER, NOT_RECORDED, PER_MICRO_BATCH, TrainingAdapter, select_adapter
+from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH,
+                                       TrainingAdapter, select_adapter)
 from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
@@ -130,8 +131,8 @@ class TrainerMon:
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
-        per_micro = set(ACTIVATION_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode(cfg) == PER_MICRO_BATCH
-                                                else set())
+        per_micro = set(ACTIVATION_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode(cfg) in
+                                                (PER_MICRO_BATCH, ADAPTER_PER_MICRO_BATCH) else set())
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
                               per_micro_families=frozenset(per_micro), metadata=self._metadata)
@@ -191,8 +192,9 @@ class TrainerMon:
                 self._hooks.append(self._stacks)
         if config.wg_distribution:
             mode = self._unreduced_mode(config)
-            if mode == ADAPTER:
-                self._hooks.append(AdapterGradCapture(state, self._adapter, params))
+            if mode in (ADAPTER, ADAPTER_PER_MICRO_BATCH):
+                self._hooks.append(AdapterGradCapture(state, self._adapter, params,
+                                                      per_micro_batch=mode == ADAPTER_PER_MICRO_BATCH))
             elif mode == NOT_RECORDED:
                 logger.warning("trainmon: grad_unreduced is not recorded with the %s adapter", self._adapter.name)
             else:
@@ -225,7 +227,9 @@ class TrainerMon:
         return True
 
     def _unreduced_mode(self, config: MonitorConfig) -> str:
-        return PER_MICRO_BATCH if config.monitor_mbs_grad else self._adapter.unreduced_capture
+        capture = self._adapter.unreduced_capture
+        # An adapter that captures every backward pass already gives what monitor_mbs_grad asks for.
+        return PER_MICRO_BATCH if config.monitor_mbs_grad and capture != ADAPTER_PER_MICRO_BATCH else capture
 
     def _remove(self) -> None:
         for hooks in self._hooks:

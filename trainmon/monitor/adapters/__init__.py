@@ -5,13 +5,13 @@ import logging
 
 import torch
 
-from trainmon.monitor.adapters.base import (ACCUMULATED, ADAPTER, NOT_RECORDED, PER_MICRO_BATCH, AdamPiece,
-                                            PlainAdapter, TrainingAdapter, WatchedParam)
+from trainmon.monitor.adapters.base import (ACCUMULATED, ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED,
+                                            PER_MICRO_BATCH, AdamPiece, PlainAdapter, TrainingAdapter, WatchedParam)
 
 logger = logging.getLogger("trainmon")
 
-__all__ = ["ACCUMULATED", "ADAPTER", "NOT_RECORDED", "PER_MICRO_BATCH", "AdamPiece", "PlainAdapter", "TrainingAdapter",
-           "WatchedParam", "select_adapter"]
+__all__ = ["ACCUMULATED", "ADAPTER", "ADAPTER_PER_MICRO_BATCH", "NOT_RECORDED", "PER_MICRO_BATCH", "AdamPiece",
+           "PlainAdapter", "TrainingAdapter", "WatchedParam", "select_adapter"]
 
 
 def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:

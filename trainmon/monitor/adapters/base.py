@@ -26,7 +26,9 @@ import torch
 # How the core captures unreduced grads when the adapter has no capture point of its own:
 ACCUMULATED = "accumulated"  # the accumulated grad, at the end of the last micro-batch's backward
 PER_MICRO_BATCH = "per_micro_batch"  # each backward pass's contribution, before accumulation
-ADAPTER = "adapter"  # the adapter's own capture point (install_unreduced)
+ADAPTER = "adapter"  # the adapter's own capture point (install_unreduced), once per step
+# The adapter's own capture point, called in every backward pass: the core records under its micro-step.
+ADAPTER_PER_MICRO_BATCH = "adapter, per micro-batch"
 NOT_RECORDED = "not recorded"  # the framework offers no point where they can be seen (said once at set-up)
 
 
@@ -63,7 +65,7 @@ class TrainingAdapter(Protocol):
     """The narrow interface between the monitor core and one training framework."""
 
     name: str
-    unreduced_capture: str  # ACCUMULATED, PER_MICRO_BATCH, ADAPTER or NOT_RECORDED
+    unreduced_capture: str  # ACCUMULATED, PER_MICRO_BATCH, ADAPTER, ADAPTER_PER_MICRO_BATCH or NOT_RECORDED
     shard_group: Optional[object]  # process group over which pieces of reduced grads/weights/moments merge
     module_backward_hooks: bool  # whether torch's full backward hooks work on the framework's modules
 
@@ -80,7 +82,8 @@ class TrainingAdapter(Protocol):
         """Returns `params` with full shapes filled in where the local tensors are shards."""
 
     def install_unreduced(self, params: list[WatchedParam], record: UnreducedRecorder) -> None:
-        """Installs the capture point of unreduced grads (only when unreduced_capture == ADAPTER)."""
+        """Installs the capture point of unreduced grads (only when unreduced_capture is ADAPTER or
+        ADAPTER_PER_MICRO_BATCH)."""
 
     def remove(self) -> None:
         """Undoes install_unreduced."""

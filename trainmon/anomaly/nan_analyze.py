@@ -10,6 +10,9 @@ and micro-step are listed as `ties`, not guessed.
 
 CSV files carry no call index: within a step and micro-step their rows are ordered by phase
 (forward, backward, optimizer) and then by file order, and `call_index` is reported as null.
+
+msprobe dump directories (`step<N>/rank<R>/dump.json`) are read instead when `path` is one
+(msprobe_dump), with the same report.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Optional
 
 from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events
 
 _PHASE_ORDER = {"forward": 0, "backward": 1, "communication": 2, "optimizer": 3}
@@ -39,8 +43,21 @@ def _dedupe(events: list[AnomalyEvent]) -> list[AnomalyEvent]:
     return out
 
 
+def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent]]:
+    """(run directory, sources {rank: [files]}, notes, events) of a trainmon run or output root."""
+    run_dir, note = find_run(path)
+    notes = [note] if note else []
+    sources, everything = {}, []
+    for rank, directory in rank_dirs(run_dir).items():
+        events, used, rank_notes = rank_events(rank, directory)
+        sources[str(rank)] = used
+        notes += rank_notes
+        everything += events
+    return str(run_dir), sources, notes, everything
+
+
 def analyze(path: str | Path) -> dict:
-    """Analyses a run directory (or the latest run under an output root).
+    """Analyses a run directory (or the latest run under an output root, or an msprobe dump directory).
 
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, nonfinite_records, first
@@ -51,14 +68,7 @@ def analyze(path: str | Path) -> dict:
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    run_dir, note = find_run(Path(path))
-    notes = [note] if note else []
-    sources, everything = {}, []
-    for rank, directory in rank_dirs(run_dir).items():
-        events, used, rank_notes = rank_events(rank, directory)
-        sources[str(rank)] = used
-        notes += rank_notes
-        everything += events
+    run, sources, notes, everything = read_dump(Path(path)) or _read_run(Path(path))
     ordered = _dedupe([e for _, e in sorted(enumerate(everything), key=_sort_key)])
     first: Optional[AnomalyEvent] = ordered[0] if ordered else None
     cross = attribute(ordered)
@@ -79,7 +89,7 @@ def analyze(path: str | Path) -> dict:
                 reached.add(place)
                 chain.append(event.where())
     return {
-        "run": str(run_dir),
+        "run": run,
         "ranks": sorted(int(r) for r in sources),
         "sources": sources,
         "notes": notes,

@@ -49,7 +49,8 @@ def find_run(path: Path) -> tuple[Path, Optional[str]]:
                   key=lambda child: child.stat().st_mtime)
     if not runs:
         raise InputError(f"{path}: no rank_<R> directories here or one level below; pass a run directory "
-                         f"($MONITOR_OUTPUT_DIR/<run>) or the output root")
+                         f"($MONITOR_OUTPUT_DIR/<run>), the output root, or an msprobe dump directory "
+                         f"(step<N>/rank<R>/dump.json)")
     note = None if len(runs) == 1 else (f"{len(runs)} runs under {path}; analysing the latest, {runs[-1].name} "
                                         f"(pass its directory to choose another)")
     return runs[-1], note

@@ -12,7 +12,8 @@ from trainmon.anomaly.run_inputs import InputError
 def register(subparsers) -> None:
     parser = subparsers.add_parser("nan-analyze", help="name the first NaN/Inf of a run and its spread",
                                    description=__doc__)
-    parser.add_argument("dir", help="a run directory (holding rank_<R>/) or the output root (latest run)")
+    parser.add_argument("dir", help="a run directory (holding rank_<R>/), the output root (latest run), or an "
+                                    "msprobe dump directory (step<N>/rank<R>/dump.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
     parser.set_defaults(handler=run)

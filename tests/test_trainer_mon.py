@@ -318,27 +318,34 @@ def test_batched_and_per_hook_reduction_agree(output_dir, write_config, batch_mb
         pd.testing.assert_frame_equal(a, b)
 
 
-def test_output_grads_from_tensor_hooks_equal_those_of_module_backward_hooks(output_dir, write_config, monkeypatch):
-    """The mode used where module backward hooks cannot run (Megatron) records the same output grads."""
-    from trainmon.monitor import trainer_mon
-
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_activation_grads_equal_those_of_torch_module_backward_hooks(output_dir, write_config):
+    """The input taps and output tensor hooks see what torch's full backward hooks call grad_input and
+    grad_output, for every module call (a run of the same model with those hooks is the reference)."""
     config = dict(all_xy=True, xy_distribution=True, backward_only=True, ops=OPS, ndigits=17)
-    full, *_ = train(write_config, steps=2, grad_acc_steps=2, **config)
-    full.stop()
-    select = trainer_mon.select_adapter
+    monitor, *_ = train(write_config, steps=2, grad_acc_steps=2, **config)
+    monitor.stop()
+    written = read_family(monitor.output_dir, "actv_grad").set_index(["step", "micro_step", "name"]).norm
 
-    def without_module_backward_hooks(chunks, optimizer):
-        adapter = select(chunks, optimizer)
-        adapter.module_backward_hooks = False
-        return adapter
+    model = make_model()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(None))
+    reference = {}
 
-    monkeypatch.setattr(trainer_mon, "select_adapter", without_module_backward_hooks)
-    tensor, *_ = train(write_config, steps=2, grad_acc_steps=2, **config)
-    tensor.stop()
-    by_tensor_hooks = read_family(tensor.output_dir, "actv_grad").set_index(["name", "step", "micro_step"])
-    by_module_hooks = read_family(full.output_dir, "actv_grad").set_index(["name", "step", "micro_step"])
-    assert by_tensor_hooks.index.get_level_values(0).str.endswith(".output").all()
-    outputs = by_module_hooks.loc[by_module_hooks.index.get_level_values(0).str.endswith(".output")]
-    assert len(outputs) > 40
-    pd.testing.assert_frame_equal(by_tensor_hooks.sort_index(), outputs.sort_index())
+    def backward_hook(name):
+        def hook(module, grad_input, grad_output):
+            step, micro = divmod(len(forwards) - 1, 2)
+            for io, grads in (("input", grad_input), ("output", grad_output)):
+                for i, grad in enumerate(grads):
+                    if grad is not None:
+                        leaf = io if len(grads) == 1 else f"{io}_{i}"
+                        reference[(step, micro, f"{name}.{leaf}")] = float(grad.double().norm())
+        return hook
 
+    for name, module in model.named_modules():
+        module.register_full_backward_hook(backward_hook(name))
+    run_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 2, grad_acc_steps=2)
+    assert len(reference) > 80 and any(k[2].endswith(".input") for k in reference)
+    for key, norm in reference.items():
+        assert written[key] == pytest.approx(norm, rel=1e-6), key
+    assert len(written) == len(reference), sorted(set(written.index) ^ set(reference))

@@ -44,15 +44,24 @@ def test_tensor_parallel_2(tmp_path):
         assert differing(run, family, 0, 1)[0] == 0, family
 
 
-def test_activation_grads_of_module_outputs_under_megatron(tmp_path):
-    """Megatron's in-place ops reject the views of module backward hooks; output grads come from tensor hooks."""
+def test_activation_grads_under_megatron(tmp_path):
+    """Grads of module inputs and outputs, with Megatron's in-place ops on both (bias-dropout-add on outputs,
+    the masked softmax on its input) running as they do unmonitored."""
     run, _ = run_job(tmp_path, 2, "--tp", "2", "--xy")
     for rank in (0, 1):
         grads = read_family(os.path.join(run, f"rank_{rank}"), "actv_grad")
-        assert grads.name.str.contains(r"\.output(?:_\d+)?$").all(), "only output grads in this mode"
-        assert {"decoder.layers.1.mlp.output_0", "decoder.layers.0.self_attention.output_0"} <= set(grads.name)
+        assert {"decoder.layers.1.mlp.output_0", "decoder.layers.0.self_attention.output_0",
+                "decoder.layers.0.mlp.linear_fc1.input",
+                "decoder.layers.0.self_attention.core_attention.scale_mask_softmax.input_0"} <= set(grads.name)
         assert (grads.nans == 0).all() and (grads.norm > 0).all()
         assert sorted(set(grads.step)) == [0, 1, 2]
+        norm = grads.set_index(["step", "micro_step", "name"]).norm
+        # a tensor with one consumer: the grad leaving one module is the grad reaching the next
+        for consumer_input, producer_output in (("decoder.layers.0.self_attention.input",
+                                                 "decoder.layers.0.input_layernorm.output"),
+                                                ("decoder.final_layernorm.input", "decoder.layers.1.output_0")):
+            a, b = norm.xs(consumer_input, level="name"), norm.xs(producer_output, level="name")
+            assert len(a) == 6 and list(a) == pytest.approx(list(b), rel=1e-6), consumer_input
 
 
 def test_pipeline_parallel_2(tmp_path):

@@ -1,12 +1,25 @@
-"""Forward and backward module hooks: activations (`actv`) and grads with respect to them (`actv_grad`)."""
+"""Forward hooks and grad taps on modules: activations (`actv`) and grads with respect to them (`actv_grad`).
+
+Activation grads come from two light autograd attachments instead of torch's full backward hooks, whose
+identity views around module outputs break frameworks that modify outputs in place (Megatron's fused
+bias-dropout-add) and cost time even when idle:
+
+- the grad of each output: a tensor hook on the output tensor (the output stays the module's own tensor);
+- the grad of each positional input: the forward pre-hook passes the inputs through one identity autograd
+  node (`_InputTap`) whose backward sees the grads the module's backward computed for them, before they
+  are summed with grads from other consumers of the same tensors.
+
+These are the `grad_output` and `grad_input` a full backward hook would see. The tap hands the module
+aliases of its inputs (sharing storage and version counter) rather than autograd views, so a module that
+modifies its inputs in place (Megatron's masked softmax) runs as it does unmonitored.
+"""
 from __future__ import annotations
 
-import collections
-import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainmon.monitor.records import ACTV, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
@@ -24,49 +37,61 @@ class WatchedModule:
     output_sel: Optional[object] = None
     input_grad_sel: Optional[object] = None
     output_grad_sel: Optional[object] = None
-    # (micro_step, call name) of forward calls whose backward has not run yet: backward hooks fire
-    # in forward order per module, also under pipeline schedules that interleave micro-batches.
-    pending_backward: collections.deque = field(default_factory=collections.deque)
     calls_in_micro: tuple = (-1, -1, 0)  # (step, micro_step, number of forward calls seen in it)
+    # Input taps of calls whose forward has started and not returned (a stack: calls may nest).
+    open_taps: list = field(default_factory=list)
+
+
+@dataclass
+class _TapTarget:
+    """Where one module call's input grads are recorded; `name` is set when its forward returns."""
+
+    watched: WatchedModule
+    micro: int
+    suffixes: list  # leaf-name suffix per tapped input ("" or "_<i>")
+    name: Optional[str] = None
+
+
+class _InputTap(torch.autograd.Function):
+    """Identity on a module call's inputs; its backward hands their grads to `record`."""
+
+    @staticmethod
+    def forward(ctx, record: Callable, *tensors):
+        ctx.record = record
+        # Views of the inputs would make autograd reject in-place ops on them; detached aliases do not.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.record(grads)
+        return (None,) + grads
 
 
 class ActivationHooks:
-    """Registers forward hooks (and backward hooks) on the watched modules.
+    """Registers forward hooks (and, for activation grads, forward pre-hooks) on the watched modules."""
 
-    Activation grads come from torch's full backward hooks (`grad_input` and `grad_output` of each
-    module call). Where a framework's in-place operations reject the views those hooks put around
-    module outputs (Megatron), `output_grads_only` takes the grads with respect to each output from
-    tensor hooks instead, which leave the outputs untouched; input grads are then not recorded.
-    """
-
-    def __init__(self, state: HookState, modules: list[WatchedModule], forward: bool, backward: bool,
-                 output_grads_only: bool = False):
+    def __init__(self, state: HookState, modules: list[WatchedModule], forward: bool, backward: bool):
         self.state = state
         self.modules = modules
         self.forward = forward
         self.backward = backward
-        self.output_grads_only = output_grads_only
         self._handles: list = []
 
     def install(self) -> None:
-        # Modules fed only integer tensors (embeddings) have no input grads; torch warns about that on
-        # every such module, while trainmon simply records their output grads.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed "
-                                "with respect to module outputs", category=UserWarning)
         for watched in self.modules:
             item = f"activations of {watched.name or '<root>'}"
+            if self.backward:
+                self._handles.append(watched.module.register_forward_pre_hook(
+                    self.state.guarded(item, self._make_input_tap(watched))))
             self._handles.append(watched.module.register_forward_hook(
                 self.state.guarded(item, self._make_forward(watched))))
-            if self.backward and not self.output_grads_only:
-                self._handles.append(watched.module.register_full_backward_hook(
-                    self.state.guarded(item, self._make_backward(watched))))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for watched in self.modules:
-            watched.pending_backward.clear()
+            watched.open_taps.clear()
 
     def _call_name(self, watched: WatchedModule, micro: int) -> str:
         step = self.state.collector.step
@@ -76,51 +101,75 @@ class ActivationHooks:
         # A module called several times in one micro-step gets one record per call.
         return watched.name if calls == 1 else f"{watched.name}#{calls - 1}"
 
+    def _make_input_tap(self, watched: WatchedModule):
+        state = self.state
+
+        def pre_hook(module, args):
+            # One entry per call, popped by its forward hook: None where this call is not tapped.
+            if not (state.collecting and torch.is_grad_enabled()):
+                watched.open_taps.append(None)
+                return None
+            target = _TapTarget(watched, max(state.forward_micro, 0), [])
+            watched.open_taps.append(target)
+            return self._tap_inputs(target, args)
+
+        return pre_hook
+
+    def _tap_inputs(self, target: _TapTarget, args: tuple) -> Optional[tuple]:
+        """`args` with the selected floating inputs that require grad passed through one `_InputTap`."""
+        selected = {id(t): suffix for suffix, t in floating_leaves(args, target.watched.input_grad_sel)}
+        leaves, spec = tree_flatten(args)
+        positions = [i for i, leaf in enumerate(leaves)
+                     if id(leaf) in selected and leaf.requires_grad]
+        if not positions:
+            return None
+        target.suffixes = [selected[id(leaves[i])] for i in positions]
+        tapped = _InputTap.apply(self.state.guarded(f"activations of {target.watched.name or '<root>'}",
+                                                    lambda grads: self._record_input_grads(target, grads)),
+                                 *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, tapped):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
     def _make_forward(self, watched: WatchedModule):
         state = self.state
 
         def forward_hook(module, args, output):
+            target = watched.open_taps.pop() if watched.open_taps else None
             if not state.collecting:
                 return
             micro = max(state.forward_micro, 0)
             name = self._call_name(watched, micro)
             if self.backward and torch.is_grad_enabled():
-                if self.output_grads_only:
-                    self._hook_output_grads(watched, name, micro, output)
-                else:
-                    watched.pending_backward.append((micro, name))
+                if target is not None:
+                    target.name = name
+                self._hook_output_grads(watched, name, micro, output)
             if self.forward:
                 self._record(ACTV, watched, name, micro, args, output,
                              watched.input_sel, watched.output_sel)
 
         return forward_hook
 
-    def _make_backward(self, watched: WatchedModule):
-        state = self.state
-
-        def backward_hook(module, grad_input, grad_output):
-            if not state.collecting or not watched.pending_backward:
-                return
-            micro, name = watched.pending_backward.popleft()
-            self._record(ACTV_GRAD, watched, name, micro, grad_input, grad_output,
-                         watched.input_grad_sel, watched.output_grad_sel)
-
-        return backward_hook
-
     def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
         for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):
             if tensor.requires_grad:
                 tensor.register_hook(self.state.guarded(
                     f"activations of {watched.name or '<root>'}",
-                    lambda grad, leaf_name=leaf_name: self._record_grad(watched, leaf_name, micro, grad)))
+                    lambda grad, leaf_name=leaf_name: self._record_grads(watched, micro, [(leaf_name, grad)])))
 
-    def _record_grad(self, watched: WatchedModule, leaf_name: str, micro: int, grad: torch.Tensor) -> None:
-        if not self.state.collecting:
+    def _record_input_grads(self, target: _TapTarget, grads) -> None:
+        if target.name is not None:
+            self._record_grads(target.watched, target.micro,
+                               [(f"{target.name}.input{suffix}", grad)
+                                for suffix, grad in zip(target.suffixes, grads) if grad is not None])
+
+    def _record_grads(self, watched: WatchedModule, micro: int, named_grads: list) -> None:
+        if not self.state.collecting or not named_grads:
             return
         collector = self.state.collector
-        key = RecordKey(ACTV_GRAD, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
-                        tuple(grad.shape), str(grad.dtype))
-        collector.record([key], [grad], defer=True)
+        keys = [RecordKey(ACTV_GRAD, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
+                          tuple(grad.shape), str(grad.dtype)) for leaf_name, grad in named_grads]
+        collector.record(keys, [grad for _, grad in named_grads], defer=True)
 
     def _record(self, family, watched, name, micro, inputs, outputs, input_sel, output_sel) -> None:
         leaves = floating_leaves(inputs, input_sel, f"{name}.input") + \

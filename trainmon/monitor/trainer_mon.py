@@ -179,14 +179,8 @@ class TrainerMon:
             modules = watched_modules(self._chunks, config)
             for watched in modules:
                 watched.name = self._adapter.rename(watched.vpp_stage, watched.name)
-            backward = not config.forward_only
-            output_grads_only = backward and not self._adapter.module_backward_hooks
-            if output_grads_only:
-                logger.warning("trainmon: with the %s adapter activation grads (actv_grad) are recorded for module "
-                               "outputs only: module backward hooks break its in-place operations",
-                               self._adapter.name)
-            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only, backward=backward,
-                                               output_grads_only=output_grads_only))
+            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only,
+                                               backward=not config.forward_only))
             if config.stack_info:
                 self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
                 self._hooks.append(self._stacks)

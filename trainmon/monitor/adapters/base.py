@@ -67,7 +67,6 @@ class TrainingAdapter(Protocol):
     name: str
     unreduced_capture: str  # ACCUMULATED, PER_MICRO_BATCH, ADAPTER, ADAPTER_PER_MICRO_BATCH or NOT_RECORDED
     shard_group: Optional[object]  # process group over which pieces of reduced grads/weights/moments merge
-    module_backward_hooks: bool  # whether torch's full backward hooks work on the framework's modules
 
     def describe(self) -> dict:
         """Parallel coordinates of this rank (global rank, tp/pp/dp/vpp ranks, group ranks) for run.json."""
@@ -114,7 +113,6 @@ class PlainAdapter:
     unreduced_capture: str = ACCUMULATED
     name: str = "plain"
     shard_group: Optional[object] = None
-    module_backward_hooks: bool = True
     _group_of: dict = field(default_factory=dict)
 
     def describe(self) -> dict:

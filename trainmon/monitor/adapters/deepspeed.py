@@ -27,8 +27,6 @@ def is_deepspeed_optimizer(optimizer) -> bool:
 class DeepSpeedAdapter:
     """Args: optimizer, the ZeRO optimizer (or BF16_Optimizer) that `deepspeed.initialize` returned."""
 
-    module_backward_hooks = True
-
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.inner = optimizer.optimizer

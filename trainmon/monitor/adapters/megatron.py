@@ -52,8 +52,6 @@ class MegatronAdapter:
     """Args: optimizer (what get_megatron_optimizer returned), chunks (the DDP-wrapped model chunks)."""
 
     unreduced_capture = ADAPTER
-    # torch's full backward hooks wrap module outputs in a view that Megatron's in-place ops reject.
-    module_backward_hooks = False
 
     def __init__(self, optimizer, chunks: list[torch.nn.Module]):
         from megatron.core import parallel_state

@@ -25,6 +25,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--micro-batches", type=int, default=1, help="per step (fsdp2 only)")
 parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
+parser.add_argument("--module-ranks", type=int, nargs="*", default=[], help="the config's module_ranks")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -59,7 +60,8 @@ step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf((model.module if args.mode == "ddp" else model).blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), **extra))
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), module_ranks=args.module_ranks,
+                                  **extra))
 monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
 truth = Truth()

@@ -46,6 +46,16 @@ def test_fsdp2_two_ranks(tmp_path):
         assert left == {"unsharded": parameters, "hooked": 0, "pre_hooks_added": 0}, "stop() removes every hook"
 
 
+def test_fsdp2_module_ranks_leaves_the_merge_whole_and_the_other_ranks_silent(tmp_path):
+    """Rank 1 still takes part in merging the shards' records (rank 0's full-parameter figures are right)
+    but writes no statistics."""
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_torch.py", 2, ["--mode", "fsdp2", "--out", str(tmp_path), "--module-ranks", "0"], output_dir)
+    run = the_run(output_dir)
+    assert assert_norms_match(run, tmp_path, (0,), SHARDED_FAMILIES) == 3 * 5 * len(list(TinyLM().parameters()))
+    assert not [f for f in os.listdir(os.path.join(run, "rank_1")) if f.endswith(".csv")]
+
+
 def test_ddp_inf_on_rank_1_is_traced_to_it(tmp_path):
     output_dir = tmp_path / "monitor_output"
     torchrun("job_torch.py", 2, ["--mode", "ddp", "--out", str(tmp_path), "--inject", "1:1"], output_dir)

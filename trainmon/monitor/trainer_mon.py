@@ -153,7 +153,7 @@ class TrainerMon:
         state = self._state
         self._schedule = CollectionSchedule(
             config.start_step, config.step_interval, config.collect_times,
-            rank_enabled=not config.module_ranks or self.rank in config.module_ranks or self._merges_across_ranks())
+            rank_enabled=self._writes_records(config) or self._merges_across_ranks())
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
@@ -212,12 +212,16 @@ class TrainerMon:
             write_json(self.output_dir / "module_struct.json", module_structure(self._chunks))
         state.start_step(self.step, self._schedule.wants(self.step))
 
+    def _writes_records(self, config: MonitorConfig) -> bool:
+        """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
+        return not config.module_ranks or self.rank in config.module_ranks
+
     def _merges_across_ranks(self) -> bool:
         """Sharded tensors merge their records in a collective: every rank of the group must collect."""
         if self._adapter.shard_group is None or torch.distributed.get_world_size(self._adapter.shard_group) == 1:
             return False
-        logger.warning("trainmon: module_ranks is ignored with the %s adapter: its sharded tensors are merged "
-                       "across ranks, so every rank collects the same steps", self._adapter.name)
+        logger.warning("trainmon: with the %s adapter sharded tensors are merged across ranks, so ranks outside "
+                       "module_ranks collect too (at the same cost) but write nothing", self._adapter.name)
         return True
 
     def _unreduced_mode(self, config: MonitorConfig) -> str:
@@ -243,7 +247,9 @@ class TrainerMon:
         if self._sentinel is not None:
             self._sentinel.close_step()
         if not state.collector.empty:
-            self._writer.put(state.collector.finish_step())
+            batch = state.collector.finish_step()
+            if self._writes_records(self.config):
+                self._writer.put(batch)
         if self._stacks is not None:
             self._stacks.step_finished(collected)
         if self._comm is not None:

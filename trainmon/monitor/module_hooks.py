@@ -15,6 +15,7 @@ modifies its inputs in place (Megatron's masked softmax) runs as it does unmonit
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -40,6 +41,7 @@ class WatchedModule:
     calls_in_micro: tuple = (-1, -1, 0)  # (step, micro_step, number of forward calls seen in it)
     # Input taps of calls whose forward has started and not returned (a stack: calls may nest).
     open_taps: list = field(default_factory=list)
+    grad_recorders: tuple = ()  # (input grads, output grad) callbacks, guarded
 
 
 @dataclass
@@ -81,6 +83,9 @@ class ActivationHooks:
         for watched in self.modules:
             item = f"activations of {watched.name or '<root>'}"
             if self.backward:
+                # Built once per module: the autograd callbacks of every call share them.
+                watched.grad_recorders = (self.state.guarded(item, self._record_input_grads),
+                                          self.state.guarded(item, self._record_output_grad))
                 self._handles.append(watched.module.register_forward_pre_hook(
                     self.state.guarded(item, self._make_input_tap(watched))))
             self._handles.append(watched.module.register_forward_hook(
@@ -117,19 +122,23 @@ class ActivationHooks:
 
     def _tap_inputs(self, target: _TapTarget, args: tuple) -> Optional[tuple]:
         """`args` with the selected floating inputs that require grad passed through one `_InputTap`."""
-        selected = {id(t): suffix for suffix, t in floating_leaves(args, target.watched.input_grad_sel)}
-        leaves, spec = tree_flatten(args)
-        positions = [i for i, leaf in enumerate(leaves)
-                     if id(leaf) in selected and leaf.requires_grad]
+        watched = target.watched
+        if watched.input_grad_sel is None and all(isinstance(a, torch.Tensor) for a in args):
+            leaves, spec = list(args), None  # the common call: tensors only, no structure to flatten
+            selected = {id(t): ("" if len(args) == 1 else f"_{i}")
+                        for i, t in enumerate(args) if t.is_floating_point()}
+        else:
+            leaves, spec = tree_flatten(args)
+            selected = {id(t): suffix for suffix, t in floating_leaves(args, watched.input_grad_sel)}
+        positions = [i for i, leaf in enumerate(leaves) if id(leaf) in selected and leaf.requires_grad]
         if not positions:
             return None
         target.suffixes = [selected[id(leaves[i])] for i in positions]
-        tapped = _InputTap.apply(self.state.guarded(f"activations of {target.watched.name or '<root>'}",
-                                                    lambda grads: self._record_input_grads(target, grads)),
+        tapped = _InputTap.apply(functools.partial(watched.grad_recorders[0], target),
                                  *(leaves[i] for i in positions))
         for i, tensor in zip(positions, tapped):
             leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        return tuple(leaves) if spec is None else tree_unflatten(leaves, spec)
 
     def _make_forward(self, watched: WatchedModule):
         state = self.state
@@ -153,9 +162,10 @@ class ActivationHooks:
     def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
         for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):
             if tensor.requires_grad:
-                tensor.register_hook(self.state.guarded(
-                    f"activations of {watched.name or '<root>'}",
-                    lambda grad, leaf_name=leaf_name: self._record_grads(watched, micro, [(leaf_name, grad)])))
+                tensor.register_hook(functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
+
+    def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
+        self._record_grads(watched, micro, [(leaf_name, grad)])
 
     def _record_input_grads(self, target: _TapTarget, grads) -> None:
         if target.name is not None:

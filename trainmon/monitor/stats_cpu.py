@@ -72,9 +72,13 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
             chunk_sums.append(part.sum(dtype=acc))
             if want[5]:
                 chunk_squares.append(torch.dot(part, part))
-            if want[6]:
+            if want[6] and want[7]:
+                low, high = torch.aminmax(part)  # one pass where amin and amax take two
+                chunk_mins.append(low)
+                chunk_maxs.append(high)
+            elif want[6]:
                 chunk_mins.append(part.amin())
-            if want[7]:
+            elif want[7]:
                 chunk_maxs.append(part.amax())
             if want[3]:
                 chunk_large.append(_count_at_least(part, lam, buffer))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from trainmon.monitor.records import ACTV, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
@@ -67,6 +67,15 @@ class _InputTap(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.record(grads)
         return (None,) + grads
+
+
+def _root(leaf):
+    """The tensor an input tap's alias stands for (through nested taps), or `leaf` itself.
+
+    An input's activation record is then that of the tensor itself, often already taken as another
+    module's output, instead of a second pass over the same data.
+    """
+    return getattr(leaf, "_trainmon_root", leaf)
 
 
 class ActivationHooks:
@@ -136,8 +145,9 @@ class ActivationHooks:
         target.suffixes = [selected[id(leaves[i])] for i in positions]
         tapped = _InputTap.apply(functools.partial(watched.grad_recorders[0], target),
                                  *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, tapped):
-            leaves[i] = tensor
+        for i, alias in zip(positions, tapped):
+            alias._trainmon_root = _root(leaves[i])
+            leaves[i] = alias
         return tuple(leaves) if spec is None else tree_unflatten(leaves, spec)
 
     def _make_forward(self, watched: WatchedModule):
@@ -154,6 +164,8 @@ class ActivationHooks:
                     target.name = name
                 self._hook_output_grads(watched, name, micro, output)
             if self.forward:
+                if target is not None and target.suffixes:
+                    args = tree_map(_root, args)
                 self._record(ACTV, watched, name, micro, args, output,
                              watched.input_sel, watched.output_sel)
 

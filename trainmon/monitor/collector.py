@@ -18,8 +18,10 @@ class StepCollector:
 
     Records are computed on the tensors' device and stay there. Activations (`defer=True`) are
     held until `batch_bytes` of them are pending and then reduced in one batch, because the engine's
-    cost per call dwarfs its cost per tensor when a hook brings one or two tensors. A tensor object
-    seen twice in a step (a module's output is the next module's input) is reduced once.
+    cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
+    small enough to be reduced while still in the last-level cache, and held tensors keep the
+    allocator from reusing their memory for the rest of the step, so larger batches cost more. A
+    tensor object seen twice in a step (a module's output is the next module's input) is reduced once.
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
     its later values; that record is dropped instead, reported once, and its name is reduced at
@@ -27,7 +29,7 @@ class StepCollector:
     """
 
     def __init__(self, eps: float, ops: Sequence[str], rank: int, pp_stage: int = 0,
-                 batch_bytes: int = 256 << 20):
+                 batch_bytes: int = 32 << 20):
         self.eps = eps
         self.fields = stats.fields_for_ops(ops)
         self.rank = rank

@@ -228,7 +228,7 @@ class MonitorConfig:
     wait is recorded) and "drop" skips the step's output (counted); both are reported in run.json."""
     writer_queue_size: int = _field(check_int(1, 100_000), default=64)
     """trainmon: step batches the writer queues before `writer_policy` applies."""
-    stats_batch_mb: int = _field(check_int(0, 1_000_000), default=256)
+    stats_batch_mb: int = _field(check_int(0, 1_000_000), default=32)
     """trainmon: activations are held until this many MB are pending, then reduced in one batch
     (far cheaper than one reduction per hook); 0 reduces each hook's tensors at once."""
 

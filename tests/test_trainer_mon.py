@@ -1,4 +1,5 @@
 """TrainerMon behaviour on a real training loop: numerics, hooks, step gating, api, teardown."""
+import copy
 import json
 import logging
 import os
@@ -349,3 +350,44 @@ def test_activation_grads_equal_those_of_torch_module_backward_hooks(output_dir,
     for key, norm in reference.items():
         assert written[key] == pytest.approx(norm, rel=1e-6), key
     assert len(written) == len(reference), sorted(set(written.index) ^ set(reference))
+
+class _Gate(torch.nn.Module):
+    """Takes a tensor positionally, a number, and a tensor by keyword: inputs as msprobe lists them."""
+
+    def forward(self, x, scale, *, gate):
+        return x * scale * torch.sigmoid(gate)
+
+
+class _GatedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.gate = _Gate()
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.gate(h, 3.0, gate=h * 2)
+
+
+def test_keyword_inputs_are_recorded_with_their_grads(output_dir, write_config):
+    torch.manual_seed(0)
+    model = _GatedModel()
+    proj = copy.deepcopy(model.proj)  # the weights of the recorded step (the optimizer moves them)
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.set_monitor(model, optimizer=optimizer)
+    x = torch.randn(4, 8)
+    model(x).pow(2).sum().backward()
+    optimizer.step()
+    monitor.stop()
+    actv = read_family(monitor.output_dir, "actv").set_index("name").norm
+    grads = read_family(monitor.output_dir, "actv_grad").set_index("name").norm
+
+    h = proj(x).detach()
+    positional, keyword = h.clone().requires_grad_(), (2 * h).requires_grad_()
+    _Gate()(positional, 3.0, gate=keyword).pow(2).sum().backward()
+    # the positional tensor is input_0, the number is not an input, the keyword tensor is input_1
+    assert actv["gate.input_0"] == pytest.approx(float(h.norm()), rel=1e-6)
+    assert actv["gate.input_1"] == pytest.approx(float(2 * h.norm()), rel=1e-6)
+    assert grads["gate.input_0"] == pytest.approx(float(positional.grad.norm()), rel=1e-6)
+    assert grads["gate.input_1"] == pytest.approx(float(keyword.grad.norm()), rel=1e-6)

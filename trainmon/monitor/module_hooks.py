@@ -5,13 +5,15 @@ identity views around module outputs break frameworks that modify outputs in pla
 bias-dropout-add) and cost time even when idle:
 
 - the grad of each output: a tensor hook on the output tensor (the output stays the module's own tensor);
-- the grad of each positional input: the forward pre-hook passes the inputs through one identity autograd
-  node (`_InputTap`) whose backward sees the grads the module's backward computed for them, before they
-  are summed with grads from other consumers of the same tensors.
+- the grad of each input (tensor positional and keyword arguments, `input_places`): the forward pre-hook
+  passes the inputs through one identity autograd node (`_InputTap`) whose backward sees the grads the
+  module's backward computed for them, before they are summed with grads from other consumers of the
+  same tensors.
 
-These are the `grad_output` and `grad_input` a full backward hook would see. The tap hands the module
-aliases of its inputs (sharing storage and version counter) rather than autograd views, so a module that
-modifies its inputs in place (Megatron's masked softmax) runs as it does unmonitored.
+These are the `grad_output` and `grad_input` a full backward hook would see (it covers positional
+arguments only). The tap hands the module aliases of its inputs (sharing storage and version counter)
+rather than autograd views, so a module that modifies its inputs in place (Megatron's masked softmax)
+runs as it does unmonitored.
 """
 from __future__ import annotations
 
@@ -20,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from trainmon.monitor.records import ACTV, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
-from trainmon.monitor.tensor_select import floating_leaves
+from trainmon.monitor.tensor_select import floating_leaves, input_places
 
 
 @dataclass
@@ -96,9 +97,9 @@ class ActivationHooks:
                 watched.grad_recorders = (self.state.guarded(item, self._record_input_grads),
                                           self.state.guarded(item, self._record_output_grad))
                 self._handles.append(watched.module.register_forward_pre_hook(
-                    self.state.guarded(item, self._make_input_tap(watched))))
+                    self.state.guarded(item, self._make_input_tap(watched)), with_kwargs=True))
             self._handles.append(watched.module.register_forward_hook(
-                self.state.guarded(item, self._make_forward(watched))))
+                self.state.guarded(item, self._make_forward(watched)), with_kwargs=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -118,42 +119,40 @@ class ActivationHooks:
     def _make_input_tap(self, watched: WatchedModule):
         state = self.state
 
-        def pre_hook(module, args):
+        def pre_hook(module, args, kwargs):
             # One entry per call, popped by its forward hook: None where this call is not tapped.
             if not (state.collecting and torch.is_grad_enabled()):
                 watched.open_taps.append(None)
                 return None
             target = _TapTarget(watched, max(state.forward_micro, 0), [])
             watched.open_taps.append(target)
-            return self._tap_inputs(target, args)
+            return self._tap_inputs(target, args, kwargs)
 
         return pre_hook
 
-    def _tap_inputs(self, target: _TapTarget, args: tuple) -> Optional[tuple]:
-        """`args` with the selected floating inputs that require grad passed through one `_InputTap`."""
-        watched = target.watched
-        if watched.input_grad_sel is None and all(isinstance(a, torch.Tensor) for a in args):
-            leaves, spec = list(args), None  # the common call: tensors only, no structure to flatten
-            selected = {id(t): ("" if len(args) == 1 else f"_{i}")
-                        for i, t in enumerate(args) if t.is_floating_point()}
-        else:
-            leaves, spec = tree_flatten(args)
-            selected = {id(t): suffix for suffix, t in floating_leaves(args, watched.input_grad_sel)}
-        positions = [i for i, leaf in enumerate(leaves) if id(leaf) in selected and leaf.requires_grad]
-        if not positions:
+    def _tap_inputs(self, target: _TapTarget, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
+        places = input_places(args, kwargs)
+        inputs = [args[key] if positional else kwargs[key] for positional, key in places]
+        suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, target.watched.input_grad_sel)}
+        selected = dict(suffixes)  # a tensor passed twice is tapped once, at its first place
+        tapped = [i for i, t in enumerate(inputs) if selected.pop(id(t), None) is not None and t.requires_grad]
+        if not tapped:
             return None
-        target.suffixes = [selected[id(leaves[i])] for i in positions]
-        tapped = _InputTap.apply(functools.partial(watched.grad_recorders[0], target),
-                                 *(leaves[i] for i in positions))
-        for i, alias in zip(positions, tapped):
-            alias._trainmon_root = _root(leaves[i])
-            leaves[i] = alias
-        return tuple(leaves) if spec is None else tree_unflatten(leaves, spec)
+        target.suffixes = [suffixes[id(inputs[i])] for i in tapped]
+        aliases = _InputTap.apply(functools.partial(target.watched.grad_recorders[0], target),
+                                  *(inputs[i] for i in tapped))
+        args, kwargs = list(args), dict(kwargs)
+        for i, alias in zip(tapped, aliases):
+            alias._trainmon_root = _root(inputs[i])
+            positional, key = places[i]
+            (args if positional else kwargs)[key] = alias
+        return tuple(args), kwargs
 
     def _make_forward(self, watched: WatchedModule):
         state = self.state
 
-        def forward_hook(module, args, output):
+        def forward_hook(module, args, kwargs, output):
             target = watched.open_taps.pop() if watched.open_taps else None
             if not state.collecting:
                 return
@@ -164,10 +163,9 @@ class ActivationHooks:
                     target.name = name
                 self._hook_output_grads(watched, name, micro, output)
             if self.forward:
-                if target is not None and target.suffixes:
-                    args = tree_map(_root, args)
-                self._record(ACTV, watched, name, micro, args, output,
-                             watched.input_sel, watched.output_sel)
+                inputs = [_root(args[key] if positional else kwargs[key]) for positional, key in
+                          input_places(args, kwargs)]
+                self._record(ACTV, watched, name, micro, inputs, output, watched.input_sel, watched.output_sel)
 
         return forward_hook
 

@@ -27,3 +27,14 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             out.append((prefix if single else f"{prefix}_{i}", leaf))
     return out
+
+
+def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
+    """Where a module call's inputs are, as msprobe lists them: the tensor positional arguments, then the
+    tensor keyword arguments, as (True, index in args) or (False, key in kwargs).
+
+    Their records are named by position in that list (`input` alone, else `input_<i>`), so a layer
+    called with `hidden_states=...` (Megatron) has its input recorded as a positional one would be.
+    """
+    return ([(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            + [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)])

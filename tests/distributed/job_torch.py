@@ -60,6 +60,8 @@ step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf((model.module if args.mode == "ddp" else model).blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
+if args.module_ranks:
+    extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), module_ranks=args.module_ranks,
                                   **extra))
 monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=args.micro_batches)

@@ -4,6 +4,7 @@ import os
 
 from common import TinyLM
 from launch import torchrun
+from test_csv_output import read_family
 from verify import SHARDED_FAMILIES, assert_norms_match, differing, nan_analyze, the_run
 
 
@@ -54,6 +55,7 @@ def test_fsdp2_module_ranks_leaves_the_merge_whole_and_the_other_ranks_silent(tm
     run = the_run(output_dir)
     assert assert_norms_match(run, tmp_path, (0,), SHARDED_FAMILIES) == 3 * 5 * len(list(TinyLM().parameters()))
     assert not [f for f in os.listdir(os.path.join(run, "rank_1")) if f.endswith(".csv")]
+    assert len(read_family(os.path.join(run, "rank_0"), "actv")) > 0, "rank 0 records its activations"
 
 
 def test_ddp_inf_on_rank_1_is_traced_to_it(tmp_path):

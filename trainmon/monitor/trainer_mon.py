@@ -151,9 +151,9 @@ class TrainerMon:
     def _install(self, config: MonitorConfig) -> None:
         """Registers the hooks that `config` asks for; `_remove` undoes exactly this."""
         state = self._state
-        self._schedule = CollectionSchedule(
-            config.start_step, config.step_interval, config.collect_times,
-            rank_enabled=self._writes_records(config) or self._merges_across_ranks())
+        writes = self._writes_records(config)
+        self._schedule = CollectionSchedule(config.start_step, config.step_interval, config.collect_times,
+                                            rank_enabled=writes or self._merges_across_ranks())
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
@@ -175,7 +175,7 @@ class TrainerMon:
                 config.alert.action, self._adapter.step_owner(), step_of=lambda: self.step, end_step=self._end_step,
                 evidence=lambda: [state.collector.any_nonfinite(), self._sentinel and self._sentinel.any_nonfinite()],
                 drain=self._writer.drain, processor=self._anomalies))
-        if config.xy_distribution:
+        if config.xy_distribution and writes:  # activations are never merged across ranks
             modules = watched_modules(self._chunks, config)
             for watched in modules:
                 watched.name = self._adapter.rename(watched.vpp_stage, watched.name)
@@ -199,7 +199,7 @@ class TrainerMon:
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step))
         self._hooks.append(_MicroStepCounter(state, self._chunks[0]))
         cc = config.cc_distribution
-        if cc.enable and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
                                            self.output_dir / "cc_log.json")
             self._hooks.append(self._comm)
@@ -221,7 +221,8 @@ class TrainerMon:
         if self._adapter.shard_group is None or torch.distributed.get_world_size(self._adapter.shard_group) == 1:
             return False
         logger.warning("trainmon: with the %s adapter sharded tensors are merged across ranks, so ranks outside "
-                       "module_ranks collect too (at the same cost) but write nothing", self._adapter.name)
+                       "module_ranks collect the weight, grad and optimizer families too but write nothing",
+                       self._adapter.name)
         return True
 
     def _unreduced_mode(self, config: MonitorConfig) -> str:

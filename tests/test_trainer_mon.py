@@ -352,10 +352,10 @@ def test_activation_grads_equal_those_of_torch_module_backward_hooks(output_dir,
     assert len(written) == len(reference), sorted(set(written.index) ^ set(reference))
 
 class _Gate(torch.nn.Module):
-    """Takes a tensor positionally, a number, and a tensor by keyword: inputs as msprobe lists them."""
+    """Takes a tensor positionally, a number, an activation and a constant mask by keyword."""
 
-    def forward(self, x, scale, *, gate):
-        return x * scale * torch.sigmoid(gate)
+    def forward(self, x, scale, *, gate, mask):
+        return x * scale * torch.sigmoid(gate) + mask
 
 
 class _GatedModel(torch.nn.Module):
@@ -366,7 +366,7 @@ class _GatedModel(torch.nn.Module):
 
     def forward(self, x):
         h = self.proj(x)
-        return self.gate(h, 3.0, gate=h * 2)
+        return self.gate(h, 3.0, gate=h * 2, mask=torch.zeros(8).masked_fill(torch.arange(8) > 5, float("-inf")))
 
 
 def test_keyword_inputs_are_recorded_with_their_grads(output_dir, write_config):
@@ -377,7 +377,7 @@ def test_keyword_inputs_are_recorded_with_their_grads(output_dir, write_config):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor.set_monitor(model, optimizer=optimizer)
     x = torch.randn(4, 8)
-    model(x).pow(2).sum().backward()
+    model(x)[:, :6].pow(2).sum().backward()
     optimizer.step()
     monitor.stop()
     actv = read_family(monitor.output_dir, "actv").set_index("name").norm
@@ -385,8 +385,10 @@ def test_keyword_inputs_are_recorded_with_their_grads(output_dir, write_config):
 
     h = proj(x).detach()
     positional, keyword = h.clone().requires_grad_(), (2 * h).requires_grad_()
-    _Gate()(positional, 3.0, gate=keyword).pow(2).sum().backward()
-    # the positional tensor is input_0, the number is not an input, the keyword tensor is input_1
+    _Gate()(positional, 3.0, gate=keyword, mask=torch.zeros(8))[:, :6].pow(2).sum().backward()
+    # the positional tensor is input_0, the number is not an input, the keyword activation is input_1, and
+    # the constant mask (its -inf entries are no anomaly) is not an input
+    assert not any(name.startswith("gate.input_2") for name in actv.index)
     assert actv["gate.input_0"] == pytest.approx(float(h.norm()), rel=1e-6)
     assert actv["gate.input_1"] == pytest.approx(float(2 * h.norm()), rel=1e-6)
     assert grads["gate.input_0"] == pytest.approx(float(positional.grad.norm()), rel=1e-6)

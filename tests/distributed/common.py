@@ -63,7 +63,8 @@ class Truth:
     def add_sign_agreement(self, step: int, name: str, grad, exp_avg) -> None:
         """mg_direction: 1 where sign(grad) = sign(exp_avg); its norm is √(agreeing elements)."""
         if grad is not None and exp_avg is not None:
-            self.add(step, "mg_direction", name, (torch.sign(grad.reshape(exp_avg.shape)) == torch.sign(exp_avg)).float())
+            agree = torch.sign(grad.reshape(exp_avg.shape)) == torch.sign(exp_avg)
+            self.add(step, "mg_direction", name, agree.float())
 
     def write(self, out_dir: str, rank: int) -> None:
         with open(os.path.join(out_dir, f"truth.rank{rank}.json"), "w") as f:

@@ -58,10 +58,10 @@ def test_activation_grads_under_megatron(tmp_path):
         norm = grads.set_index(["step", "micro_step", "name"]).norm
         # a tensor with one consumer: the grad leaving one module is the grad reaching the next
         # TransformerLayer takes `hidden_states=` by keyword: it is still the layer's input_0
-        for consumer_input, producer_output in (("decoder.layers.0.self_attention.input_0",
+        for consumer_input, producer_output in (("decoder.layers.0.self_attention.input",
                                                  "decoder.layers.0.input_layernorm.output"),
                                                 ("decoder.final_layernorm.input", "decoder.layers.1.output_0"),
-                                                ("decoder.layers.1.input_0", "decoder.layers.0.output_0")):
+                                                ("decoder.layers.1.input", "decoder.layers.0.output_0")):
             a, b = norm.xs(consumer_input, level="name"), norm.xs(producer_output, level="name")
             assert len(a) == 6 and list(a) == pytest.approx(list(b), rel=1e-6), consumer_input
 

@@ -5,10 +5,10 @@ identity views around module outputs break frameworks that modify outputs in pla
 bias-dropout-add) and cost time even when idle:
 
 - the grad of each output: a tensor hook on the output tensor (the output stays the module's own tensor);
-- the grad of each input (tensor positional and keyword arguments, `input_places`): the forward pre-hook
-  passes the inputs through one identity autograd node (`_InputTap`) whose backward sees the grads the
-  module's backward computed for them, before they are summed with grads from other consumers of the
-  same tensors.
+- the grad of each input (tensor positional arguments and activations passed by keyword, `input_places`):
+  the forward pre-hook passes the inputs through one identity autograd node (`_InputTap`) whose backward
+  sees the grads the module's backward computed for them, before they are summed with grads from other
+  consumers of the same tensors.
 
 These are the `grad_output` and `grad_input` a full backward hook would see (it covers positional
 arguments only). The tap hands the module aliases of its inputs (sharing storage and version counter)

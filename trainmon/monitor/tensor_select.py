@@ -30,11 +30,13 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
 
 
 def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
-    """Where a module call's inputs are, as msprobe lists them: the tensor positional arguments, then the
-    tensor keyword arguments, as (True, index in args) or (False, key in kwargs).
+    """Where a module call's inputs are: the tensor positional arguments, then the keyword arguments that
+    are activations (tensors requiring grad), as (True, index in args) or (False, key in kwargs).
 
     Their records are named by position in that list (`input` alone, else `input_<i>`), so a layer
     called with `hidden_states=...` (Megatron) has its input recorded as a positional one would be.
+    Constant tensors passed by keyword (attention masks, whose -inf entries are no anomaly, rotary
+    tables) are left out.
     """
     return ([(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            + [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)])
+            + [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad])

@@ -393,3 +393,49 @@ def test_keyword_inputs_are_recorded_with_their_grads(output_dir, write_config):
     assert actv["gate.input_1"] == pytest.approx(float(2 * h.norm()), rel=1e-6)
     assert grads["gate.input_0"] == pytest.approx(float(positional.grad.norm()), rel=1e-6)
     assert grads["gate.input_1"] == pytest.approx(float(keyword.grad.norm()), rel=1e-6)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two MLP blocks, run through torch.utils.checkpoint when `reentrant` is not None."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                                              torch.nn.Linear(32, 16)) for _ in range(2))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = x + block(x)
+            else:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_records_each_call_once_with_its_grads(output_dir, write_config, reentrant):
+    """The forward run again inside backward records nothing twice, and the grads keep the first run's names."""
+    frames = {}
+    for mode in (None, reentrant):
+        model = _Checkpointed(mode)
+        monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=2)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(2):
+                model(torch.randn(4, 16, generator=gen, requires_grad=True)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.stop()
+        frames[mode] = {family: read_family(monitor.output_dir, family)
+                        .set_index(["step", "micro_step", "name"]).sort_index()[["norm", "min", "max"]]
+                        for family in ("actv", "actv_grad")}
+    for family in ("actv", "actv_grad"):
+        plain, checkpointed = frames[None][family], frames[reentrant][family]
+        assert list(checkpointed.index) == list(plain.index), family
+        assert not any("#" in name for name in checkpointed.index.get_level_values("name"))
+        pd.testing.assert_frame_equal(checkpointed, plain, rtol=1e-6)
+    assert "blocks.1.0.input" in set(frames[reentrant]["actv_grad"].index.get_level_values("name"))

@@ -17,6 +17,7 @@ runs as it does unmonitored.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -40,6 +41,9 @@ class WatchedModule:
     input_grad_sel: Optional[object] = None
     output_grad_sel: Optional[object] = None
     calls_in_micro: tuple = (-1, -1, 0)  # (step, micro_step, number of forward calls seen in it)
+    # (step, micro_step, call name) of calls run without grad, whose grads come when activation
+    # checkpointing runs them again inside backward.
+    unrecomputed: collections.deque = field(default_factory=collections.deque)
     # Input taps of calls whose forward has started and not returned (a stack: calls may nest).
     open_taps: list = field(default_factory=list)
     grad_recorders: tuple = ()  # (input grads, output grad) callbacks, guarded
@@ -68,6 +72,12 @@ class _InputTap(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.record(grads)
         return (None,) + grads
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (where only activation
+    checkpointing runs module forwards)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _root(leaf):
@@ -107,6 +117,7 @@ class ActivationHooks:
         self._handles.clear()
         for watched in self.modules:
             watched.open_taps.clear()
+            watched.unrecomputed.clear()
 
     def _call_name(self, watched: WatchedModule, micro: int) -> str:
         step = self.state.collector.step
@@ -156,18 +167,41 @@ class ActivationHooks:
             target = watched.open_taps.pop() if watched.open_taps else None
             if not state.collecting:
                 return
+            if _in_backward():  # activation checkpointing runs the forward again
+                self._hook_recomputed(watched, target, output)
+                return  # its activations were recorded when it first ran
             micro = max(state.forward_micro, 0)
             name = self._call_name(watched, micro)
             if self.backward and torch.is_grad_enabled():
                 if target is not None:
                     target.name = name
                 self._hook_output_grads(watched, name, micro, output)
+            elif self.backward:
+                watched.unrecomputed.append((state.collector.step, micro, name))
             if self.forward:
                 inputs = [_root(args[key] if positional else kwargs[key]) for positional, key in
                           input_places(args, kwargs)]
                 self._record(ACTV, watched, name, micro, inputs, output, watched.input_sel, watched.output_sel)
 
         return forward_hook
+
+    def _hook_recomputed(self, watched: WatchedModule, target: Optional[_TapTarget], output) -> None:
+        """Grad hooks on a call run again by activation checkpointing, named as when it first ran.
+
+        A first run without grad (reentrant checkpointing) left its call in `unrecomputed`: the grads
+        come through this run's graph. A first run with grad (non-reentrant) is hooked already, and
+        this run's graph only feeds the saved tensors of that one.
+        """
+        step = self.state.collector.step
+        while watched.unrecomputed:
+            first_step, micro, name = watched.unrecomputed.popleft()
+            if first_step == step:
+                break
+        else:
+            return
+        if target is not None:
+            target.name, target.micro = name, micro
+        self._hook_output_grads(watched, name, micro, output)
 
     def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
         for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):

@@ -25,6 +25,7 @@ def parse_args(argv=None):
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (needs --pp > 1)")
     parser.add_argument("--distopt", action="store_true", help="DistributedOptimizer (shards over DP)")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
+    parser.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--mbs", type=int, default=4)
@@ -61,7 +62,9 @@ def setup(args):
         pipeline_dtype=dtype, params_dtype=torch.float32, bf16=args.bf16, tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+           if args.recompute else {}))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt)
     chunks = []
     for stage in range(args.vpp):

@@ -4,6 +4,7 @@ import json
 import os
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from launch import torchrun
@@ -46,7 +47,7 @@ def test_tensor_parallel_2(tmp_path):
 
 def test_activation_grads_under_megatron(tmp_path):
     """Grads of module inputs and outputs, with Megatron's in-place ops on both (bias-dropout-add on outputs,
-    the masked softmax on its input) running as they do unmonitored."""
+    the masked softmax on its input) running as they do unmonitored, also under full recompute."""
     run, _ = run_job(tmp_path, 2, "--tp", "2", "--xy")
     for rank in (0, 1):
         grads = read_family(os.path.join(run, f"rank_{rank}"), "actv_grad")
@@ -64,6 +65,17 @@ def test_activation_grads_under_megatron(tmp_path):
                                                 ("decoder.layers.1.input", "decoder.layers.0.output_0")):
             a, b = norm.xs(consumer_input, level="name"), norm.xs(producer_output, level="name")
             assert len(a) == 6 and list(a) == pytest.approx(list(b), rel=1e-6), consumer_input
+    # Megatron's full recompute runs every layer's forward again inside backward: the same records result
+    recomputed = tmp_path / "recompute"
+    recomputed.mkdir()
+    again, _ = run_job(recomputed, 2, "--tp", "2", "--xy", "--recompute")
+    for family in ("actv", "actv_grad"):
+        for rank in (0, 1):
+            plain, checkpointed = (read_family(os.path.join(r, f"rank_{rank}"), family)
+                                   .set_index(["step", "micro_step", "name"]).sort_index()[["norm", "min", "max"]]
+                                   for r in (run, again))
+            assert list(checkpointed.index) == list(plain.index), family
+            pd.testing.assert_frame_equal(checkpointed, plain, rtol=1e-6)
 
 
 def test_pipeline_parallel_2(tmp_path):

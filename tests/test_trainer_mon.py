@@ -240,14 +240,14 @@ def test_print_struct_and_stack_info(output_dir, write_config):
 def test_a_failing_hook_is_logged_once_and_training_goes_on(output_dir, write_config, monkeypatch, caplog):
     from trainmon.monitor import module_hooks
 
-    original = module_hooks.ActivationHooks._record
+    original = module_hooks.ActivationHooks._record_activations
 
-    def broken(self, family, watched, *args):
+    def broken(self, watched, *args):
         if watched.name == "layers.1.mlp":
             raise RuntimeError("boom")
-        return original(self, family, watched, *args)
+        return original(self, watched, *args)
 
-    monkeypatch.setattr(module_hooks.ActivationHooks, "_record", broken)
+    monkeypatch.setattr(module_hooks.ActivationHooks, "_record_activations", broken)
     with caplog.at_level(logging.ERROR, logger="trainmon"):
         monitor, _, _, losses = train(write_config, steps=3, **{**FULL, "strict": False})
         monitor.stop()

@@ -80,6 +80,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _at(places: list, args: tuple, kwargs: dict) -> list:
+    """The values at `input_places` of a call."""
+    return [args[key] if positional else kwargs[key] for positional, key in places]
+
+
 def _root(leaf):
     """The tensor an input tap's alias stands for (through nested taps), or `leaf` itself.
 
@@ -144,10 +149,13 @@ class ActivationHooks:
     def _tap_inputs(self, target: _TapTarget, args: tuple, kwargs: dict) -> Optional[tuple]:
         """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
         places = input_places(args, kwargs)
-        inputs = [args[key] if positional else kwargs[key] for positional, key in places]
+        inputs = _at(places, args, kwargs)
         suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, target.watched.input_grad_sel)}
-        selected = dict(suffixes)  # a tensor passed twice is tapped once, at its first place
-        tapped = [i for i, t in enumerate(inputs) if selected.pop(id(t), None) is not None and t.requires_grad]
+        tapped, seen = [], set()
+        for i, t in enumerate(inputs):
+            if id(t) in suffixes and id(t) not in seen and t.requires_grad:  # a tensor passed twice: tapped once
+                tapped.append(i)
+                seen.add(id(t))
         if not tapped:
             return None
         target.suffixes = [suffixes[id(inputs[i])] for i in tapped]
@@ -179,9 +187,8 @@ class ActivationHooks:
             elif self.backward:
                 watched.unrecomputed.append((state.collector.step, micro, name))
             if self.forward:
-                inputs = [_root(args[key] if positional else kwargs[key]) for positional, key in
-                          input_places(args, kwargs)]
-                self._record(ACTV, watched, name, micro, inputs, output, watched.input_sel, watched.output_sel)
+                inputs = [_root(t) for t in _at(input_places(args, kwargs), args, kwargs)]
+                self._record_activations(watched, name, micro, inputs, output)
 
         return forward_hook
 
@@ -225,12 +232,12 @@ class ActivationHooks:
                           tuple(grad.shape), str(grad.dtype)) for leaf_name, grad in named_grads]
         collector.record(keys, [grad for _, grad in named_grads], defer=True)
 
-    def _record(self, family, watched, name, micro, inputs, outputs, input_sel, output_sel) -> None:
-        leaves = floating_leaves(inputs, input_sel, f"{name}.input") + \
-            floating_leaves(outputs, output_sel, f"{name}.output")
+    def _record_activations(self, watched: WatchedModule, name: str, micro: int, inputs: list, output) -> None:
+        leaves = floating_leaves(inputs, watched.input_sel, f"{name}.input") + \
+            floating_leaves(output, watched.output_sel, f"{name}.output")
         if not leaves:
             return
         collector = self.state.collector
-        keys = [RecordKey(family, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
+        keys = [RecordKey(ACTV, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
                           tuple(t.shape), str(t.dtype)) for leaf_name, t in leaves]
         collector.record(keys, [t for _, t in leaves], defer=True)

@@ -160,3 +160,29 @@ def test_alert_lines_are_rate_limited():
     assert not limit.allow()
     now[0] = 61.0
     assert limit.allow() and limit.suppressed == 3
+
+
+def _firing(rule, series) -> list[int]:
+    return [i for i, v in enumerate(series) if rule.check_scalar("x", v)]
+
+
+@pytest.mark.parametrize("series", [
+    [6e-7 * 1.6 ** i for i in range(40)],  # Adam's second moment filling up
+    [1e-4 * (i + 1) / 40 for i in range(40)],  # linear learning-rate warm-up
+    [3.0 * 0.85 ** i for i in range(40)],  # grads shrinking as the loss falls
+    [5.0 - 0.1 * i for i in range(40)],  # a linear decay
+    [(1 + 0.3 * (-1) ** i) * 1.1 ** i for i in range(40)],  # growth with alternating noise
+], ids=["geometric_x1.6", "linear_warmup", "geometric_decay", "linear_decay", "noisy_growth"])
+def test_spike_stays_quiet_on_smooth_trends(series):
+    assert _firing(AnomalySpike(), series) == []
+
+
+@pytest.mark.parametrize("series", [
+    [6e-7 * 1.6 ** i for i in range(40)],
+    [1e-4 * (i + 1) / 40 for i in range(40)],
+    [1.0 + 0.01 * (-1) ** i for i in range(40)],
+], ids=["geometric_x1.6", "linear_warmup", "flat"])
+def test_spike_fires_at_the_step_of_a_tenfold_jump_over_the_trend(series):
+    jumped = list(series)
+    jumped[25] *= 10
+    assert _firing(AnomalySpike(), jumped) == [25]

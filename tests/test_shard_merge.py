@@ -50,12 +50,3 @@ def test_patch_attribute_restores_what_the_instance_had():
     undo_plain()
     undo_own()
     assert plain.step() == "class" and "step" not in vars(plain) and own.step() == "instance"
-
-
-def test_an_optimizer_no_adapter_understands_is_named(output_dir, write_config):
-    class Homemade:
-        def step(self):
-            pass
-
-    with pytest.raises(ValueError, match="test_shard_merge.Homemade"):
-        TrainerMon(write_config(wg_distribution=True)).set_monitor(make_model(), optimizer=Homemade())

@@ -242,10 +242,10 @@ def test_a_failing_hook_is_logged_once_and_training_goes_on(output_dir, write_co
 
     original = module_hooks.ActivationHooks._record_activations
 
-    def broken(self, watched, *args):
+    def broken(self, collector, family, watched, *args):
         if watched.name == "layers.1.mlp":
             raise RuntimeError("boom")
-        return original(self, watched, *args)
+        return original(self, collector, family, watched, *args)
 
     monkeypatch.setattr(module_hooks.ActivationHooks, "_record_activations", broken)
     with caplog.at_level(logging.ERROR, logger="trainmon"):
@@ -271,40 +271,64 @@ def test_append_output_continues_an_existing_run(output_dir, write_config):
 
 
 class InPlaceRelu(torch.nn.Module):
-    def __init__(self):
+    """Its ReLU changes the output of `lin` in place, from step `in_place_from` on."""
+
+    def __init__(self, in_place_from: int = 0):
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
-        self.relu = torch.nn.ReLU(inplace=True)
+        self.relu = torch.nn.ReLU()
         self.out = torch.nn.Linear(8, 1)
+        self.in_place_from = in_place_from
+        self.step = 0
 
     def forward(self, x):
+        self.relu.inplace = self.step >= self.in_place_from
         return self.out(self.relu(self.lin(x)))
 
 
-def test_an_activation_modified_in_place_is_never_reported_with_later_values(output_dir, write_config, caplog):
-    torch.manual_seed(0)
-    model = InPlaceRelu()
+def _train_in_place(write_config, caplog, model, steps):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, forward_only=True, ops=OPS))
     monitor.set_monitor(model, optimizer=optimizer)
     x = torch.randn(16, 8)
+    expected = []
     with caplog.at_level(logging.WARNING, logger="trainmon"):
-        for _ in range(2):
+        for step in range(steps):
+            model.step = step
             with torch.no_grad():  # not through the module: its hooks would record this call too
-                expected = torch.nn.functional.linear(x, model.lin.weight, model.lin.bias)
+                expected.append(torch.nn.functional.linear(x, model.lin.weight, model.lin.bias))
             model(x).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
     monitor.stop()
-    actv = read_family(monitor.output_dir, "actv")
-    # step 0: the held output of `lin` was changed by the in-place ReLU, so its record is dropped (said once)
-    assert "lin.output" not in set(actv[actv.step == 0].name)
+    return monitor, read_family(monitor.output_dir, "actv"), expected
+
+
+def test_an_activation_modified_in_place_is_recorded_with_the_values_it_was_computed_with(output_dir, write_config,
+                                                                                      caplog):
+    torch.manual_seed(0)
+    monitor, actv, expected = _train_in_place(write_config, caplog, InPlaceRelu(), steps=3)
+    # A name is reduced in its hook the first time, and from then on when its tensor changed in place
+    # before the next batch: no step loses it, nothing is said.
+    for step in range(3):
+        row = actv[(actv.step == step) & (actv.name == "lin.output")].iloc[0]
+        assert row["min"] == pytest.approx(float(expected[step].min()), rel=1e-5) and row["min"] < 0
+        assert actv[(actv.step == step) & (actv.name == "relu.output")].iloc[0]["min"] >= 0
+    assert not [r for r in caplog.records if "lin.output" in r.getMessage()]
+    assert json.loads((monitor.output_dir / "run.json").read_text())["records_dropped_in_place"] == {}
+
+
+def test_a_late_in_place_change_drops_that_record_once_and_says_so(output_dir, write_config, caplog):
+    torch.manual_seed(0)
+    monitor, actv, expected = _train_in_place(write_config, caplog, InPlaceRelu(in_place_from=1), steps=3)
+    # step 0 taught that lin.output can wait; at step 1 the held tensor changed before its batch: dropped
+    assert "lin.output" in set(actv[actv.step == 0].name)
+    assert "lin.output" not in set(actv[actv.step == 1].name)
     assert sum("lin.output" in r.getMessage() for r in caplog.records) == 1
     assert json.loads((monitor.output_dir / "run.json").read_text())["records_dropped_in_place"] == {"lin.output": 1}
-    # step 1: it is reduced in its hook, before the ReLU, and shows the negative values the ReLU removes
-    row = actv[(actv.step == 1) & (actv.name == "lin.output")].iloc[0]
-    assert row["min"] == pytest.approx(float(expected.min()), rel=1e-5) and row["min"] < 0
-    assert actv[(actv.step == 1) & (actv.name == "relu.output")].iloc[0]["min"] >= 0
+    # step 2: it is reduced in its hook, before the ReLU, and shows the negative values the ReLU removes
+    row = actv[(actv.step == 2) & (actv.name == "lin.output")].iloc[0]
+    assert row["min"] == pytest.approx(float(expected[2].min()), rel=1e-5) and row["min"] < 0
 
 
 @pytest.mark.parametrize("batch_mb", [0, 1])

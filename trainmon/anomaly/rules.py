@@ -113,18 +113,28 @@ class AnomalyTurbulence(_SeriesRule):
 
 
 class AnomalySpike(_SeriesRule):
-    """A robust upward spike: (value - rolling median) / (1.4826 x rolling MAD) above `threshold`.
+    """A robust upward spike over the series' recent trend.
 
-    The scale is floored at `min_relative` x |median|, so a value must also exceed the median by
-    threshold x min_relative x |median| (defaults: 7x the median). Per-tensor norms of a healthy run
-    jump 3-5x now and then (small tensors, small batches); harmful spikes are larger. Lower it for
-    quiet series such as the loss. Nothing fires before `warmup` finite values are seen.
+    The baseline is a robust straight-line fit of the last `window` finite values: its slope joins the
+    medians of their older and newer halves, its level is the median of the values with that slope taken
+    out, and its spread the MAD of those detrended values. Series whose values are all positive (norms,
+    moments) are fitted in log space, so steady geometric growth or decay (Adam's second moment filling
+    up, grads shrinking as the loss falls) is a straight line; other series are fitted as they are. The
+    value is then compared with the fit's prediction for this step, T:
+
+    - its robust z-score, (value - T) / (1.4826 x MAD), in the space of the fit, is above `threshold`, and
+    - it exceeds T by more than threshold x min_relative x |T| (defaults: it is above 7 x T).
+
+    The second condition keeps smooth series, whose MAD is tiny, from firing on rounding noise, and lets
+    healthy per-tensor norms jump 3-5x now and then. Only upward departures fire: a learning-rate
+    warm-up (growth slowing down) or a decay stays below its trend. Nothing fires before `warmup` finite
+    values are seen; a NaN or Inf never enters the history.
 
     Args:
-        threshold: robust z-score that fires (default 6).
-        window: finite values the median and MAD are taken over (default 50).
+        threshold: robust z-score that fires, and the relative excess over the trend (default 6).
+        window: finite values the trend is fitted to (default 50).
         warmup: values needed before the rule can fire (default min(window, 10)).
-        min_relative: floor of the scale relative to |median| (default 1.0).
+        min_relative: scales the relative excess that is required (default 1.0).
         ops: ops to judge (default ["norm"]; scalars are always judged).
     """
 
@@ -145,13 +155,26 @@ class AnomalySpike(_SeriesRule):
         history = self._history.get(series)
         if history is None or len(history) < self.warmup:
             return False
-        median = statistics.median(history)
-        mad = statistics.median(abs(v - median) for v in history)
-        scale = max(_MAD_TO_SIGMA * mad, self.min_relative * abs(median), 1e-30)
-        return (value - median) / scale > self.threshold
+        logarithmic = value > 0 and min(history) > 0
+        points = [math.log(v) for v in history] if logarithmic else list(history)
+        predicted, spread = _trend(points)
+        expected = math.exp(predicted) if logarithmic else predicted
+        observed = math.log(value) if logarithmic else value
+        above_spread = observed - predicted > self.threshold * _MAD_TO_SIGMA * spread
+        return above_spread and value - expected > self.threshold * self.min_relative * abs(expected)
 
     def _remember(self, series, value) -> None:
         self._history.setdefault(series, collections.deque(maxlen=self.window)).append(value)
+
+
+def _trend(points: Sequence[float]) -> tuple[float, float]:
+    """(prediction for the next point, MAD of the detrended points) of a robust line through `points`."""
+    half = len(points) // 2
+    # Medians of halves, not of step-to-step changes: noise that alternates up and down biases those.
+    slope = (statistics.median(points[-half:]) - statistics.median(points[:half])) / (len(points) - half)
+    detrended = [p - slope * i for i, p in enumerate(points)]
+    level = statistics.median(detrended)
+    return level + slope * len(points), statistics.median(abs(d - level) for d in detrended)
 
 
 RULES = {cls.name: cls for cls in (AnomalyNan, AnomalyTurbulence, AnomalySpike)}

@@ -24,8 +24,11 @@ class StepCollector:
     tensor object seen twice in a step (a module's output is the next module's input) is reduced once.
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
-    its later values; that record is dropped instead, reported once, and its name is reduced at
-    once (in its hook) from then on.
+    its later values. So the first time a name is recorded it is reduced at once, and its tensor is
+    watched until the next batch: a name whose tensor changed in place by then (a loss scaled in place,
+    Megatron's logits in its fused cross-entropy) is reduced at once from then on, the others are
+    deferred. A deferred tensor that changes in place later all the same has its record dropped, counted
+    in `dropped_in_place`, and its name is reduced at once from then on.
     """
 
     def __init__(self, eps: float, ops: Sequence[str], rank: int, pp_stage: int = 0,
@@ -38,6 +41,7 @@ class StepCollector:
         self.step = 0
         self.dropped_in_place: dict[str, int] = {}
         self._eager_names: set[str] = set()
+        self._deferrable_names: set[str] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -53,6 +57,7 @@ class StepCollector:
         self._pending_tensors: list[torch.Tensor] = []
         self._pending_versions: list[int] = []
         self._pending_bytes = 0
+        self._trial: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, version) on first sight
 
     def next_call_index(self) -> int:
         """Reserves the ordering position of one hooked event."""
@@ -80,9 +85,14 @@ class StepCollector:
         if not defer:
             self._reduce_now(fresh)
             return
+        now = [(key, tensor) for key, tensor in fresh if key.name not in self._deferrable_names]
+        self._reduce_now(now)
+        for key, tensor in now:
+            if key.name not in self._eager_names:
+                self._trial.append((key.name, tensor, tensor._version))
+                self._pending_bytes += tensor.numel() * tensor.element_size()
         for key, tensor in fresh:
-            if key.name in self._eager_names:
-                self._reduce_now([(key, tensor)])
+            if key.name not in self._deferrable_names:
                 continue
             slot = len(self._pending_tensors)
             self._pending_tensors.append(tensor)
@@ -111,7 +121,9 @@ class StepCollector:
 
     def flush_pending(self) -> None:
         """Reduces every pending tensor in one batch."""
+        self._end_trial()
         if not self._pending_keys:
+            self._pending_bytes = 0
             return
         tensors, keys, slots = self._pending_tensors, self._pending_keys, self._pending_slots
         modified = {slot for slot, (t, v) in enumerate(zip(tensors, self._pending_versions)) if t._version != v}
@@ -129,13 +141,24 @@ class StepCollector:
         self._pending_tensors, self._pending_versions = [], []
         self._pending_bytes = 0
 
+    def _end_trial(self) -> None:
+        """Sorts the names first seen since the last batch into those reduced at once and the deferrable."""
+        for name, tensor, version in self._trial:
+            if tensor._version != version:
+                self._eager_names.add(name)
+                self._deferrable_names.discard(name)
+            elif name not in self._eager_names:
+                self._deferrable_names.add(name)
+        self._trial = []
+
     def _drop_modified(self, keys: Sequence[RecordKey]) -> None:
         for key in keys:
             if key.name not in self._eager_names:
-                logger.warning("trainmon: %s was modified in place before its statistics were computed; "
-                               "its record of step %s is dropped and it is reduced in its hook from now on",
-                               key.name, self.step)
+                logger.warning("trainmon: %s changed in place before its statistics were computed; its record of "
+                            "step %s is dropped (counted in run.json) and it is reduced in its hook from now on",
+                            key.name, self.step)
             self._eager_names.add(key.name)
+            self._deferrable_names.discard(key.name)
             self.dropped_in_place[key.name] = self.dropped_in_place.get(key.name, 0) + 1
 
     def record_rows(self, keys: Sequence[RecordKey], rows: torch.Tensor) -> None:

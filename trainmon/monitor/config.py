@@ -170,6 +170,10 @@ class MonitorConfig:
     """With `xy_distribution`: forward only (no `input_grad`/`output_grad`)."""
     backward_only: bool = _field(check_bool, default=False)
     """With `xy_distribution`: backward only (no `input`/`output`)."""
+    eval_xy_distribution: bool = _field(check_bool, default=False)
+    """trainmon: with `xy_distribution`, also record module inputs/outputs of evaluation forwards (under
+    `no_grad`/`inference_mode` or with the model in `eval()`) in the `actv_eval` family, at the last optimizer
+    step applied before them, numbered by evaluation pass. Off: evaluation forwards are not recorded."""
     wg_distribution: bool = _field(check_bool, default=False)
     """Record weight gradients before (`grad_unreduced`) and after (`grad_reduced`) the DP reduction."""
     monitor_mbs_grad: bool = _field(check_bool, default=False)

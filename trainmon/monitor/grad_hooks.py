@@ -1,7 +1,9 @@
 """Weight-gradient capture during backward: `grad_unreduced`, the core's default capture point.
 
 In ACCUMULATED mode the accumulated grad is recorded once per step, at the end of the last
-micro-batch's backward, before any reduction. In PER_MICRO_BATCH mode (`monitor_mbs_grad`, or a
+micro-batch's backward, before any reduction. A step with fewer backward passes than `grad_acc_steps`
+(the end of an epoch, a data loader that ran out) is recorded when the optimizer step starts
+(`at_update`), from the grads the last backward pass accumulated. In PER_MICRO_BATCH mode (`monitor_mbs_grad`, or a
 framework that reduces during backward) every micro-batch's own contribution is recorded (the grad
 a backward pass adds, not the running sum). Adapters with their own capture point record through
 `record_pieces` too, per step or per micro-batch as their `unreduced_capture` says.
@@ -50,8 +52,10 @@ class GradHooks:
         self.params = params
         self.per_micro_batch = mode == PER_MICRO_BATCH
         self._handles: list = []
-        self._pending: list[WatchedParam] = []
-        self._backward = BackwardPasses(state, self._record_pending)
+        self._pending: list[WatchedParam] = []  # accumulated in the running backward pass
+        self._unrecorded: list[WatchedParam] = []  # accumulated by the last pass, not yet recorded
+        self._recorded_step = None
+        self._backward = BackwardPasses(state, self._end_of_backward)
 
     def install(self) -> None:
         for watched in self.params:
@@ -68,11 +72,21 @@ class GradHooks:
             handle.remove()
         self._handles.clear()
         self._pending.clear()
+        self._unrecorded.clear()
 
-    def _record_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        if pending:
-            grads = [(w, w.param.grad) for w in pending if w.param.grad is not None]
+    def _end_of_backward(self) -> None:
+        self._unrecorded, self._pending = self._pending, []
+        if self.state.backward_micro == self.state.grad_acc_steps - 1:
+            self.at_update()
+
+    def at_update(self) -> None:
+        """Records the accumulated grads not recorded yet (called when the optimizer step starts)."""
+        watched, self._unrecorded = self._unrecorded, []
+        if self._recorded_step == self.state.collector.step:
+            return  # more backward passes than grad_acc_steps: the step's record is taken
+        self._recorded_step = self.state.collector.step
+        grads = [(w, w.param.grad) for w in watched if w.param.grad is not None]
+        if grads:
             self._record([w for w, _ in grads], [g for _, g in grads], micro=None)
 
     def _make_accumulated_hook(self, watched: WatchedParam):
@@ -82,8 +96,7 @@ class GradHooks:
             if not state.collecting:
                 return
             self._backward.seen()
-            if state.backward_micro == state.grad_acc_steps - 1:
-                self._pending.append(watched)
+            self._pending.append(watched)
 
         return post_accumulate_hook
 

@@ -14,6 +14,12 @@ These are the `grad_output` and `grad_input` a full backward hook would see (it 
 arguments only). The tap hands the module aliases of its inputs (sharing storage and version counter)
 rather than autograd views, so a module that modifies its inputs in place (Megatron's masked softmax)
 runs as it does unmonitored.
+
+A call's input records take their place in the call order when the call starts (its forward pre-hook),
+before anything the module runs: a NaN that came in with the batch is then first at the model's input.
+Only training forwards are recorded (see `forward_passes`); evaluation forwards go to `actv_eval` when
+the state has an evaluation collector. Grad hooks go only on tensors made in this forward (never on
+Parameters a module returns, such as Megatron's biases, or other leaves that outlive the step).
 """
 from __future__ import annotations
 
@@ -24,9 +30,11 @@ from typing import Callable, Optional
 
 import torch
 
-from trainmon.monitor.records import ACTV, ACTV_GRAD, RecordKey
+from trainmon.monitor.collector import StepCollector
+from trainmon.monitor.forward_passes import in_backward
+from trainmon.monitor.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
-from trainmon.monitor.tensor_select import floating_leaves, input_places
+from trainmon.monitor.tensor_select import floating_leaves, input_places, values_at
 
 
 @dataclass
@@ -40,12 +48,12 @@ class WatchedModule:
     output_sel: Optional[object] = None
     input_grad_sel: Optional[object] = None
     output_grad_sel: Optional[object] = None
-    calls_in_micro: tuple = (-1, -1, 0)  # (step, micro_step, number of forward calls seen in it)
+    calls_in_micro: tuple = (None, 0)  # (which forward pass, number of calls of the module seen in it)
     # (step, micro_step, call name) of calls run without grad, whose grads come when activation
     # checkpointing runs them again inside backward.
     unrecomputed: collections.deque = field(default_factory=collections.deque)
-    # Input taps of calls whose forward has started and not returned (a stack: calls may nest).
-    open_taps: list = field(default_factory=list)
+    # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded.
+    open_calls: list = field(default_factory=list)
     grad_recorders: tuple = ()  # (input grads, output grad) callbacks, guarded
 
 
@@ -57,6 +65,14 @@ class _TapTarget:
     micro: int
     suffixes: list  # leaf-name suffix per tapped input ("" or "_<i>")
     name: Optional[str] = None
+
+
+@dataclass
+class _OpenCall:
+    """One recorded module call between its forward pre-hook and its forward hook."""
+
+    input_index: int  # call index of its input records, taken when the call started
+    tap: Optional[_TapTarget] = None
 
 
 class _InputTap(torch.autograd.Function):
@@ -72,17 +88,6 @@ class _InputTap(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.record(grads)
         return (None,) + grads
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread (where only activation
-    checkpointing runs module forwards)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _at(places: list, args: tuple, kwargs: dict) -> list:
-    """The values at `input_places` of a call."""
-    return [args[key] if positional else kwargs[key] for positional, key in places]
 
 
 def _root(leaf):
@@ -111,8 +116,8 @@ class ActivationHooks:
                 # Built once per module: the autograd callbacks of every call share them.
                 watched.grad_recorders = (self.state.guarded(item, self._record_input_grads),
                                           self.state.guarded(item, self._record_output_grad))
-                self._handles.append(watched.module.register_forward_pre_hook(
-                    self.state.guarded(item, self._make_input_tap(watched)), with_kwargs=True))
+            self._handles.append(watched.module.register_forward_pre_hook(
+                self.state.guarded(item, self._make_pre_forward(watched)), with_kwargs=True))
             self._handles.append(watched.module.register_forward_hook(
                 self.state.guarded(item, self._make_forward(watched)), with_kwargs=True))
 
@@ -121,35 +126,46 @@ class ActivationHooks:
             handle.remove()
         self._handles.clear()
         for watched in self.modules:
-            watched.open_taps.clear()
+            watched.open_calls.clear()
             watched.unrecomputed.clear()
 
-    def _call_name(self, watched: WatchedModule, micro: int) -> str:
-        step = self.state.collector.step
-        last_step, last_micro, calls = watched.calls_in_micro
-        calls = calls + 1 if (last_step, last_micro) == (step, micro) else 1
-        watched.calls_in_micro = (step, micro, calls)
-        # A module called several times in one micro-step gets one record per call.
+    def _call_name(self, watched: WatchedModule, forward_pass: tuple) -> str:
+        last_pass, calls = watched.calls_in_micro
+        calls = calls + 1 if last_pass == forward_pass else 1
+        watched.calls_in_micro = (forward_pass, calls)
+        # A module called several times in one forward pass gets one record per call.
         return watched.name if calls == 1 else f"{watched.name}#{calls - 1}"
 
-    def _make_input_tap(self, watched: WatchedModule):
+    def _target(self) -> Optional[StepCollector]:
+        """The collector of the running forward pass: the step's for training, the evaluation one (if any)
+        otherwise, None when nothing is recorded."""
+        state = self.state
+        if not state.collecting:
+            return None
+        return state.collector if state.training_forward else state.eval_collector
+
+    def _make_pre_forward(self, watched: WatchedModule):
         state = self.state
 
         def pre_hook(module, args, kwargs):
-            # One entry per call, popped by its forward hook: None where this call is not tapped.
-            if not (state.collecting and torch.is_grad_enabled()):
-                watched.open_taps.append(None)
+            # One entry per call, popped by its forward hook: None where this call is not recorded.
+            collector = self._target()
+            if collector is None:
+                watched.open_calls.append(None)
                 return None
-            target = _TapTarget(watched, max(state.forward_micro, 0), [])
-            watched.open_taps.append(target)
-            return self._tap_inputs(target, args, kwargs)
+            call = _OpenCall(collector.next_call_index())
+            watched.open_calls.append(call)
+            if self.backward and state.training_forward and torch.is_grad_enabled():
+                call.tap = _TapTarget(watched, state.micro, [])
+                return self._tap_inputs(call.tap, args, kwargs)
+            return None
 
         return pre_hook
 
     def _tap_inputs(self, target: _TapTarget, args: tuple, kwargs: dict) -> Optional[tuple]:
         """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
         places = input_places(args, kwargs)
-        inputs = _at(places, args, kwargs)
+        inputs = values_at(places, args, kwargs)
         suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, target.watched.input_grad_sel)}
         tapped, seen = [], set()
         for i, t in enumerate(inputs):
@@ -172,23 +188,26 @@ class ActivationHooks:
         state = self.state
 
         def forward_hook(module, args, kwargs, output):
-            target = watched.open_taps.pop() if watched.open_taps else None
-            if not state.collecting:
+            call = watched.open_calls.pop() if watched.open_calls else None
+            if call is None:
                 return
-            if _in_backward():  # activation checkpointing runs the forward again
-                self._hook_recomputed(watched, target, output)
+            if in_backward():  # activation checkpointing runs the forward again
+                self._hook_recomputed(watched, call.tap, output)
                 return  # its activations were recorded when it first ran
-            micro = max(state.forward_micro, 0)
-            name = self._call_name(watched, micro)
-            if self.backward and torch.is_grad_enabled():
-                if target is not None:
-                    target.name = name
+            training = state.training_forward
+            collector = state.collector if training else state.eval_collector
+            micro = state.micro if training else state.eval_pass
+            name = self._call_name(watched, (collector.step, training, micro))
+            if training and self.backward and torch.is_grad_enabled():
+                if call.tap is not None:
+                    call.tap.name = name
                 self._hook_output_grads(watched, name, micro, output)
-            elif self.backward:
-                watched.unrecomputed.append((state.collector.step, micro, name))
+            elif training and self.backward:
+                watched.unrecomputed.append((collector.step, micro, name))
             if self.forward:
-                inputs = [_root(t) for t in _at(input_places(args, kwargs), args, kwargs)]
-                self._record_activations(watched, name, micro, inputs, output)
+                inputs = [_root(t) for t in values_at(input_places(args, kwargs), args, kwargs)]
+                self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, name, micro,
+                                         call.input_index, inputs, output)
 
         return forward_hook
 
@@ -212,7 +231,7 @@ class ActivationHooks:
 
     def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
         for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):
-            if tensor.requires_grad:
+            if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
                 tensor.register_hook(functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
@@ -232,12 +251,14 @@ class ActivationHooks:
                           tuple(grad.shape), str(grad.dtype)) for leaf_name, grad in named_grads]
         collector.record(keys, [grad for _, grad in named_grads], defer=True)
 
-    def _record_activations(self, watched: WatchedModule, name: str, micro: int, inputs: list, output) -> None:
-        leaves = floating_leaves(inputs, watched.input_sel, f"{name}.input") + \
-            floating_leaves(output, watched.output_sel, f"{name}.output")
-        if not leaves:
+    def _record_activations(self, collector: StepCollector, family: str, watched: WatchedModule, name: str,
+                            micro: int, input_index: int, inputs: list, output) -> None:
+        input_leaves = floating_leaves(inputs, watched.input_sel, f"{name}.input")
+        output_leaves = floating_leaves(output, watched.output_sel, f"{name}.output")
+        if not (input_leaves or output_leaves):
             return
-        collector = self.state.collector
-        keys = [RecordKey(ACTV, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
-                          tuple(t.shape), str(t.dtype)) for leaf_name, t in leaves]
-        collector.record(keys, [t for _, t in leaves], defer=True)
+        keys = [RecordKey(family, leaf_name, watched.vpp_stage, micro, input_index, tuple(t.shape), str(t.dtype))
+                for leaf_name, t in input_leaves]
+        keys += [RecordKey(family, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
+                           tuple(t.shape), str(t.dtype)) for leaf_name, t in output_leaves]
+        collector.record(keys, [t for _, t in input_leaves + output_leaves], defer=True)

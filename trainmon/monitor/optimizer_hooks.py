@@ -2,15 +2,20 @@
 moments, bias-corrected update/ratio and grad/momentum sign agreement after it.
 
 Every `step()` of the adapter's step owner is one monitor step: the end of it closes the step. A
-torch optimizer gets step pre/post hooks; a framework's optimizer wrapper (DeepSpeed, Megatron) that
-is not a torch optimizer gets its bound `step` wrapped on the instance, which `remove()` undoes.
-The tensors come from the adapter as this rank's pieces, merged across its shard group.
+torch optimizer gets step pre/post hooks; any other object (a framework's optimizer wrapper such as
+DeepSpeed's or Megatron's, an optimizer-like object) gets its bound `step` wrapped on the instance,
+which `remove()` undoes. The tensors come from the adapter as this rank's pieces, merged across its
+shard group.
+
+What the step consumes is read when the update is about to use it: when `step(closure)` is given a
+closure (Lightning runs the last micro-batch's forward and backward, and clipping, in it), right after
+the closure's first call returns; otherwise when `step()` starts.
 """
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -27,7 +32,7 @@ logger = logging.getLogger("trainmon")
 class OptimizerHooks:
     def __init__(self, state: HookState, adapter: TrainingAdapter, params: list[WatchedParam],
                  *, reduced_grads: bool, params_before_after: bool, moments: bool, update_ratio: bool,
-                 sign_agreement: bool, end_step: Callable[[], None]):
+                 sign_agreement: bool, end_step: Callable[[], None], before_update: Sequence[Callable] = ()):
         self.state = state
         self.adapter = adapter
         self.params = params
@@ -37,6 +42,7 @@ class OptimizerHooks:
         self.update_ratio = update_ratio
         self.sign_agreement = sign_agreement
         self.end_step = end_step
+        self.before_update = tuple(before_update)
         self._handles: list = []
         self._restore = None
         self._warned_no_moments = False
@@ -44,17 +50,29 @@ class OptimizerHooks:
 
     def install(self) -> None:
         owner = self.adapter.step_owner()
-        before = self.state.guarded("optimizer step (before)", self._before_step)
-        if isinstance(owner, torch.optim.Optimizer):
-            self._handles.append(owner.register_step_pre_hook(before))
+        before = self.state.guarded("optimizer step (before)", self._before_update)
+
+        def pre_step(optimizer, args, kwargs):
+            if not self.state.collecting:
+                return None
+            closure_first = _with_closure_then(before, args, kwargs)
+            if closure_first is None:
+                before()
+            return closure_first
+
+        # torch's hook dicts exist only where Optimizer.__init__ ran (not in accelerate's wrapper, say).
+        if isinstance(owner, torch.optim.Optimizer) and hasattr(owner, "_optimizer_step_pre_hooks"):
+            self._handles.append(owner.register_step_pre_hook(pre_step))
             # The end of a step must not be skipped by a failure of the statistics after the update.
             self._handles.append(owner.register_step_post_hook(self._after_step))
             return
-        original = owner.step
+        original = getattr(owner, "step", None)
+        if not callable(original):
+            raise TypeError(f"{type(owner).__name__} has no step() method to end a monitor step")
 
         @functools.wraps(original)
         def monitored_step(*args, **kwargs):
-            before(owner, args, kwargs)
+            args, kwargs = pre_step(owner, args, kwargs) or (args, kwargs)
             try:
                 return original(*args, **kwargs)
             finally:
@@ -73,10 +91,10 @@ class OptimizerHooks:
     def _record(self, family: str, pieces: list) -> None:
         record_pieces(self.state, family, self.params, pieces, group=self.adapter.shard_group)
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        if not self.state.collecting:
-            return
+    def _before_update(self) -> None:
         self.state.collector.flush_pending()  # release the held activations before the update
+        for callback in self.before_update:
+            callback()
         if self.reduced_grads or self.sign_agreement:
             grads = self.adapter.reduced_grads(self.params)
             if self.reduced_grads:
@@ -120,6 +138,31 @@ class OptimizerHooks:
             self._record(MG_DIRECTION, [(sign == torch.sign(p.exp_avg)).float()
                                         if p is not None and sign is not None else None
                                         for p, sign in zip(pieces, signs)])
+
+
+def _with_closure_then(callback: Callable[[], None], args: tuple, kwargs: dict) -> Optional[tuple]:
+    """(args, kwargs) of a `step(closure)` call with the closure replaced by one that runs `callback` after
+    its first call returns; None when the call has no closure."""
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": _then(kwargs["closure"], callback)}
+    if args and callable(args[0]):
+        return (_then(args[0], callback),) + tuple(args[1:]), kwargs
+    return None
+
+
+def _then(closure: Callable, callback: Callable[[], None]) -> Callable:
+    called = False
+
+    @functools.wraps(closure)
+    def closure_then_callback(*args, **kwargs):
+        nonlocal called
+        result = closure(*args, **kwargs)
+        if not called:  # an optimizer that re-evaluates (LBFGS) consumes the first call's grads first
+            called = True
+            callback()
+        return result
+
+    return closure_then_callback
 
 
 def _adam_update_and_ratio(piece: AdamPiece):

@@ -11,6 +11,9 @@ N_FIELDS = 8  # see stats.FIELDS
 # Families, in the order msprobe writes them. The value is the CSV file prefix.
 ACTV = "actv"
 ACTV_GRAD = "actv_grad"
+# Module inputs/outputs of evaluation forwards (`eval_xy_distribution`); micro_step numbers the evaluation
+# pass, and step is the last optimizer step applied before it.
+ACTV_EVAL = "actv_eval"
 GRAD_UNREDUCED = "grad_unreduced"
 GRAD_REDUCED = "grad_reduced"
 PARAM_ORIGIN = "param_origin"
@@ -25,14 +28,15 @@ MG_DIRECTION = "mg_direction"
 # trainmon.monitor.collective_ops.parse_comm_name.
 COMM = "comm"
 
-FAMILIES = (ACTV, ACTV_GRAD, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, PARAM_UPDATED,
+FAMILIES = (ACTV, ACTV_GRAD, ACTV_EVAL, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, PARAM_UPDATED,
             EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION, COMM)
-ACTIVATION_FAMILIES = frozenset({ACTV, ACTV_GRAD})
+ACTIVATION_FAMILIES = frozenset({ACTV, ACTV_GRAD, ACTV_EVAL})
 
 # Phase of training in which a family's tensors are produced (used to name where a fault appeared).
 PHASES = {
     ACTV: "forward",
     ACTV_GRAD: "backward",
+    ACTV_EVAL: "evaluation",
     GRAD_UNREDUCED: "backward",
     GRAD_REDUCED: "optimizer",
     PARAM_ORIGIN: "optimizer",

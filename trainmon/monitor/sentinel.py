@@ -17,10 +17,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from trainmon.anomaly.dump import DumpRequest, capture
+from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
-from trainmon.monitor.tensor_select import floating_leaves
+from trainmon.monitor.tensor_select import floating_leaves, input_places, values_at
 
 _INITIAL_SLOTS = 1024
 
@@ -86,7 +87,9 @@ class _GradConsumer:
 class NanSentinel:
     """Installs the sentinel's hooks; `close_step()` adds the step's probes to the collector.
 
-    Forward: every module's floating outputs are probed. Backward: the grad of every floating module
+    Only training forwards are probed (see `forward_passes`). Forward: the model's floating inputs, before
+    any module runs (a NaN that came with the batch is first there), and every module's floating outputs
+    are probed. Backward: the grad of every floating module
     input is probed once, by a hook on the input tensor, and named `<module>.input[_i]` after the
     innermost module that took the tensor (it is that module's grad_input, i.e. what its backward
     computed; a fault injected by a full backward hook is seen too). A chunk's root also probes the
@@ -126,7 +129,7 @@ class NanSentinel:
         for name, module, vpp in self.modules:
             item = f"NaN sentinel on {name or '<root>'}"
             self._handles.append(module.register_forward_pre_hook(
-                self.state.guarded(item, self._make_pre_forward(name, vpp))))
+                self.state.guarded(item, self._make_pre_forward(name, vpp)), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 self.state.guarded(item, self._make_forward(name, vpp))))
 
@@ -160,14 +163,19 @@ class NanSentinel:
     def _make_pre_forward(self, name: str, vpp: int):
         state = self.state
 
-        def pre_forward_hook(module, args):
+        def pre_forward_hook(module, args, kwargs):
+            if not state.training_forward or in_backward():
+                return
             if self._dump is not None:
                 self._dump.saw(name, "input", args, start=len(self.slots.keys) if name == "" else None)
+            micro = state.micro
+            inputs = floating_leaves(values_at(input_places(args, kwargs), args, kwargs), None, f"{name}.input")
+            if name == "":
+                self._probe(ACTV, [(n, t) for n, t in inputs if self._first_sight(t)], vpp, micro)
             if not torch.is_grad_enabled():
                 return
-            micro = max(state.forward_micro, 0)
-            for leaf_name, tensor in floating_leaves(args, None, f"{name}.input"):
-                if tensor.requires_grad:
+            for leaf_name, tensor in inputs:
+                if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
                     self._watch_grad(tensor, leaf_name, vpp, micro)
 
         return pre_forward_hook
@@ -190,7 +198,9 @@ class NanSentinel:
         state = self.state
 
         def forward_hook(module, args, output):
-            micro = max(state.forward_micro, 0)
+            if not state.training_forward or in_backward():
+                return
+            micro = state.micro
             leaves = floating_leaves(output, None, f"{name}.output")
             self._probe(ACTV, [(n, t) for n, t in leaves if self._first_sight(t)], vpp, micro)
             if self._dump is not None:
@@ -199,7 +209,7 @@ class NanSentinel:
                     self._dump.check(self.slots, state.collector.step, micro)
             if name == "" and torch.is_grad_enabled():
                 for leaf_name, tensor in leaves:
-                    if tensor.requires_grad:
+                    if tensor.grad_fn is not None:
                         self._watch_grad(tensor, leaf_name, vpp, micro)
 
         return forward_hook

@@ -40,3 +40,8 @@ def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
     """
     return ([(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
             + [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad])
+
+
+def values_at(places: list[tuple[bool, object]], args: tuple, kwargs: dict) -> list:
+    """The values at `input_places` of a call."""
+    return [args[key] if positional else kwargs[key] for positional, key in places]

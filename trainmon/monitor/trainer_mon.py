@@ -14,6 +14,7 @@ from trainmon.monitor import stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
+from trainmon.monitor.forward_passes import ForwardPasses
 from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH,
                                        TrainingAdapter, select_adapter)
 from trainmon.monitor.adapters.base import group_coordinates
@@ -79,6 +80,7 @@ class TrainerMon:
         self._grad_acc_steps = 1
         self._anomalies: Optional[AnomalyProcessor] = None
         self._sentinel: Optional[NanSentinel] = None
+        self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
 
@@ -87,17 +89,36 @@ class TrainerMon:
                     start_iteration: int = 0) -> "TrainerMon":
         """Installs the hooks on `model` (a module, or a list of virtual-pipeline chunks) and `optimizer`.
 
+        Monitoring never takes training down: a failure here that is not the caller's error (an optimizer
+        or model of a kind nobody foresaw) is logged once, saying what is not collected, and training goes
+        on with less monitoring or none (`strict` re-raises it).
+
         Args:
             model: the module, or a list of modules for virtual pipeline chunks (names get `<i>:`).
-            optimizer: the optimizer whose `step()` ends a monitor step.
+            optimizer: the optimizer whose `step()` ends a monitor step; wrappers of accelerate and
+                Lightning are taken off (see `adapters.unwrap`).
             grad_acc_steps: micro-batches per optimizer step.
             tp_group, dp_group: tensor- and data-parallel groups (used by distributed adapters).
             start_iteration: the step number of the first step (a resumed job).
+
+        Raises:
+            ValueError: no optimizer was given.
         """
         if optimizer is None:
             raise ValueError("set_monitor needs the optimizer: every optimizer.step() is one monitor step")
         if self._state is not None:
             raise RuntimeError("set_monitor was already called on this TrainerMon; call stop() first")
+        try:
+            self._set_up(model, optimizer, grad_acc_steps, start_iteration, tp_group=tp_group, dp_group=dp_group)
+        except Exception as err:
+            if self.config.strict:
+                raise
+            logger.error("trainmon: set-up failed on %s / %s (%s: %s); monitoring is off, training continues",
+                         type(model).__name__, type(optimizer).__name__, type(err).__name__, err, exc_info=True)
+            self.stop()
+        return self
+
+    def _set_up(self, model, optimizer, grad_acc_steps: int, start_iteration: int, **groups) -> None:
         self._chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self._optimizer = optimizer
         self._adapter = select_adapter(self._chunks, optimizer)
@@ -108,7 +129,7 @@ class TrainerMon:
         self._metadata = run_metadata(
             dataclasses.asdict(self.config), self.rank, self.world_size,
             {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration,
-             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, tp=tp_group, dp=dp_group)})
+             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, **groups)})
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_json(self.output_dir / "run.json", self._metadata)
@@ -127,7 +148,6 @@ class TrainerMon:
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
         self._sigterm.install()
-        return self
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
@@ -175,6 +195,10 @@ class TrainerMon:
                 config.alert.action, self._adapter.step_owner(), step_of=lambda: self.step, end_step=self._end_step,
                 evidence=lambda: [state.collector.any_nonfinite(), self._sentinel and self._sentinel.any_nonfinite()],
                 drain=self._writer.drain, processor=self._anomalies))
+        self._eval_collector = None
+        if config.eval_xy_distribution and config.xy_distribution and writes:
+            self._eval_collector = StepCollector(config.eps, config.ops, self.rank, self._adapter.pp_stage(),
+                                                 batch_bytes=config.stats_batch_mb << 20)
         if config.xy_distribution and writes:  # activations are never merged across ranks
             modules = watched_modules(self._chunks, config)
             for watched in modules:
@@ -184,6 +208,7 @@ class TrainerMon:
             if config.stack_info:
                 self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
                 self._hooks.append(self._stacks)
+        before_update = []
         if config.wg_distribution:
             mode = self._unreduced_mode(config)
             if mode in (ADAPTER, ADAPTER_PER_MICRO_BATCH):
@@ -192,12 +217,15 @@ class TrainerMon:
             elif mode == NOT_RECORDED:
                 logger.warning("trainmon: grad_unreduced is not recorded with the %s adapter", self._adapter.name)
             else:
-                self._hooks.append(GradHooks(state, params, mode))
+                grad_hooks = GradHooks(state, params, mode)
+                before_update.append(grad_hooks.at_update)
+                self._hooks.append(grad_hooks)
         self._hooks.append(OptimizerHooks(
             state, self._adapter, params, reduced_grads=config.wg_distribution,
             params_before_after=config.param_distribution, moments=config.mv_distribution,
-            update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step))
-        self._hooks.append(_MicroStepCounter(state, self._chunks[0]))
+            update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step,
+            before_update=before_update))
+        self._hooks.append(ForwardPasses(state, self._chunks[0]))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
@@ -206,11 +234,33 @@ class TrainerMon:
         elif cc.enable:
             logger.warning("trainmon: cc_distribution is on but torch.distributed is not initialised: "
                            "no collectives to record")
-        for hooks in self._hooks:
-            hooks.install()
+        self._install_each()
         if config.print_struct:
             write_json(self.output_dir / "module_struct.json", module_structure(self._chunks))
         state.start_step(self.step, self._schedule.wants(self.step))
+
+    def _install_each(self) -> None:
+        """Installs every group of hooks; a group that fails is logged, removed and left out, except the
+        ones that define steps and micro-steps, without which nothing can be recorded (set_monitor then
+        turns monitoring off)."""
+        installed = []
+        for hooks in self._hooks:
+            try:
+                hooks.install()
+            except Exception as err:
+                if self.config.strict or isinstance(hooks, (OptimizerHooks, ForwardPasses)):
+                    raise
+                logger.error("trainmon: %s could not be installed (%s: %s) and is not collected; training "
+                             "continues", _WHAT_HOOKS_COLLECT.get(type(hooks), type(hooks).__name__),
+                             type(err).__name__, err)
+                try:
+                    hooks.remove()
+                except Exception:
+                    logger.debug("trainmon: removing the partly installed %s failed", type(hooks).__name__,
+                                 exc_info=True)
+                continue
+            installed.append(hooks)
+        self._hooks = installed
 
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
@@ -247,10 +297,15 @@ class TrainerMon:
             self._schedule.mark_collected()
         if self._sentinel is not None:
             self._sentinel.close_step()
+        self._ship_evaluation()
         if not state.collector.empty:
             batch = state.collector.finish_step()
             if self._writes_records(self.config):
                 self._writer.put(batch)
+        if self._eval_collector is not None:
+            # Evaluation forwards from now on see the weights this step produced: they carry its number.
+            self._eval_collector.step = self.step
+            state.eval_collector = self._eval_collector
         if self._stacks is not None:
             self._stacks.step_finished(collected)
         if self._comm is not None:
@@ -263,12 +318,22 @@ class TrainerMon:
                 return
         state.start_step(self.step, self._schedule.wants(self.step))
 
+    def _ship_evaluation(self) -> None:
+        """Writes the records of the evaluation forwards since the last optimizer step."""
+        if self._eval_collector is not None and not self._eval_collector.empty:
+            self._writer.put(self._eval_collector.finish_step())
+
     def _apply_dynamic(self, config: MonitorConfig) -> None:
         logger.info("trainmon: config changed; monitoring is %s from step %s",
                     "on" if config.dynamic_on else "off", self.step)
         self._remove()
         self.config = config
         self._install(config)
+
+    @property
+    def active(self) -> bool:
+        """Whether monitoring is installed (set_monitor succeeded and stop() was not called)."""
+        return self._state is not None
 
     def log_scalar(self, name: str, value, step: Optional[int] = None) -> None:
         """Records a training scalar (loss, lr, grad norm) with the current (or given) step.
@@ -312,6 +377,8 @@ class TrainerMon:
             # An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes.
             self._sentinel.close_step()
         self._remove()
+        if self._writer is not None and not self._writer.closed:
+            self._ship_evaluation()
         if self._state is not None and not self._state.collector.empty:
             self._writer.put(self._state.collector.finish_step())
         if self._sigterm is not None:
@@ -352,6 +419,17 @@ class TrainerMon:
         self.stop()
 
 
+_WHAT_HOOKS_COLLECT = {
+    ActivationHooks: "activations (actv, actv_grad)",
+    GradHooks: "unreduced weight grads (grad_unreduced)",
+    AdapterGradCapture: "unreduced weight grads (grad_unreduced)",
+    NanSentinel: "the NaN sentinel",
+    CollectiveMonitor: "collectives (comm)",
+    StackRecorder: "call stacks (stack_info)",
+    StepGate: "the alert action",
+}
+
+
 def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
     """This rank's parallel coordinates from the adapter, plus {rank, size, ranks} of groups given to set_monitor."""
     out = adapter.describe()
@@ -360,23 +438,3 @@ def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
         if running and group is not None:
             out[name] = group_coordinates(group)
     return out
-
-
-class _MicroStepCounter:
-    """Counts forward micro-batches: every call of the (first) model chunk starts one."""
-
-    def __init__(self, state: HookState, root: torch.nn.Module):
-        self.state = state
-        self.root = root
-        self._handle = None
-
-    def install(self) -> None:
-        def pre_hook(module, args):
-            self.state.forward_micro += 1
-
-        self._handle = self.root.register_forward_pre_hook(pre_hook)
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None

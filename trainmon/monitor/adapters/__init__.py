@@ -17,13 +17,19 @@ __all__ = ["ACCUMULATED", "ADAPTER", "ADAPTER_PER_MICRO_BATCH", "NOT_RECORDED", 
 def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:
     """The adapter for these model chunks and this optimizer; logs which one it is and why.
 
-    Raises:
-        ValueError: the optimizer is of a kind no adapter understands.
+    Optimizer wrappers of training loops (accelerate, Lightning) are taken off first. An optimizer of a
+    kind no adapter knows is monitored as a plain one: its `step()` ends a step, weights and grads are
+    read from the model, and Adam moments only where it keeps them as torch optimizers do.
     """
     from trainmon.monitor.adapters.deepspeed import DeepSpeedAdapter, is_deepspeed_optimizer
 
     from trainmon.monitor.adapters.megatron import MegatronAdapter, is_megatron_optimizer
+    from trainmon.monitor.adapters.unwrap import unwrap_optimizer
 
+    optimizer, wrappers = unwrap_optimizer(optimizer)
+    if wrappers:
+        logger.info("trainmon: the optimizer step is %s.step(), inside %s", type(optimizer).__name__,
+                    " > ".join(wrappers))
     if is_deepspeed_optimizer(optimizer):
         adapter = DeepSpeedAdapter(optimizer)
         reason = f"the optimizer is DeepSpeed's {type(optimizer).__name__}"
@@ -46,8 +52,8 @@ def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:
             adapter = PlainAdapter(optimizer)
             reason = f"a torch optimizer ({type(optimizer).__name__}) on a plain module"
     else:
-        raise ValueError(f"set_monitor: no adapter for an optimizer of type {type(optimizer).__module__}."
-                         f"{type(optimizer).__name__}; pass a torch.optim.Optimizer, Megatron-Core's "
-                         "get_megatron_optimizer() result or the optimizer that deepspeed.initialize returned")
+        adapter = PlainAdapter(optimizer)
+        reason = (f"{type(optimizer).__module__}.{type(optimizer).__name__} is no optimizer trainmon knows: its "
+                  "step() ends a step, weights and grads are read from the model")
     logger.info("trainmon: %s adapter (%s); unreduced grads: %s", adapter.name, reason, adapter.unreduced_capture)
     return adapter

@@ -18,6 +18,7 @@ core merges the pieces' records across it (see `shard_merge`), never the tensors
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -105,7 +106,8 @@ class PlainAdapter:
     """Plain PyTorch: whole tensors on every rank (single process, or replicated weights and grads).
 
     Args:
-        optimizer: a torch optimizer keeping per-parameter state.
+        optimizer: a torch optimizer keeping per-parameter state, or any object with a `step()`: Adam
+            moments are read where it keeps them as torch optimizers do (`state`, `param_groups`).
         unreduced_capture: how the core captures unreduced grads.
     """
 
@@ -125,7 +127,8 @@ class PlainAdapter:
         return name
 
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
-        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        groups = getattr(self.optimizer, "param_groups", None) or ()
+        self._group_of = {id(p): g for g in groups for p in g.get("params", ())}
         return params
 
     def install_unreduced(self, params, record) -> None:
@@ -144,9 +147,12 @@ class PlainAdapter:
         return [w.param.detach() for w in params]
 
     def adam_pieces(self, params):
+        states = getattr(self.optimizer, "state", None)
+        if not isinstance(states, Mapping):
+            return [None] * len(params)
         out = []
         for w in params:
-            state = self.optimizer.state.get(w.param, {})
+            state = states.get(w.param, {})
             if "exp_avg" not in state:
                 out.append(None)
                 continue

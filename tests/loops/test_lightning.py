@@ -1,0 +1,84 @@
+"""Lightning's Trainer with trainmon's callback: automatic optimization with accumulation, clipping, a sanity
+check and validation; and manual optimization."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from loops.harness import CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected, samples  # noqa: E402
+from trainmon.integrations.lightning import TrainmonCallback  # noqa: E402
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, manual: bool = False):
+        super().__init__()
+        self.net = TinyRegressor()
+        self.automatic_optimization = not manual
+
+    def forward(self, x, labels):
+        return self.net(x, labels)["loss"]
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch["x"], batch["labels"])
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0)
+        optimizer.step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self(batch["x"], batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ProbeCallback(pl.Callback):
+    """Puts the probe's step hook on the torch optimizer, before trainmon attaches."""
+
+    def __init__(self, probe: LoopProbe):
+        self.probe = probe
+
+    def on_fit_start(self, trainer, pl_module):
+        self.probe.attach(trainer.optimizers[0])
+
+
+def run(write_config, manual=False, inject=None):
+    torch.manual_seed(0)
+    module = Regression(manual)
+    probe = LoopProbe(module, inject=inject)
+    loader = torch.utils.data.DataLoader(samples(18), batch_size=2)
+    validation = torch.utils.data.DataLoader(samples(6, seed=1), batch_size=2)
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=2,
+                         accumulate_grad_batches=1 if manual else 2, gradient_clip_val=None if manual else 1.0,
+                         callbacks=[ProbeCallback(probe), TrainmonCallback(write_config(**CONFIG))])
+    trainer.fit(module, loader, validation)
+    return probe
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning():
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+
+def test_automatic_optimization_with_accumulation_clipping_and_validation(output_dir, write_config):
+    probe = run(write_config)
+    check_healthy(output_dir, probe)  # 9 batches an epoch, accumulation 2: each epoch ends on a 1-batch step
+
+
+def test_manual_optimization(output_dir, write_config):
+    probe = run(write_config, manual=True)
+    check_healthy(output_dir, probe, short_last_step=False)
+
+
+def test_injected_inf(output_dir, write_config, capsys):
+    run(write_config, inject="net.hidden")
+    check_injected(output_dir, "net.hidden", capsys)

@@ -463,3 +463,48 @@ def test_activation_checkpointing_records_each_call_once_with_its_grads(output_d
         assert not any("#" in name for name in checkpointed.index.get_level_values("name"))
         pd.testing.assert_frame_equal(checkpointed, plain, rtol=1e-6)
     assert "blocks.1.0.input" in set(frames[reentrant]["actv_grad"].index.get_level_values("name"))
+
+
+class BiasReturningLinear(torch.nn.Module):
+    """Returns its bias Parameter beside the output, as Megatron's parallel linear layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return x @ self.weight.t(), self.bias
+
+
+class BiasReturningModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = BiasReturningLinear()
+
+    def forward(self, x):
+        out, bias = self.fc(x)
+        return (out + bias).square().mean()
+
+
+def _live_tensor_hooks(model) -> int:
+    return sum(len(p._backward_hooks or {}) for p in model.parameters())
+
+
+def test_no_hook_is_left_on_parameters_a_module_returns(output_dir, write_config):
+    torch.manual_seed(0)
+    model = BiasReturningModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, sentinel=True, ops=OPS))
+    monitor.set_monitor(model, optimizer=optimizer)
+    x = torch.randn(4, 8)
+    for _ in range(30):
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert _live_tensor_hooks(model) == 0
+    monitor.stop()
+    per_step = read_family(monitor.output_dir, "actv_grad").groupby("step").size()
+    assert per_step.nunique() == 1 and len(per_step) == 30, per_step.value_counts()
+    assert _live_tensor_hooks(model) == 0
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -98,6 +98,8 @@ def test_nan_in_the_input_batch_is_named_as_the_model_input(output_dir, write_co
     records = [json.loads(line) for line in open(rank_dir_of(output_dir) / "anomalies.jsonl")]
     first = min((r for r in records if r["first"]), key=lambda r: r["step"])
     assert {k: first[k] for k in expected} == expected, first
+    assert "came in with the input batch" in next(r.getMessage() for r in caplog.records if "anomaly at" in
+                                                  r.getMessage())
     capsys.readouterr()
     assert cli_main(["nan-analyze", str(output_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

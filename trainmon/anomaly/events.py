@@ -85,8 +85,9 @@ class AnomalyEvent:
     def describe(self) -> str:
         micro = "" if self.micro_step is None else f" micro-step {self.micro_step}"
         call = "" if self.call_index is None else f", call {self.call_index}"
+        origin = f" - {INPUT_BATCH_ORIGIN}" if came_with_input_batch(self.where()) else ""
         return (f"rank {self.rank} step {self.step}{micro}: {self.module or '<root>'} {self.phase} "
-                f"{self.tensor} ({self.rule}: {self.op}={_show(self.value)}{call})")
+                f"{self.tensor} ({self.rule}: {self.op}={_show(self.value)}{call}){origin}")
 
     def to_json(self) -> dict:
         """A JSON-safe dict; NaN and ±Inf values are written as the strings "nan", "inf", "-inf"."""
@@ -116,6 +117,14 @@ class AnomalyEvent:
 _FIELD_TYPES = {"rank": int, "step": int, "micro_step": (int, type(None)), "pp_stage": int, "vpp_stage": int,
                 "call_index": (int, type(None)), "module": str, "phase": str, "tensor": str, "op": str,
                 "rule": str, "family": str}
+
+
+INPUT_BATCH_ORIGIN = "it came in with the input batch: no module produced it (look at the data)"
+
+
+def came_with_input_batch(where: dict) -> bool:
+    """Whether a place (`AnomalyEvent.where()`) is the model's own input in forward: a value no module made."""
+    return where["module"] == "" and where["phase"] == "forward" and where["tensor"].startswith("input")
 
 
 def _show(value: float) -> str:

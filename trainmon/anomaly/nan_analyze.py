@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainmon.anomaly.cross_rank import attribute, format_chain
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events
 
@@ -125,6 +125,8 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
         lines.append("clean: no NaN or Inf in any record of this run")
         return "\n".join(lines)
     lines.append(f"first non-finite tensor: {_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
+    if came_with_input_batch(first):
+        lines.append(f"  {INPUT_BATCH_ORIGIN}")
     if result["ties"]:
         lines.append("also non-finite at the same step and micro-step (order across ranks unknown):")
         lines += [f"  {_place(t)}" for t in result["ties"]]

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainmon.monitor import stats
+from trainmon.monitor.accelerator import copy_done_event
 from trainmon.monitor.records import RecordKey, StepBatch
 
 logger = logging.getLogger("trainmon")
@@ -187,12 +188,10 @@ class StepCollector:
 
 
 def _to_host(flat: torch.Tensor):
-    """The step's one device→host copy; non-blocking into pinned memory on accelerators."""
-    on_accelerator = flat.device.type != "cpu"
-    host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=on_accelerator)
-    host.copy_(flat, non_blocking=on_accelerator)
-    ready = None
-    if flat.device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()
-    return host, ready
+    """The step's one device→host copy: on an accelerator, into pinned memory without blocking, with an
+    event the writer waits on before reading (StepBatch.wait); on the CPU the copy is done when it returns."""
+    if flat.device.type == "cpu":
+        return flat.clone(), None
+    host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    return host, copy_done_event(flat.device)

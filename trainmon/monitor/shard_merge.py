@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainmon.monitor import stats
+from trainmon.monitor.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
 from trainmon.monitor.records import RecordKey
@@ -71,7 +72,8 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
         return
     if not params:
         return
-    device = next((t.device for t in pieces if t is not None), _group_device(group))
+    # Every rank gathers on the device the group's backend needs, whether or not it holds pieces.
+    device = collective_device(group)
     rows = piece_records(state, pieces, device)
     ranks = dist.get_world_size(group)
     # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
@@ -90,10 +92,3 @@ def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordK
     dtype = piece.dtype if piece is not None else watched.param.dtype
     return RecordKey(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
                      tuple(shape), str(dtype))
-
-
-def _group_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -114,7 +114,8 @@ def test_on_the_cpu_the_copy_is_done_at_once():
 # -------------------------------------------------------------------------------- the record collective
 @pytest.fixture
 def plugins(monkeypatch):
-    """The registry as device plugins leave it: torch_npu registers hccl for npu, Habana hccl for hpu."""
+    """The registry as `dist.Backend.register_backend(..., devices=[...])` leaves it: torch_npu registers
+    hccl for npu, Habana's plugin hccl for hpu."""
 
     def register(backend: str, device_type: str):
         monkeypatch.setitem(dist.Backend.default_device_backend_map, device_type, backend)
@@ -169,10 +170,9 @@ def test_hccl_without_its_plugin_is_not_guessed():
 
 def test_collective_device_reads_the_groups_backend_and_device_types(monkeypatch):
     class Group:
-        _device_types = [torch.device("cuda"), torch.device("cpu")]
+        def __init__(self, backend, device_types):
+            self.backend, self._device_types = backend, device_types
 
-    monkeypatch.setattr(dist, "get_backend", lambda group: {"a": "nccl", "b": "gloo"}[group.name])
-    nccl, gloo = Group(), Group()
-    nccl.name, gloo.name = "a", "b"
-    assert collective_device(nccl) == torch.device("cuda")
-    assert collective_device(gloo) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group: group.backend)
+    assert collective_device(Group("nccl", [torch.device("cuda")])) == torch.device("cuda")
+    assert collective_device(Group("gloo", [torch.device("cuda"), torch.device("cpu")])) == torch.device("cpu")

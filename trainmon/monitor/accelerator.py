@@ -31,20 +31,19 @@ def collective_device_type(backend: str, device_types=None) -> str:
             backend per device type ("cpu:gloo,cuda:nccl").
         device_types: the device types the group has backends for (`group._device_types`), when known.
 
-    An accelerator whose own backend (the one torch's registry names for it) the group runs wins, since
-    that is the fast path and the records are on it already; gloo's CUDA support or MPI's do not count.
-    Else the CPU.
+    A backend that cannot take CPU tensors (nccl, xccl, hccl: torch's registry says which) needs its own
+    device. Where every backend of the group takes CPU tensors (gloo, mpi, ucc, also for CUDA tensors),
+    the CPU is the one device they all handle.
     """
     if ":" in backend:
         by_device = dict(pair.split(":", 1) for pair in backend.split(","))
     else:
         types = device_types or dist.Backend.backend_capability.get(backend, ["cpu"])
         by_device = {getattr(t, "type", t): backend for t in types}
-    native = dist.Backend.default_device_backend_map
     for device_type, name in by_device.items():
-        if device_type != "cpu" and native.get(device_type) == name:
+        if device_type != "cpu" and "cpu" not in dist.Backend.backend_capability.get(name, ()):
             return device_type
-    return "cpu" if "cpu" in by_device or not by_device else next(iter(by_device))
+    return "cpu" if "cpu" in by_device else next(iter(by_device))
 
 
 def collective_device(group) -> torch.device:

@@ -22,7 +22,8 @@ class StepCollector:
     cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
     small enough to be reduced while still in the last-level cache, and held tensors keep the
     allocator from reusing their memory for the rest of the step, so larger batches cost more. A
-    tensor object seen twice in a step (a module's output is the next module's input) is reduced once.
+    tensor object seen twice in a step (a module's output is the next module's input) is reduced once;
+    only activations get that reuse (see `record`).
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
     its later values; that record is dropped instead, reported once, and its name is reduced at
@@ -62,46 +63,48 @@ class StepCollector:
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
-        """Records `tensors` (one per key); a tensor object already reduced this step, unchanged since
-        (same version), reuses its record instead of being read again.
+        """Records `tensors` (one per key).
 
-        Without `defer` the new records are computed now, in one batch (use it for tensors that
-        change right after, like weights around an update). With `defer` the tensors may be held
-        until the pending batch is reduced.
+        Without `defer` the tensors are read now, in one batch. That is for weights, grads, optimizer
+        state and collectives' buffers, read where the framework has just changed them, often through
+        `.data` or a collective, neither of which bumps `_version` (DeepSpeed all-reduces grads through
+        `.grad.data`): an earlier record of the same object says nothing about its values now.
+
+        With `defer` (activations and their grads, which frameworks change in place by ordinary ops,
+        which bump `_version`) the tensors may be held until the pending batch is reduced, and a tensor
+        object already recorded with `defer` this step and unchanged since (same version) reuses that
+        record instead of being read again.
         """
         if not tensors:
             return
-        fresh: list[tuple[RecordKey, torch.Tensor]] = []
+        if not defer:
+            self._reduce_now(list(zip(keys, tensors)))
+            return
         for key, tensor in zip(keys, tensors):
             cached = self._seen.get(id(tensor))
             if cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
                 self._reuse(key, cached[2])
+            elif key.name in self._eager_names:
+                self._remember(tensor, self._reduce_now([(key, tensor)]))
             else:
-                fresh.append((key, tensor))
-        if not defer:
-            self._reduce_now(fresh)
-            return
-        for key, tensor in fresh:
-            if key.name in self._eager_names:
-                self._reduce_now([(key, tensor)])
-                continue
-            slot = len(self._pending_tensors)
-            self._pending_tensors.append(tensor)
-            self._pending_versions.append(tensor._version)
-            self._pending_keys.append(key)
-            self._pending_slots.append(slot)
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
-            self._pending_bytes += tensor.numel() * tensor.element_size()
+                slot = len(self._pending_tensors)
+                self._pending_tensors.append(tensor)
+                self._pending_versions.append(tensor._version)
+                self._pending_keys.append(key)
+                self._pending_slots.append(slot)
+                self._remember(tensor, slot)
+                self._pending_bytes += tensor.numel() * tensor.element_size()
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
 
-    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
-        if not items:
-            return
+    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> torch.Tensor:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
         self._add([k for k, _ in items], rows)
-        for i, (_, tensor) in enumerate(items):
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[i:i + 1])
+        return rows
+
+    def _remember(self, tensor: torch.Tensor, source) -> None:
+        """Lets a deferred tensor's later records this step share `source`: its pending slot or its row."""
+        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
 
     def _reuse(self, key: RecordKey, source) -> None:
         if isinstance(source, int):  # still pending: share its slot
@@ -119,7 +122,7 @@ class StepCollector:
         rows = stats.tensor_records(tensors, self.eps, self.fields)
         for slot, tensor in enumerate(tensors):
             if slot not in modified:
-                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[slot:slot + 1])
+                self._remember(tensor, rows[slot:slot + 1])
         kept = [i for i, slot in enumerate(slots) if slot not in modified]
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])

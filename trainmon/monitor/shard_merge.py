@@ -60,10 +60,6 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
     records written are the merged ones of the full parameters.
     """
     collector = state.collector
-    # Framework pieces can be views of leaves that require grad (ZeRO's flat fp32 partition). Others stay
-    # the same objects, so a tensor recorded earlier in the step (a grad before and after a no-op
-    # reduction) is not read twice.
-    pieces = [t.detach() if t is not None and t.requires_grad else t for t in pieces]
     if group is None or dist.get_world_size(group) == 1:
         kept = [(w, t) for w, t in zip(params, pieces) if t is not None]
         if kept:

@@ -76,8 +76,10 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
     gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=device)
     with not_monitored():  # trainmon's own collective is not part of the training's communication
         dist.all_gather_into_tensor(gathered, rows, group=group)
-    # A rank that holds no piece of a parameter labels it with the dtype of the pieces it does hold
-    # (one family's pieces share a dtype: fp32 main params, fp32 moments), so every rank writes the same.
+    # A rank that holds nothing of a parameter (not even an empty piece, see adapters.base) labels it with
+    # the dtype of the pieces it does hold (one family's pieces share a dtype: fp32 main params, fp32
+    # moments), so every rank writes the same. Only a rank holding nothing of any of them falls back to the
+    # parameter's dtype.
     some = next((t for t in pieces if t is not None), None)
     keys = [_key(collector, family, w, t if t is not None else some, micro) for w, t in zip(params, pieces)]
     collector.record_rows(keys, merge_gathered(gathered.view(ranks, *rows.shape)))

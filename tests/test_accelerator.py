@@ -162,8 +162,8 @@ def test_hccl_needs_the_device_its_plugin_registered(plugins, device_type):
     assert collective_device_type(f"cpu:gloo,{device_type}:hccl", None) == device_type
 
 
-def test_hccl_without_its_plugin_is_not_guessed():
-    """Before `import torch_npu` nothing says which device hccl drives; a group's own device types do."""
+def test_hccl_before_its_plugin_registers_follows_the_groups_device_types():
+    """Before `import torch_npu` the registry says nothing of hccl; a group's own device types still do."""
     assert collective_device_type("hccl", None) == "cpu"
     assert collective_device_type("hccl", ["npu"]) == "npu"
 

@@ -105,6 +105,30 @@ def test_figures_equal_direct_torch_computations(output_dir, write_config):
             assert_ops_close(row, reference_ops(tensor), OPS, context=f"{name} step {step} micro {micro}")
 
 
+def test_grads_changed_through_data_are_read_again_at_the_step(output_dir, write_config):
+    """A framework that reduces grads through `.grad.data` (DeepSpeed ZeRO-0 averages them so) leaves their
+    `_version` as it was: grad_reduced still shows what the optimizer consumes."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(wg_distribution=True, ops=OPS, format="csv", ndigits=17))
+    monitor.set_monitor(model, optimizer=optimizer)
+    consumed = {}
+
+    def reduce_through_data(step):
+        for name, p in model.named_parameters():
+            p.grad.data.mul_(0.5)
+            consumed[(name, step)] = reference_ops(p.grad)
+
+    run_steps(model, optimizer, 2, on_step=reduce_through_data)
+    monitor.stop()
+    reduced = read_family(monitor.output_dir, "grad_reduced")
+    unreduced = read_family(monitor.output_dir, "grad_unreduced").set_index(["name", "step"]).norm
+    assert len(reduced) == len(consumed)
+    for row in reduced.to_dict("records"):
+        assert_ops_close(row, consumed[(row["name"], row["step"])], OPS, context=f"{row['name']} {row['step']}")
+        assert row["norm"] == pytest.approx(unreduced[(row["name"], row["step"])] / 2, rel=1e-6)
+
+
 def test_per_micro_batch_grad_is_each_micro_batch_contribution(output_dir, write_config):
     ga = 3
     monitor, _ = monitored_run(write_config, steps=2, grad_acc_steps=ga, monitor_mbs_grad=True,

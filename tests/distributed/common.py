@@ -71,6 +71,21 @@ class Truth:
             json.dump(self.data, f)
 
 
+class LocalGrads:
+    """This rank's own grads of each step, from its data alone ({(step, name): tensor}, summed over the
+    step's micro-batches), saved with torch so that a test can average them across ranks itself."""
+
+    def __init__(self):
+        self.grads: dict = {}
+
+    def add(self, step: int, name: str, grad) -> None:
+        earlier = self.grads.get((step, name))
+        self.grads[(step, name)] = grad.detach().clone() if earlier is None else earlier + grad
+
+    def write(self, out_dir: str, rank: int) -> None:
+        torch.save(self.grads, os.path.join(out_dir, f"local_grads.rank{rank}.pt"))
+
+
 def finish(monitor, out_dir: str = None, patched_objects=()) -> None:
     """Stops the monitor and ends the job without the interpreter-exit aborts gloo jobs sometimes hit.
 

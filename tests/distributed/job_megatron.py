@@ -94,6 +94,10 @@ def finalize_and_record(*a, **k):
 
 config.finalize_model_grads_func = finalize_and_record
 (chained,) = optimizer.chained_optimizers
+# Without DistributedOptimizer, bf16 (Float16OptimizerWithFloat16Params) keeps Adam state on fp32 copies.
+main_of = {p: main for model_group, main_group in zip(getattr(chained, "float16_groups", []),
+                                                      getattr(chained, "fp32_from_float16_groups", []))
+           for p, main in zip(model_group, main_group)}
 data = train_megatron.batches(args)
 for step in range(args.steps):
     train_megatron.train_step(args, chunks, optimizer, data)
@@ -104,7 +108,7 @@ for step in range(args.steps):
                 shard = chained._get_main_param_and_optimizer_states(p)[key] if owned else None
                 full = dp_full(p, shard, chained._get_model_param_range_map(p)["param"] if owned else None)
             else:
-                full = chained.optimizer.state[p][key]
+                full = chained.optimizer.state[main_of.get(p, p)][key]
             full = tp_full(p, full)
             truth.add(step, key, name, full)
             if key == "exp_avg":

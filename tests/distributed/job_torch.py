@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-from common import TinyLM, Truth, batches, finish, inject_inf, write_config
+from common import LocalGrads, TinyLM, Truth, batches, finish, inject_inf, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -66,7 +66,7 @@ monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.jso
                                   **extra))
 monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
-truth = Truth()
+truth, local = Truth(), LocalGrads()
 data = batches(100 + rank)
 
 
@@ -90,6 +90,7 @@ for step in range(args.steps):
         model(x, y).backward()
         for name, p in replica.named_parameters():
             truth.add(step, "grad_unreduced", name, p.grad, micro=micro if args.mode == "fsdp2" else None)
+            local.add(step, name, p.grad)
     for name, p in model.named_parameters():
         truth.add(step, "grad_reduced", squash(name), full(p.grad))
         truth.add(step, "param_origin", squash(name), full(p.detach()))
@@ -102,6 +103,7 @@ for step in range(args.steps):
     optimizer.zero_grad(set_to_none=True)
 
 truth.write(args.out, rank)
+local.write(args.out, rank)
 monitor.stop()
 with open(os.path.join(args.out, f"hooks.rank{rank}.json"), "w") as f:  # what stop() left behind
     json.dump({"unsharded": len(unsharded), "hooked": sum(bool(p._backward_hooks) for p in unsharded.values()),

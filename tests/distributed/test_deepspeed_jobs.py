@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1/2/3 on 2 processes (CPU accelerator, gloo): the figures written for partitioned tensors
-are those of the full tensors that DeepSpeed's safe_get_full_* gather."""
+"""DeepSpeed ZeRO-0/1/2/3 on 2 processes (CPU accelerator, gloo): the figures written for partitioned tensors
+are those of the full tensors that DeepSpeed's safe_get_full_* gather, and reduced grads are the ranks' mean."""
 import json
 import os
 
@@ -7,7 +7,8 @@ import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import SHARDED_FAMILIES, assert_norms_match, assert_unpatched, differing, nan_analyze, the_run
+from verify import (SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels,
+                    assert_unpatched, differing, nan_analyze, the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
@@ -29,6 +30,23 @@ def test_zero_stage_two_ranks(tmp_path, stage):
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in OPTIMIZER_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
+
+
+def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):
+    """ZeRO-0 keeps whole tensors on every rank and all-reduces the grads through `.grad.data`, which leaves
+    their `_version` as it was: grad_reduced is still read after that reduction."""
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_deepspeed.py", 2, ["--stage", "0", "--out", str(tmp_path)], output_dir)
+    run = the_run(output_dir)
+    parameters = len(list(TinyLM().parameters()))
+    checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES + ("grad_unreduced",))
+    assert checked == 2 * 3 * 7 * parameters  # ranks × steps × families × parameters
+    changed, total = differing(run, "grad_unreduced", 0, 1)
+    assert changed == total, "each rank's unreduced grads come from its own data"
+    for family in OPTIMIZER_FAMILIES:
+        assert differing(run, family, 0, 1)[0] == 0, f"{family}: after the all-reduce every rank holds the same"
+    assert assert_reduced_is_the_mean(run, tmp_path, (0, 1)) == 2 * 3 * parameters
+    assert_same_labels(run, OPTIMIZER_FAMILIES + ("grad_unreduced",), 0, 1)
 
 
 def test_bf16_optimizer_two_ranks(tmp_path):

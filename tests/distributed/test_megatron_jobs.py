@@ -12,7 +12,7 @@ from test_csv_output import read_family
 from trainmon.anomaly.cross_rank import attribute
 from trainmon.anomaly.run_inputs import rank_dirs, rank_events
 from trainmon.monitor.collective_ops import parse_comm_name
-from verify import assert_norms_match, assert_unpatched, differing, nan_analyze, norms, the_run
+from verify import assert_norms_match, assert_same_labels, assert_unpatched, differing, nan_analyze, norms, the_run
 
 pytest.importorskip("megatron.core")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "mg_direction")
@@ -125,6 +125,18 @@ def test_data_parallel_2_distributed_optimizer_bf16(tmp_path):
     run, coords = run_job(tmp_path, 2, "--distopt", "--bf16")
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total
+    assert_same_labels(run, ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq"), 0, 1)
+
+
+def test_data_parallel_2_bf16_labels(tmp_path):
+    """Float16Module without DistributedOptimizer: every DP rank holds whole fp32 main params, grads and moments,
+    which DP rank 0 counts; both ranks label the merged records with the dtype of those tensors."""
+    run, _ = run_job(tmp_path, 2, "--bf16")
+    merged = ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq", "mg_direction")
+    for family in merged:
+        assert differing(run, family, 0, 1)[0] == 0, family
+    assert_same_labels(run, merged, 0, 1)
+    assert set(read_family(os.path.join(run, "rank_1"), "exp_avg").dtype) == {"torch.float32"}
 
 
 def test_tensor_2_by_pipeline_2(tmp_path):

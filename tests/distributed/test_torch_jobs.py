@@ -5,7 +5,8 @@ import os
 from common import TinyLM
 from launch import torchrun
 from test_csv_output import read_family
-from verify import SHARDED_FAMILIES, assert_norms_match, differing, nan_analyze, the_run
+from verify import (SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels, differing,
+                    nan_analyze, the_run)
 
 
 def test_ddp_two_ranks(tmp_path):
@@ -22,6 +23,8 @@ def test_ddp_two_ranks(tmp_path):
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each rank's unreduced grads come from its own data"
     assert differing(run, "grad_reduced", 0, 1)[0] == 0, "after the all-reduce every rank holds the same grads"
+    assert assert_reduced_is_the_mean(run, tmp_path, (0, 1)) == 2 * 3 * len(list(TinyLM().parameters()))
+    assert_same_labels(run, SHARDED_FAMILIES + ("grad_unreduced",), 0, 1)
 
 
 def test_fsdp2_two_ranks(tmp_path):

@@ -67,6 +67,40 @@ def differing(run_dir: str, family: str, rank_a: int, rank_b: int, per_micro=Fal
     return sum(not math.isclose(a[k], b[k], rel_tol=1e-9) for k in common), len(common)
 
 
+def assert_reduced_is_the_mean(run_dir: str, out_dir: str, ranks, rel=1e-5) -> int:
+    """Every rank's grad_reduced (norm, min, max) is that of the mean of all ranks' own grads, which the job
+    saved (common.LocalGrads) and this averages; returns the number of records checked."""
+    import torch
+
+    local = [torch.load(os.path.join(out_dir, f"local_grads.rank{rank}.pt")) for rank in ranks]
+    assert local[0] and all(grads.keys() == local[0].keys() for grads in local)
+    mean = {key: torch.stack([grads[key].double() for grads in local]).mean(dim=0) for key in local[0]}
+    checked = 0
+    for rank in ranks:
+        frame = read_family(os.path.join(run_dir, f"rank_{rank}"), "grad_reduced")
+        written = {(int(r.step), r.name): r for r in frame.itertuples()}
+        for (step, name), grad in mean.items():
+            row = written.get((step, name))
+            assert row is not None, f"rank {rank} step {step} {name}: no grad_reduced record"
+            for op, value in (("norm", grad.norm()), ("min", grad.min()), ("max", grad.max())):
+                assert math.isclose(getattr(row, op), float(value), rel_tol=rel, abs_tol=1e-9), \
+                    f"rank {rank} step {step} {name} {op}: written {getattr(row, op)}, mean of the ranks' {value}"
+            checked += 1
+    return checked
+
+
+def assert_same_labels(run_dir: str, families, rank_a: int, rank_b: int) -> None:
+    """Two ranks label the records they share (same step, vpp_stage and name) with the same dtype."""
+    for family in families:
+        a, b = ({(int(r.step), r.vpp_stage, r.name): r.dtype
+                 for r in read_family(os.path.join(run_dir, f"rank_{rank}"), family).itertuples()}
+                for rank in (rank_a, rank_b))
+        common = a.keys() & b.keys()
+        assert common, f"{family}: ranks {rank_a} and {rank_b} share no records"
+        differ = sorted((k, a[k], b[k]) for k in common if a[k] != b[k])
+        assert not differ, f"{family}: dtype labels differ between ranks {rank_a} and {rank_b}: {differ[:3]}"
+
+
 def nan_analyze(run_dir: str) -> dict:
     """`trainmon nan-analyze --json` of a run, as a user would run it."""
     import subprocess

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainmon.monitor import stats
+from trainmon.monitor.accelerator import copy_done_event
 from trainmon.monitor.records import RecordKey, StepBatch
 
 logger = logging.getLogger("trainmon")
@@ -21,7 +22,8 @@ class StepCollector:
     cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
     small enough to be reduced while still in the last-level cache, and held tensors keep the
     allocator from reusing their memory for the rest of the step, so larger batches cost more. A
-    tensor object seen twice in a step (a module's output is the next module's input) is reduced once.
+    tensor object seen twice in a step (a module's output is the next module's input) is reduced once;
+    only activations get that reuse (see `record`).
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
     its later values. So the first time a name is recorded it is reduced at once, and its tensor is
@@ -66,31 +68,38 @@ class StepCollector:
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
-        """Records `tensors` (one per key); a tensor object already reduced this step, unchanged since
-        (same version), reuses its record instead of being read again.
+        """Records `tensors` (one per key).
 
-        Without `defer` the new records are computed now, in one batch (use it for tensors that
-        change right after, like weights around an update). With `defer` the tensors may be held
-        until the pending batch is reduced.
+        Without `defer` the tensors are read now, in one batch. That is for weights, grads, optimizer
+        state and collectives' buffers, read where the framework has just changed them, often through
+        `.data` or a collective, neither of which bumps `_version` (DeepSpeed all-reduces grads through
+        `.grad.data`): an earlier record of the same object says nothing about its values now.
+
+        With `defer` (activations and their grads, which frameworks change in place by ordinary ops,
+        which bump `_version`) the tensors may be held until the pending batch is reduced, and a tensor
+        object already recorded with `defer` this step and unchanged since (same version) reuses that
+        record instead of being read again.
         """
         if not tensors:
             return
-        fresh: list[tuple[RecordKey, torch.Tensor]] = []
+        if not defer:
+            self._reduce_now(list(zip(keys, tensors)))
+            return
+        fresh = []
         for key, tensor in zip(keys, tensors):
             cached = self._seen.get(id(tensor))
             if cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
                 self._reuse(key, cached[2])
             else:
                 fresh.append((key, tensor))
-        if not defer:
-            self._reduce_now(fresh)
-            return
         now = [(key, tensor) for key, tensor in fresh if key.name not in self._deferrable_names]
-        self._reduce_now(now)
-        for key, tensor in now:
-            if key.name not in self._eager_names:
-                self._trial.append((key.name, tensor, tensor._version))
-                self._pending_bytes += tensor.numel() * tensor.element_size()
+        if now:
+            rows = self._reduce_now(now)
+            for i, (key, tensor) in enumerate(now):
+                self._remember(tensor, rows[i:i + 1])
+                if key.name not in self._eager_names:
+                    self._trial.append((key.name, tensor, tensor._version))
+                    self._pending_bytes += tensor.numel() * tensor.element_size()
         for key, tensor in fresh:
             if key.name not in self._deferrable_names:
                 continue
@@ -99,18 +108,19 @@ class StepCollector:
             self._pending_versions.append(tensor._version)
             self._pending_keys.append(key)
             self._pending_slots.append(slot)
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, slot)
+            self._remember(tensor, slot)
             self._pending_bytes += tensor.numel() * tensor.element_size()
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
 
-    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
-        if not items:
-            return
+    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> torch.Tensor:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
         self._add([k for k, _ in items], rows)
-        for i, (_, tensor) in enumerate(items):
-            self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[i:i + 1])
+        return rows
+
+    def _remember(self, tensor: torch.Tensor, source) -> None:
+        """Lets a deferred tensor's later records this step share `source`: its pending slot or its row."""
+        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
 
     def _reuse(self, key: RecordKey, source) -> None:
         if isinstance(source, int):  # still pending: share its slot
@@ -130,7 +140,7 @@ class StepCollector:
         rows = stats.tensor_records(tensors, self.eps, self.fields)
         for slot, tensor in enumerate(tensors):
             if slot not in modified:
-                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, rows[slot:slot + 1])
+                self._remember(tensor, rows[slot:slot + 1])
         kept = [i for i, slot in enumerate(slots) if slot not in modified]
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])
@@ -155,12 +165,11 @@ class StepCollector:
         for key in keys:
             if key.name not in self._eager_names:
                 logger.warning("trainmon: %s changed in place before its statistics were computed; its record of "
-                            "step %s is dropped (counted in run.json) and it is reduced in its hook from now on",
-                            key.name, self.step)
+                               "step %s is dropped (counted in run.json) and it is reduced in its hook from now on",
+                               key.name, self.step)
             self._eager_names.add(key.name)
             self._deferrable_names.discard(key.name)
             self.dropped_in_place[key.name] = self.dropped_in_place.get(key.name, 0) + 1
-
     def record_rows(self, keys: Sequence[RecordKey], rows: torch.Tensor) -> None:
         """Adds precomputed (e.g. merged across shards) records, [len(keys), N_FIELDS]."""
         self._add(keys, rows)
@@ -210,12 +219,10 @@ class StepCollector:
 
 
 def _to_host(flat: torch.Tensor):
-    """The step's one device→host copy; non-blocking into pinned memory on accelerators."""
-    on_accelerator = flat.device.type != "cpu"
-    host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=on_accelerator)
-    host.copy_(flat, non_blocking=on_accelerator)
-    ready = None
-    if flat.device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()
-    return host, ready
+    """The step's one device→host copy: on an accelerator, into pinned memory without blocking, with an
+    event the writer waits on before reading (StepBatch.wait); on the CPU the copy is done when it returns."""
+    if flat.device.type == "cpu":
+        return flat.clone(), None
+    host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    return host, copy_done_event(flat.device)

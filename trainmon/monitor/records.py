@@ -88,7 +88,7 @@ class StepBatch:
     values: Optional[np.ndarray] = None
     host: Optional[object] = None  # flat host tensor: records, then the tensor-valued scalars
     host_scalar_names: tuple = ()
-    ready: Optional[object] = None  # event that completes the copy (CUDA), or None
+    ready: Optional[object] = None  # event that completes the copy on an accelerator, or None
     derived: Optional[list] = None  # per key {op: float | None}, filled in the writer thread
     # NaN sentinel: one probe per key, non-finite exactly when the tensor had a NaN/Inf element.
     flag_keys: list = field(default_factory=list)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainmon.monitor import stats
+from trainmon.monitor.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
 from trainmon.monitor.records import RecordKey
@@ -59,10 +60,6 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
     records written are the merged ones of the full parameters.
     """
     collector = state.collector
-    # Framework pieces can be views of leaves that require grad (ZeRO's flat fp32 partition). Others stay
-    # the same objects, so a tensor recorded earlier in the step (a grad before and after a no-op
-    # reduction) is not read twice.
-    pieces = [t.detach() if t is not None and t.requires_grad else t for t in pieces]
     if group is None or dist.get_world_size(group) == 1:
         kept = [(w, t) for w, t in zip(params, pieces) if t is not None]
         if kept:
@@ -71,15 +68,18 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
         return
     if not params:
         return
-    device = next((t.device for t in pieces if t is not None), _group_device(group))
+    # Every rank gathers on the device the group's backend needs, whether or not it holds pieces.
+    device = collective_device(group)
     rows = piece_records(state, pieces, device)
     ranks = dist.get_world_size(group)
     # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
     gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=device)
     with not_monitored():  # trainmon's own collective is not part of the training's communication
         dist.all_gather_into_tensor(gathered, rows, group=group)
-    # A rank that holds no piece of a parameter labels it with the dtype of the pieces it does hold
-    # (one family's pieces share a dtype: fp32 main params, fp32 moments), so every rank writes the same.
+    # A rank that holds nothing of a parameter (not even an empty piece, see adapters.base) labels it with
+    # the dtype of the pieces it does hold (one family's pieces share a dtype: fp32 main params, fp32
+    # moments), so every rank writes the same. Only a rank holding nothing of any of them falls back to the
+    # parameter's dtype.
     some = next((t for t in pieces if t is not None), None)
     keys = [_key(collector, family, w, t if t is not None else some, micro) for w, t in zip(params, pieces)]
     collector.record_rows(keys, merge_gathered(gathered.view(ranks, *rows.shape)))
@@ -90,10 +90,3 @@ def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordK
     dtype = piece.dtype if piece is not None else watched.param.dtype
     return RecordKey(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
                      tuple(shape), str(dtype))
-
-
-def _group_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -3,7 +3,9 @@
 The core (grad hooks, optimizer hooks, the shard merge) never looks at framework objects. An adapter
 maps the framework's own bookkeeping (DDP buckets, ZeRO partitions, Megatron grad buffers, FSDP
 DTensors) onto four questions, each answered per watched parameter with *this rank's piece* of a
-tensor, or None when the rank holds nothing of it (or holds a duplicate that another rank counts):
+tensor, or None when the rank holds nothing of it. A rank that holds a duplicate another rank counts
+(or only padding) gives an empty tensor of the tensor's dtype: it adds nothing to the merged record and
+labels it as the counting rank does.
 
 - which tensor is the reduced gradient the optimizer consumes,
 - which tensor is the (main, fp32 when kept) weight,

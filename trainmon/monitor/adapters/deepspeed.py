@@ -124,7 +124,6 @@ class DeepSpeedAdapter:
         return flats[group_index]
 
     def _z3(self, param, local):
-        if local is None:
-            return None
-        valid = self._valid[id(param)]
-        return local.narrow(0, 0, valid) if valid else None
+        """The parameter's elements of this rank's partition; empty (but of the partition's dtype, which
+        labels the record) where the rank holds only padding."""
+        return local.narrow(0, 0, self._valid[id(param)]) if local is not None else None

@@ -8,7 +8,8 @@
   DistributedOptimizer, mapped back by its range map) and the inner torch optimizer's state of it.
 - Tensor-parallel shards merge across the TP group; TP duplicates (layer norms) count on TP rank 0
   only; without DistributedOptimizer the data-parallel replicas count on DP rank 0 only. Pieces
-  therefore merge over the tensor-and-data-parallel group of the pipeline stage.
+  therefore merge over the tensor-and-data-parallel group of the pipeline stage. The ranks that do not
+  count a tensor pass an empty piece of it, so every rank labels the record with the tensor's dtype.
 """
 from __future__ import annotations
 
@@ -133,14 +134,10 @@ class MegatronAdapter:
         """TP shards all count; a TP duplicate counts on TP rank 0 only."""
         return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
 
-    def _owns(self, param) -> Optional[_Location]:
-        """The location of this rank's piece of `param`, or None when another rank counts it."""
-        where = self._where.get(id(param))
-        if where is None or not self._counts_tp(param):
-            return None
-        if where.grad_range is None and self.dp_rank != 0:
-            return None  # whole replicas on every DP rank: DP rank 0 counts them
-        return where
+    def _counts(self, param, where: _Location) -> bool:
+        """Whether this rank's piece of `param` counts; whole replicas on every DP rank (no
+        DistributedOptimizer) count on DP rank 0 only."""
+        return self._counts_tp(param) and (where.grad_range is not None or self.dp_rank == 0)
 
     # ------------------------------------------------------------------------------- pieces
     def step_owner(self):
@@ -149,29 +146,31 @@ class MegatronAdapter:
     def reduced_grads(self, params):
         out = []
         for w in params:
-            where = self._owns(w.param)
+            where = self._where.get(id(w.param))
             grad = getattr(w.param, "main_grad", None)
             if where is None or grad is None:
                 out.append(None)
-            elif where.grad_range is not None:
-                out.append(grad.view(-1)[where.grad_range[0]:where.grad_range[1]])
-            else:
-                out.append(grad)
+                continue
+            if where.grad_range is not None:
+                grad = grad.view(-1)[where.grad_range[0]:where.grad_range[1]]
+            out.append(_counted(grad, self._counts(w.param, where)))
         return out
 
     def main_params(self, params):
-        return [where.main if (where := self._owns(w.param)) is not None else None for w in params]
+        return [_counted(where.main, self._counts(w.param, where))
+                if (where := self._where.get(id(w.param))) is not None else None for w in params]
 
     def adam_pieces(self, params):
         out = []
         for w in params:
-            where = self._owns(w.param)
+            where = self._where.get(id(w.param))
             state = where.inner.state.get(where.main, {}) if where is not None else {}
             if "exp_avg" not in state:
                 out.append(None)
                 continue
-            out.append(AdamPiece(state["exp_avg"], state["exp_avg_sq"], state["step"], tuple(where.group["betas"]),
-                                 where.group["eps"]))
+            counts = self._counts(w.param, where)
+            out.append(AdamPiece(_counted(state["exp_avg"], counts), _counted(state["exp_avg_sq"], counts),
+                                 state["step"], tuple(where.group["betas"]), where.group["eps"]))
         return out
 
     # ---------------------------------------------------------------------- unreduced grads
@@ -192,7 +191,7 @@ class MegatronAdapter:
         def start_grad_sync(*args, **kwargs):
             # A handle still pending means this call is a no-op (the collective was already started).
             if bucket_group.grad_reduce_handle is None:
-                pieces = [w.param.main_grad if self._counts_tp(w.param) else None for w in members]
+                pieces = [_counted(w.param.main_grad, self._counts_tp(w.param)) for w in members]
                 record(members, pieces, self.tp_group)
             return original(*args, **kwargs)
 
@@ -202,3 +201,9 @@ class MegatronAdapter:
         for restore in self._restores:
             restore()
         self._restores.clear()
+
+
+def _counted(tensor: torch.Tensor, counts: bool) -> torch.Tensor:
+    """`tensor` where this rank counts it; else an empty tensor of its dtype, which adds nothing to the
+    merged record but gives it the label that the counting rank gives it."""
+    return tensor if counts else tensor.new_empty(0)

@@ -23,6 +23,7 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.ordering import order_key
 from trainmon.monitor.collective_ops import P2P, parse_comm_name
 from trainmon.monitor.records import COMM
 
@@ -44,6 +45,9 @@ def _calls(events: Sequence[AnomalyEvent]) -> list[dict]:
         name = event.module.rsplit(".", 1)[0]
         call = calls.setdefault(key, {"step": event.step, "name": name, "series": name.rsplit("#", 1)[0],
                                       "sources": set(), "reached": set(), "p2p": parsed["op"] in P2P, "at": {}})
+        if call["p2p"] and event.rank == parsed["src"]:
+            # A p2p call is named by its send, whichever end's record sorts first.
+            call["name"], call["series"] = name, name.rsplit("#", 1)[0]
         index = math.inf if event.call_index is None else event.call_index
         call["at"].setdefault(event.rank, (event.step, index, position))
         if call["p2p"]:
@@ -91,7 +95,7 @@ def attribute(events: Sequence[AnomalyEvent]) -> Optional[dict]:
     """The origin of the non-finite values and their spread, from the collectives among `events`.
 
     Args:
-        events: non-finite records of every rank, ordered by the ordering key (earliest first).
+        events: non-finite records of every rank, in any order (they are taken in the ordering key's).
 
     Returns:
         None when no collective carried non-finite values; else {origin_rank, origin (the `where()` of
@@ -100,6 +104,7 @@ def attribute(events: Sequence[AnomalyEvent]) -> Optional[dict]:
         series), unattributed [call names whose non-finite outputs have no recorded
         non-finite input: record inputs with cc_pre_hook]}.
     """
+    events = sorted(events, key=order_key)
     calls = [c for c in _calls(events) if c["reached"] - c["sources"] or c["p2p"]]
     if not calls:
         return None

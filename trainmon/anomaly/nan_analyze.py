@@ -1,15 +1,16 @@
 """Post-mortem: where did non-finite values first appear in a run, and where did they spread?
 
 Reads every rank's `anomalies.jsonl`, `monitor.db` and CSV files, sorts the non-finite records by the
-ordering key `(step, micro_step, rank, pp_stage, vpp_stage, call_index)` and reports the earliest one
-(`first`), and the chain: the first appearance of each other (rank, module, phase), in key order.
-Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the rank
-they started on is found from them (`cross_rank`) and `first` is that rank's earliest record;
-without them, the earliest step and micro-step wins and the other ranks non-finite at the same step
-and micro-step are listed as `ties`, not guessed.
+ordering key (`ordering`: step, micro-step, phase, pipeline stage, call index, rank) and reports the
+earliest one (`first`), and the chain: the first appearance of each other (rank, module, phase), in key
+order. Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the
+rank they started on is found from them (`cross_rank`) and `first` is that rank's earliest record;
+without them, the key decides, and the other ranks non-finite at the same stage place (step,
+micro-step, phase, stage) are listed as `ties`, not guessed.
 
-CSV files carry no call index: within a step and micro-step their rows are ordered by phase
-(forward, backward, optimizer) and then by file order, and `call_index` is reported as null.
+CSV files carry no call index (`call_index` is reported as null): within their stage place their rows
+follow the indexed records, in file order. A record read from several sources is reported once, from
+a source that has its call index.
 
 msprobe dump directories (`step<N>/rank<R>/dump.json`) are read instead when `path` is one
 (msprobe_dump), with the same report.
@@ -22,25 +23,21 @@ from typing import Optional
 from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.msprobe_dump import read_dump
-from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events
-
-_PHASE_ORDER = {"forward": 0, "backward": 1, "communication": 2, "optimizer": 3}
-
-
-def _sort_key(indexed: tuple[int, AnomalyEvent]) -> tuple:
-    position, event = indexed
-    return event.order_key() + (_PHASE_ORDER.get(event.phase, 4), position)
+from trainmon.anomaly.ordering import order_key, stage_place
+from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events, read_metadata
 
 
-def _dedupe(events: list[AnomalyEvent]) -> list[AnomalyEvent]:
-    """One event per tensor record; a record read from several sources keeps its earliest, indexed copy."""
-    seen, out = set(), []
-    for event in events:
-        ident = (event.rank, event.step, event.micro_step, event.family, event.module, event.tensor)
-        if ident not in seen:
-            seen.add(ident)
-            out.append(event)
-    return out
+def _dedupe(ordered: list[AnomalyEvent]) -> list[AnomalyEvent]:
+    """One event per tensor record, in key order; of a record read from several sources, the copy that
+    has a call index (the database's or anomalies.jsonl's, not a CSV row's) is kept."""
+    chosen: dict[tuple, AnomalyEvent] = {}
+    for event in ordered:
+        ident = (event.rank, event.step, event.micro_step, event.vpp_stage, event.family, event.module,
+                 event.tensor)
+        kept = chosen.get(ident)
+        if kept is None or (kept.call_index is None and event.call_index is not None):
+            chosen[ident] = event
+    return sorted(chosen.values(), key=order_key)
 
 
 def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent]]:
@@ -49,7 +46,8 @@ def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent]]:
     notes = [note] if note else []
     sources, everything = {}, []
     for rank, directory in rank_dirs(run_dir).items():
-        events, used, rank_notes = rank_events(rank, directory)
+        metadata = read_metadata(directory)
+        events, used, rank_notes = rank_events(rank, directory, metadata)
         sources[str(rank)] = used
         notes += rank_notes
         everything += events
@@ -69,16 +67,16 @@ def analyze(path: str | Path) -> dict:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
     run, sources, notes, everything = read_dump(Path(path)) or _read_run(Path(path))
-    ordered = _dedupe([e for _, e in sorted(enumerate(everything), key=_sort_key)])
+    ordered = _dedupe(sorted(everything, key=order_key))
     first: Optional[AnomalyEvent] = ordered[0] if ordered else None
     cross = attribute(ordered)
     if cross is not None and cross["origin"] is not None:
         first = next(e for e in ordered if e.where() == cross["origin"])
     ties, chain, reached = [], [], set()
-    if first is not None and cross is None:
+    if first is not None and (cross is None or cross["origin_rank"] is None):
         tied_ranks = {first.rank}
         for event in ordered[1:]:
-            if (event.step, event.micro_step) == (first.step, first.micro_step) and event.rank not in tied_ranks:
+            if stage_place(event) == stage_place(first) and event.rank not in tied_ranks:
                 tied_ranks.add(event.rank)
                 ties.append(event.where())
     if first is not None:
@@ -126,7 +124,8 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
         return "\n".join(lines)
     lines.append(f"first non-finite tensor: {_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
     if result["ties"]:
-        lines.append("also non-finite at the same step and micro-step (order across ranks unknown):")
+        lines.append("also non-finite at the same step, micro-step, phase and pipeline stage (order across ranks "
+                     "unknown; records of collectives, cc_distribution, would decide):")
         lines += [f"  {_place(t)}" for t in result["ties"]]
     if result["cross_rank"] is not None:
         lines.append("spread across ranks through collectives:")

@@ -108,7 +108,8 @@ class TrainerMon:
         self._metadata = run_metadata(
             dataclasses.asdict(self.config), self.rank, self.world_size,
             {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration,
-             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, tp=tp_group, dp=dp_group)})
+             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, tp=tp_group, dp=dp_group),
+             "pp_stage": self._adapter.pp_stage()})
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_json(self.output_dir / "run.json", self._metadata)

@@ -248,11 +248,16 @@ class NanSentinel:
         return None if filled is None else ~torch.isfinite(filled).all()
 
 
-def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: bool) -> NanSentinel:
-    """The sentinel over every module and trainable parameter of the model chunks (vpp stage = index)."""
-    modules = [(display_name(name, squash_name), module, vpp)
+def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: bool,
+                 rename: Callable[[int, str], str]) -> NanSentinel:
+    """The sentinel over every module and trainable parameter of the model chunks (vpp stage = index).
+
+    `rename(vpp_stage, name)` is the adapter's: the sentinel writes the names every other family writes
+    (e.g. Megatron's global layer numbers, so stage 1's `layers.0` does not collide with stage 0's).
+    """
+    modules = [(rename(vpp, display_name(name, squash_name)), module, vpp)
                for vpp, chunk in enumerate(chunks) for name, module in chunk.named_modules()]
-    params = [(display_name(name, squash_name), param, vpp)
+    params = [(rename(vpp, display_name(name, squash_name)), param, vpp)
               for vpp, chunk in enumerate(chunks) for name, param in chunk.named_parameters() if param.requires_grad]
     return NanSentinel(state, modules, params)
 

@@ -160,7 +160,7 @@ class TrainerMon:
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
                                         for w in watched_params(self._chunks, config)])
         if config.sentinel:
-            self._sentinel = nan_sentinel(state, self._chunks, config.squash_name)
+            self._sentinel = nan_sentinel(state, self._chunks, config.squash_name, self._adapter.rename)
             if config.alert.dump and self._anomalies is not None:
                 self._sentinel.enable_dump(self._anomalies.add_dump, self.rank)
             self._hooks.append(self._sentinel)

@@ -125,3 +125,29 @@ def test_same_stage_place_on_two_ranks_is_a_tie(tmp_path, capsys):
     report = nan_analyze_json(run, capsys)
     assert (report["first"]["rank"], report["first"]["module"]) == (1, "a")
     assert [(t["rank"], t["module"]) for t in report["ties"]] == [(0, "b")]
+
+
+def test_micro_steps_count_each_chunks_own_forwards(output_dir, write_config):
+    """Interleaved schedule: chunk 0 runs micro-batches 0 and 1 before chunk 1 sees micro-batch 0. An inf in chunk
+    1's first forward is at micro-step 0, and its weight grads are probed under the micro-step of the backward."""
+    torch.manual_seed(0)
+    chunks = [torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Sequential(torch.nn.Linear(4, 4))]
+    calls = []
+
+    def inf_in_first_call(module, args, output):
+        calls.append(None)
+        return output * float("inf") if len(calls) == 1 else None
+
+    chunks[1][0].register_forward_hook(inf_in_first_call)  # before the monitor's hooks
+    optimizer = torch.optim.SGD([p for chunk in chunks for p in chunk.parameters()], lr=0.1)
+    monitor = TrainerMon(write_config(sentinel=True)).set_monitor(chunks, optimizer=optimizer, grad_acc_steps=2)
+    hidden = [chunks[0](torch.randn(2, 4)) for _ in range(2)]
+    for output in [chunks[1](h) for h in hidden]:
+        output.sum().backward()
+    optimizer.step()
+    monitor.stop()
+    records = [json.loads(line) for line in open(monitor.output_dir / "anomalies.jsonl")]
+    first = next(r for r in records if r["first"])
+    assert (first["vpp_stage"], first["micro_step"], first["module"], first["phase"]) == (1, 0, "0", "forward")
+    weight_grads = {(r["vpp_stage"], r["micro_step"]) for r in records if r["family"] == "grad_unreduced"}
+    assert (1, 0) in weight_grads and (1, 1) in weight_grads

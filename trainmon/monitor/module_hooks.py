@@ -140,7 +140,7 @@ class ActivationHooks:
             if not (state.collecting and torch.is_grad_enabled()):
                 watched.open_taps.append(None)
                 return None
-            target = _TapTarget(watched, max(state.forward_micro, 0), [])
+            target = _TapTarget(watched, state.forward_micro(watched.vpp_stage), [])
             watched.open_taps.append(target)
             return self._tap_inputs(target, args, kwargs)
 
@@ -178,7 +178,7 @@ class ActivationHooks:
             if _in_backward():  # activation checkpointing runs the forward again
                 self._hook_recomputed(watched, target, output)
                 return  # its activations were recorded when it first ran
-            micro = max(state.forward_micro, 0)
+            micro = state.forward_micro(watched.vpp_stage)
             name = self._call_name(watched, micro)
             if self.backward and torch.is_grad_enabled():
                 if target is not None:

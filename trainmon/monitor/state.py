@@ -22,15 +22,25 @@ class HookState:
         self.grad_acc_steps = grad_acc_steps
         self.strict = strict
         self.collecting = False
-        self.forward_micro = -1  # index of the running forward micro-batch; -1 before the first
+        # Per model chunk (vpp stage): index of its running forward micro-batch. An interleaved pipeline
+        # schedule runs several micro-batches through one chunk before the next chunk sees the first.
+        self._forward_micro: dict[int, int] = {}
         self.backward_micro = 0  # index of the running backward pass
         self._failed: set[str] = set()
 
     def start_step(self, step: int, collecting: bool) -> None:
         self.collector.step = step
         self.collecting = collecting
-        self.forward_micro = -1
+        self._forward_micro.clear()
         self.backward_micro = 0
+
+    def start_forward(self, vpp_stage: int) -> None:
+        """A forward micro-batch of chunk `vpp_stage` starts (its root's forward pre-hook)."""
+        self._forward_micro[vpp_stage] = self._forward_micro.get(vpp_stage, -1) + 1
+
+    def forward_micro(self, vpp_stage: int) -> int:
+        """The micro-step of chunk `vpp_stage`'s running forward (0 before its first)."""
+        return self._forward_micro.get(vpp_stage, 0)
 
     def guarded(self, item: str, fn: Callable) -> Callable:
         """Wraps a hook so that an exception disables monitoring of `item` instead of training.

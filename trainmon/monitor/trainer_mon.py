@@ -198,7 +198,7 @@ class TrainerMon:
             state, self._adapter, params, reduced_grads=config.wg_distribution,
             params_before_after=config.param_distribution, moments=config.mv_distribution,
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step))
-        self._hooks.append(_MicroStepCounter(state, self._chunks[0]))
+        self._hooks.append(_MicroStepCounter(state, self._chunks))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
@@ -364,20 +364,19 @@ def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
 
 
 class _MicroStepCounter:
-    """Counts forward micro-batches: every call of the (first) model chunk starts one."""
+    """Counts forward micro-batches per model chunk: every call of a chunk starts its next one."""
 
-    def __init__(self, state: HookState, root: torch.nn.Module):
+    def __init__(self, state: HookState, chunks: list[torch.nn.Module]):
         self.state = state
-        self.root = root
-        self._handle = None
+        self.chunks = chunks
+        self._handles: list = []
 
     def install(self) -> None:
-        def pre_hook(module, args):
-            self.state.forward_micro += 1
-
-        self._handle = self.root.register_forward_pre_hook(pre_hook)
+        for vpp, chunk in enumerate(self.chunks):
+            self._handles.append(chunk.register_forward_pre_hook(lambda module, args, vpp=vpp:
+                                                                 self.state.start_forward(vpp)))
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -2,6 +2,7 @@
 rank last, ties across ranks; and what nan-analyze makes of it on hand-made runs."""
 import json
 
+import pytest
 import torch
 
 from test_anomaly_online import nan_analyze_json
@@ -151,3 +152,22 @@ def test_micro_steps_count_each_chunks_own_forwards(output_dir, write_config):
     assert (first["vpp_stage"], first["micro_step"], first["module"], first["phase"]) == (1, 0, "0", "forward")
     weight_grads = {(r["vpp_stage"], r["micro_step"]) for r in records if r["family"] == "grad_unreduced"}
     assert (1, 0) in weight_grads and (1, 1) in weight_grads
+
+
+@pytest.mark.parametrize("pre_hook", [False, True])
+def test_unattributed_collectives_are_named_in_the_text_report(tmp_path, capsys, pre_hook):
+    run = tmp_path / "run"
+    cc = {"enable": True, "cc_pre_hook": pre_hook}
+    for rank in (0, 1):
+        outputs = [event(rank, "communication", micro=None, call=20 + seq, module=f"all_reduce[0,1]@tp#{seq}.output")
+                   for seq in range(7)]
+        write_rank(run, rank, pp_stage=0, jsonl=[event(rank, "forward", call=25, module="mlp")] + outputs, cc=cc)
+    report = nan_analyze_json(run, capsys)
+    assert report["cross_rank"]["unattributed"] == [f"all_reduce[0,1]@tp#{seq}" for seq in range(7)]
+    assert report["cross_rank"]["inputs_not_recorded_on"] == ([] if pre_hook else [0, 1])
+    assert cli_main(["nan-analyze", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert "could not attribute 7 collective call(s) with non-finite outputs" in text
+    assert "recorded: all_reduce[0,1]@tp (7 calls)" in text
+    hint = "rank(s) 0, 1 did not record collectives' inputs: set cc_distribution.cc_pre_hook to true"
+    assert (hint in text) != pre_hook

@@ -11,7 +11,9 @@ number within the step; p2p: source, destination). Over the non-finite records o
 
 Calls are followed in causal order: a call happens at once on every rank taking part, so the calls are
 ordered to keep each rank's own order of them (its call indices). A rank that passes on non-finite
-values without having received them through an earlier call is an origin. The result names the origin
+values without having received them through an earlier call is an origin; a collective whose non-finite
+outputs no recorded input explains is unattributed, and its ranks are not taken for origins (they got
+the values from somewhere). The result names the origin
 rank's earliest non-finite record and the chain rank → call → ranks, where consecutive calls of one
 series (same op and group, same ranks on either side) form one link.
 """
@@ -39,7 +41,7 @@ def _calls(events: Sequence[AnomalyEvent]) -> list[dict]:
     calls: dict[tuple, dict] = {}
     for position, event in enumerate(events):
         parsed = parse_comm_name(event.module) if event.family == COMM else None
-        if parsed is None:
+        if parsed is None or len(parsed["ranks"]) == 1:  # a group of one rank moves nothing between ranks
             continue
         key = _call_key(event.step, parsed)
         name = event.module.rsplit(".", 1)[0]
@@ -113,7 +115,10 @@ def attribute(events: Sequence[AnomalyEvent]) -> Optional[dict]:
     chain, unattributed = [], []
     for call in _causal_order(calls):
         if not call["sources"]:
+            # Its ranks got non-finite values from an unknown rank: none of them is taken for an origin.
             unattributed.append(call["name"])
+            for rank in call["reached"]:
+                reached_by.setdefault(rank, call["name"])
             continue
         for rank in sorted(call["sources"]):
             if rank not in reached_by and rank not in origins:

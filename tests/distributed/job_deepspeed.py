@@ -1,6 +1,8 @@
-"""DeepSpeed ZeRO-1/2/3 training of a tiny LM under TrainerMon, with the full tensors gathered for comparison.
+"""DeepSpeed ZeRO-0/1/2/3 training of a tiny LM under TrainerMon, with the full tensors gathered for comparison.
 
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 job_deepspeed.py --stage 1|2|3 --out DIR
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 job_deepspeed.py --stage 0|1|2|3 --out DIR
+
+Under ZeRO-0 every rank holds whole tensors (DeepSpeed's safe_get_full_* give none): they are read directly.
 """
 import argparse
 import copy
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
-from common import TinyLM, Truth, batches, finish, inject_inf, write_config
+from common import CC_MODES, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -22,7 +24,8 @@ parser.add_argument("--stage", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--bf16", action="store_true", help="bf16 weights; with --stage 1, DeepSpeed's BF16_Optimizer")
-parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
+parser.add_argument("--inject", metavar="RANK:STEP[:MICRO]", help="put an inf into blocks.0's output there")
+parser.add_argument("--cc", default="off", choices=list(CC_MODES), help="cc_distribution: off, on, or no-inputs")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -44,32 +47,47 @@ rank = dist.get_rank()
 step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf(engine.module.blocks[0], args.inject, rank, lambda: step)
-extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), mg_direction=True, **extra))
+extra = injection_config() if args.inject else {}
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), mg_direction=True,
+                                  cc_distribution=CC_MODES[args.cc], **extra))
 monitor.set_monitor(engine, optimizer=optimizer)
+
+
+
+def full_param(p):
+    return p.detach() if args.stage == 0 else safe_get_full_fp32_param(p)
+
+
+def full_grad(p):
+    return p.grad.detach().clone() if args.stage == 0 else safe_get_full_grad(p)  # ZeRO-0 zeroes it in step()
+
+
+def full_state(p, key):
+    return optimizer.state[p][key] if args.stage == 0 else safe_get_full_optimizer_state(p, key)
+
 
 truth = Truth()
 data = batches(100 + rank)
 named = [(n[len("module."):], p) for n, p in engine.named_parameters()]
 for step in range(args.steps):
     x, y = next(data)
-    replica.load_state_dict({n: safe_get_full_fp32_param(p).reshape(replica.get_parameter(n).shape)
-                             for n, p in named}, strict=False)
+    replica.load_state_dict({n: full_param(p).reshape(replica.get_parameter(n).shape) for n, p in named},
+                            strict=False)
     replica.zero_grad(set_to_none=True)
     replica(x, y).backward()
     for name, p in replica.named_parameters():
         truth.add(step, "grad_unreduced", name, p.grad)
     engine.backward(engine(x, y))
-    grads = {name: safe_get_full_grad(p) for name, p in named}
+    grads = {name: full_grad(p) for name, p in named}
     for name, p in named:
         truth.add(step, "grad_reduced", name, grads[name])
-        truth.add(step, "param_origin", name, safe_get_full_fp32_param(p))
+        truth.add(step, "param_origin", name, full_param(p))
     engine.step()
     for name, p in named:
         for key in ("exp_avg", "exp_avg_sq"):
-            truth.add(step, key, name, safe_get_full_optimizer_state(p, key))
-        truth.add(step, "param_updated", name, safe_get_full_fp32_param(p))
-        truth.add_sign_agreement(step, name, grads[name], safe_get_full_optimizer_state(p, "exp_avg"))
+            truth.add(step, key, name, full_state(p, key))
+        truth.add(step, "param_updated", name, full_param(p))
+        truth.add_sign_agreement(step, name, grads[name], full_state(p, "exp_avg"))
 
 truth.write(args.out, rank)
 finish(monitor, args.out, [optimizer])

@@ -32,7 +32,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     state = HookState(StepCollector(1e-8, ["norm"], rank=0), grad_acc_steps=1, strict=True)
-    sentinel = nan_sentinel(state, [model], squash_name=False)
+    sentinel = nan_sentinel(state, [model], squash_name=False, rename=lambda vpp, name: name)
     timings: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.warmup + args.steps):
         watched = step % 2 == 0

@@ -94,6 +94,13 @@ def test_corrupt_database_is_named(finished_run, capsys):
     _fails_naming(capsys, finished_run.parent, str(path))
 
 
+def test_corrupt_run_json_is_named(finished_run, capsys):
+    """run.json gives CSV rows their pipeline stage and says whether collectives' inputs were recorded."""
+    path = finished_run / "run.json"
+    path.write_text(path.read_text()[:40])
+    _fails_naming(capsys, finished_run.parent, str(path))
+
+
 def test_missing_or_empty_directory_is_a_clear_error(tmp_path, capsys):
     _fails_naming(capsys, tmp_path / "nope", "no such directory")
     _fails_naming(capsys, tmp_path, "no rank_<R> directories")

@@ -97,7 +97,8 @@ def test_defaults_equal_msprobe():
     cfg = load_config({})
     for key, value in MSPROBE_DEFAULTS.items():
         assert getattr(cfg, key) == value, key
-    assert cfg.cc_distribution == CCConfig(enable=False, cc_codeline=[], cc_pre_hook=False, cc_log_only=False)
+    # deliberate difference: collectives' inputs are recorded by default (msprobe: cc_pre_hook false)
+    assert cfg.cc_distribution == CCConfig(enable=False, cc_codeline=[], cc_pre_hook=True, cc_log_only=False)
     assert cfg.alert.rules == [] and cfg.alert.dump is False and cfg.alert.action == "warn"
     assert (cfg.sentinel, cfg.strict, cfg.params_have_main_grad) == (False, False, None)
     assert MonitorConfig() == cfg

@@ -76,3 +76,21 @@ def test_outputs_without_recorded_inputs_are_not_guessed():
 
 def test_no_collective_involved():
     assert attribute([event(0, 1, "actv", "blocks.0", micro=0)]) is None
+
+
+def test_ranks_reached_by_an_unattributed_collective_are_not_taken_for_origins():
+    """TP2 x PP2 without collectives' inputs: the stage's TP all-reduce spread the inf to both TP ranks, whose
+    grads then go back through p2p. Either could have started it: no origin is named."""
+    comm = dict(family="comm", phase="communication")
+    events = [
+        *[event(r, 1, module="all_reduce[2,3]@tp#0.output", call=10, **comm) for r in (2, 3)],
+        event(2, 1, module="isend[2->0]@pp#0.input", call=20, **comm),
+        event(3, 1, module="isend[3->1]@pp#0.input", call=20, **comm),
+    ]
+    result = attribute(events)
+    assert (result["origin_rank"], result["unattributed"]) == (None, ["all_reduce[2,3]@tp#0"])
+
+
+def test_a_group_of_one_rank_carries_nothing_across_ranks():
+    """Megatron's data-parallel groups of one rank (TP2 x PP2 on 4 processes) reduce only the rank's own values."""
+    assert attribute([event(2, 1, "comm", "all_reduce[2]@13#0.output", phase="communication")]) is None

@@ -56,6 +56,29 @@ def test_file_names_columns_and_one_row_per_key(output_dir, write_config):
     assert grads.dtype.unique().tolist() == ["torch.float32"]
 
 
+def test_rows_follow_the_ranks_order_of_events(output_dir, write_config):
+    """Activations are reduced in batches, and one modified in place (by the ReLU) in its own hook from step 1 on,
+    so records reach the writer out of order; a CSV row has no call index, so its position must carry the
+    order (nan-analyze reads it from CSV alone)."""
+    import sqlite3
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(xy_distribution=True, forward_only=True, ops=["norm"], format=["csv", "db"]))
+    monitor.set_monitor(model, optimizer=optimizer)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    monitor.stop()
+    with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
+        by_call = [name for (name,) in conn.execute(
+            "SELECT t.name FROM records r JOIN tags t ON t.id = r.tag_id WHERE t.family = 'actv' AND r.step = 1 "
+            "ORDER BY r.call_index")]
+    written = read_family(monitor.output_dir, "actv")
+    assert "0.output" in by_call and list(written[written.step == 1].name) == by_call
+
+
 def test_figures_equal_direct_torch_computations(output_dir, write_config):
     """Replays the same run without the monitor and computes every figure with torch directly."""
     steps, ga = 3, 2

@@ -1,16 +1,13 @@
 """Merging the records of a tensor's pieces gives the record of the whole tensor (single process)."""
 import math
 
-import pytest
 import torch
 
-from trainmon import TrainerMon
 from trainmon.monitor import stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.patching import patch_attribute
 from trainmon.monitor.shard_merge import identity_record, merge_gathered, piece_records
 from trainmon.monitor.state import HookState
-from training import make_model
 
 
 def test_merged_pieces_equal_the_whole_tensor():

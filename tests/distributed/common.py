@@ -107,17 +107,32 @@ def finish(monitor, out_dir: str = None, patched_objects=()) -> None:
 
 def inject_inf(module: nn.Module, spec: str, rank: int, current_step) -> None:
     """Puts an inf into element [0, 0, 0] of `module`'s output (the first element of a tuple output) on
-    the rank and step of `spec` ("RANK:STEP"); `current_step()` tells the running step.
+    the rank and step of `spec` ("RANK:STEP[:MICRO]"), with MICRO only in the module's MICRO-th call of
+    that step (its micro-batch); `current_step()` tells the running step.
 
     Register it before the monitor's hooks, so the output the monitor sees already carries the inf.
     """
-    bad_rank, bad_step = (int(v) for v in spec.split(":"))
+    bad_rank, bad_step, *micro = (int(v) for v in spec.split(":"))
+    calls = {}
 
     def hook(module, inputs, output):
-        if rank != bad_rank or current_step() != bad_step:
+        step = current_step()
+        calls[step] = call = calls.get(step, -1) + 1
+        if rank != bad_rank or step != bad_step or (micro and call != micro[0]):
             return None
         hidden = (output[0] if isinstance(output, tuple) else output).clone()
         hidden[0, 0, 0] = float("inf")
         return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
 
     module.register_forward_hook(hook)
+
+
+# cc_distribution of the jobs' `--cc` modes: "on" is `{"enable": true}` alone, as a user would turn it on.
+CC_MODES = {"off": {"enable": False}, "on": {"enable": True}, "no-inputs": {"enable": True, "cc_pre_hook": False}}
+
+
+def injection_config() -> dict:
+    """What a fault-injection job records: the sentinel and AnomalyNan online, forward activations, csv and db
+    (CSV needs the `infs` op to show an inf)."""
+    return dict(sentinel=True, alert={"rules": [{"rule_name": "AnomalyNan"}]}, xy_distribution=True,
+                forward_only=True, format=["csv", "db"], ops=["norm", "min", "max", "nans", "infs", "zeros", "mean"])

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
-from common import LocalGrads, TinyLM, Truth, batches, finish, inject_inf, write_config
+from common import CC_MODES, LocalGrads, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -25,7 +25,8 @@ parser.add_argument("--stage", type=int, required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--bf16", action="store_true", help="bf16 weights; with --stage 1, DeepSpeed's BF16_Optimizer")
-parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
+parser.add_argument("--inject", metavar="RANK:STEP[:MICRO]", help="put an inf into blocks.0's output there")
+parser.add_argument("--cc", default="off", choices=list(CC_MODES), help="cc_distribution: off, on, or no-inputs")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 
@@ -48,8 +49,9 @@ rank = dist.get_rank()
 step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf(engine.module.blocks[0], args.inject, rank, lambda: step)
-extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), mg_direction=True, **extra))
+extra = injection_config() if args.inject else {}
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), mg_direction=True,
+                                  cc_distribution=CC_MODES[args.cc], **extra))
 monitor.set_monitor(engine, optimizer=optimizer)
 
 

@@ -1,6 +1,8 @@
 """Megatron-Core GPT (scripts/train_megatron.py) under TrainerMon, with full tensors gathered for comparison.
 
   torchrun --nproc_per_node=N job_megatron.py --out DIR [train_megatron.py options: --tp, --pp, --distopt]
+  # --inject 1:1:1 --inject-module 0:module.decoder.layers.0.mlp.linear_fc1: an inf on rank 1 at step 1,
+  # micro-step 1, in that module of chunk 0 (global layer 2 when 2 layers precede it), sentinel and alerts on
 """
 import argparse
 import os
@@ -13,13 +15,16 @@ import torch
 import torch.distributed as dist
 
 import train_megatron
-from common import Truth, finish, inject_inf, write_config
+from common import CC_MODES, Truth, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
 
 own = argparse.ArgumentParser()
 own.add_argument("--out", required=True)
-own.add_argument("--cc", action="store_true", help="also record collectives and p2p ops (cc_distribution)")
-own.add_argument("--inject", metavar="RANK:STEP", help="put an inf into the last layer's output on RANK at STEP")
+own.add_argument("--cc", nargs="?", const="on", default="off", choices=list(CC_MODES),
+                 help="record collectives and p2p ops (cc_distribution): on, or no-inputs (cc_pre_hook off)")
+own.add_argument("--inject", metavar="RANK:STEP[:MICRO]", help="put an inf into a module's output there")
+own.add_argument("--inject-module", metavar="CHUNK:PATH", help="where --inject puts it (default: the last chunk's "
+                 "last layer); PATH as the chunk's named_modules() names it")
 own.add_argument("--xy", action="store_true", help="also record activations and their grads (xy_distribution)")
 known, rest = own.parse_known_args()
 out = known.out
@@ -31,13 +36,17 @@ from megatron.core import parallel_state as ps
 rank = dist.get_rank()
 step = 0
 if known.inject:  # the module's output as the monitor sees it carries the inf
-    inject_inf(chunks[-1].module.decoder.layers[-1], known.inject, rank, lambda: step)
-extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if known.inject else {}
+    if known.inject_module:
+        chunk, _, path = known.inject_module.partition(":")
+        target = dict(chunks[int(chunk)].named_modules())[path]
+    else:
+        target = chunks[-1].module.decoder.layers[-1]
+    inject_inf(target, known.inject, rank, lambda: step)
+extra = injection_config() if known.inject else {}
 if known.xy:
     extra = dict(xy_distribution=True)
-monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"),
-                                  cc_distribution={"enable": known.cc, "cc_pre_hook": known.cc}, mg_direction=True,
-                                  **extra))
+monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
+                                  mg_direction=True, **extra))
 monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import (SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels,
-                    assert_unpatched, differing, nan_analyze, the_run)
+from verify import (SHARDED_FAMILIES, assert_injection_named, assert_norms_match, assert_reduced_is_the_mean,
+                    assert_same_labels, assert_unpatched, differing, the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
@@ -60,8 +60,14 @@ def test_bf16_optimizer_two_ranks(tmp_path):
     assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))
 
 
-def test_zero2_inf_on_rank_1_is_traced_to_it(tmp_path):
+@pytest.mark.parametrize("cc", ["off", "on"])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_inf_on_rank_1_is_named_first(tmp_path, stage, cc):
+    """An inf put into rank 1's blocks.0 output at step 1 (a hook registered before set_monitor) reaches rank 0
+    only through the grad reduction: the online alert and nan-analyze, from every source, name rank 1."""
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", "2", "--out", str(tmp_path), "--inject", "1:1"], output_dir)
-    first = nan_analyze(the_run(output_dir))["first"]
-    assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "blocks.0", "forward")
+    log = torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path), "--cc", cc,
+                                           "--inject", "1:1:0"], output_dir)
+    assert "anomaly at rank 1 step 1 micro-step 0: blocks.0 forward output (sentinel" in log
+    assert_injection_named(the_run(output_dir), tmp_path, dict(rank=1, step=1, micro_step=0, module="blocks.0",
+                                                               phase="forward"), cc)

@@ -10,9 +10,10 @@ import pytest
 from launch import torchrun
 from test_csv_output import read_family
 from trainmon.anomaly.cross_rank import attribute
-from trainmon.anomaly.run_inputs import rank_dirs, rank_events
+from trainmon.anomaly.run_inputs import rank_dirs, rank_events, read_metadata
 from trainmon.monitor.collective_ops import parse_comm_name
-from verify import assert_norms_match, assert_same_labels, assert_unpatched, differing, nan_analyze, norms, the_run
+from verify import (assert_injection_named, assert_norms_match, assert_same_labels, assert_unpatched, differing,
+                    nan_analyze, norms, the_run)
 
 pytest.importorskip("megatron.core")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "mg_direction")
@@ -155,11 +156,41 @@ def test_pipeline_inf_on_rank_1_is_traced_through_p2p(tmp_path):
     assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "decoder.layers.1", "forward")
     # the collectives' records say how it spread: rank 1 -> isend[1->3] -> rank 3 (the next stage), and the
     # data-parallel grad reduction took it to the other replica's ranks
-    events = sorted((e for r, d in rank_dirs(Path(run)).items() for e in rank_events(r, d)[0]),
-                    key=lambda e: e.order_key())
-    result = attribute(events)
+    result = attribute([e for r, d in rank_dirs(Path(run)).items() for e in rank_events(r, d, read_metadata(d))[0]])
     assert result["origin_rank"] == 1 and result["origin"]["module"] == "decoder.layers.1"
     link = result["chain"][0]
     assert (link["step"], link["from"], link["to"]) == (1, [1], [3]) and "[1->3]" in link["via"]
     step_1 = [link for link in result["chain"] if link["step"] == 1]
     assert {rank for link in step_1 for rank in link["to"]} - {1} == {0, 2, 3}, step_1
+
+
+# Where each layout gets its inf: a rank of pipeline stage 1, in the first layer of one of its chunks, whose local
+# name (decoder.layers.0) is stage 0's too; 2 layers per chunk, so its global number tells the virtual stage.
+INJECTED = {  # layout: (processes, options, rank, chunk, global name)
+    "pp2": (2, ["--pp", "2"], 1, 0, "decoder.layers.2.mlp.linear_fc1"),
+    "tp2xpp2": (4, ["--tp", "2", "--pp", "2"], 3, 0, "decoder.layers.2.mlp.linear_fc1"),  # stage 1, TP rank 1
+    "pp2xvpp2": (2, ["--pp", "2", "--vpp", "2"], 1, 1, "decoder.layers.6.mlp.linear_fc1"),  # virtual stage 3 of 4
+}
+
+
+@pytest.mark.parametrize("layout, cc", [("pp2", "off"), ("pp2", "on"), ("tp2xpp2", "off"), ("tp2xpp2", "on"),
+                                        ("tp2xpp2", "no-inputs"), ("pp2xvpp2", "off"), ("pp2xvpp2", "on")])
+def test_inf_on_a_later_stage_is_named_first(tmp_path, layout, cc):
+    """An inf put into stage 1's forward at step 1, micro-step 1 (a hook registered before set_monitor) reaches
+    stage 0 only in backward, and stage 1's TP peer only through the row-parallel all-reduce: the online alert
+    and nan-analyze, from every source and with or without collectives, name the injected forward."""
+    processes, options, rank, chunk, module = INJECTED[layout]
+    output_dir = tmp_path / "monitor_output"
+    log = torchrun("job_megatron.py", processes,
+                   ["--out", str(tmp_path), *options, "--cc", cc, "--inject", f"{rank}:1:1",
+                    "--inject-module", f"{chunk}:module.decoder.layers.0.mlp.linear_fc1"], output_dir)
+    assert f"anomaly at rank {rank} step 1 micro-step 1: {module} forward output_0 (sentinel" in log
+    # TP shards' records are merged with trainmon's own all-gather, which uses torch's current API
+    assert "all_gather_into_tensor` is deprecated" not in log
+    expected = dict(rank=rank, step=1, micro_step=1, module=module, phase="forward")
+    run = the_run(output_dir)
+    assert_injection_named(run, tmp_path, expected, cc, csv_peers=[2] if layout == "tp2xpp2" else [])
+    if cc == "no-inputs":  # the TP all-reduces cannot be traced, and the text report says what would fix it
+        report = nan_analyze(run, text=True)
+        assert "could not attribute" in report and "all_reduce[2,3]" in report, report
+        assert "rank(s) 0, 1, 2, 3 did not record collectives' inputs: set cc_distribution.cc_pre_hook" in report

@@ -101,15 +101,15 @@ def assert_same_labels(run_dir: str, families, rank_a: int, rank_b: int) -> None
         assert not differ, f"{family}: dtype labels differ between ranks {rank_a} and {rank_b}: {differ[:3]}"
 
 
-def nan_analyze(run_dir: str) -> dict:
-    """`trainmon nan-analyze --json` of a run, as a user would run it."""
+def nan_analyze(run_dir: str, text: bool = False):
+    """`trainmon nan-analyze --json` of a run (its text report with `text`), as a user would run it."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "trainmon.cli", "nan-analyze", "--json", run_dir],
+    done = subprocess.run([sys.executable, "-m", "trainmon.cli", "nan-analyze", run_dir] + ([] if text else ["--json"]),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return done.stdout if text else json.loads(done.stdout)
 
 
 def assert_unpatched(out_dir, ranks) -> None:
@@ -117,3 +117,53 @@ def assert_unpatched(out_dir, ranks) -> None:
     for rank in ranks:
         restored = json.load(open(os.path.join(out_dir, f"restored.rank{rank}.json")))
         assert restored["objects"] > 0 and restored["leftovers"] == [], restored
+
+
+WHERE = ("rank", "step", "micro_step", "module", "phase")
+
+
+def source_variants(run_dir: str, copies) -> dict:
+    """{variant: run directory}: the run itself ("all": csv, db, anomalies.jsonl), and copies of it as other
+    configs would have written it: "db" (no CSV files), "csv" (no monitor.db) and "csv-only" (the CSV files
+    and run.json: neither the sentinel nor alert rules were on)."""
+    import shutil
+
+    out = {"all": run_dir}
+    for variant, ignored in (("db", ("*.csv",)), ("csv", ("monitor.db*",)),
+                             ("csv-only", ("anomalies.jsonl", "monitor.db*"))):
+        out[variant] = str(copies / variant)
+        shutil.copytree(run_dir, out[variant], ignore=shutil.ignore_patterns(*ignored))
+    return out
+
+
+def assert_injection_named(run_dir: str, copies, expected: dict, cc: str, csv_peers=()) -> None:
+    """The injected inf (`expected`: rank, step, micro_step, module, phase) is what the online alert of its rank
+    names first, and what `nan-analyze --json` names first from every source; with collectives recorded (and
+    their inputs, `cc` "on"), their records trace it to the injected rank.
+
+    From CSV rows alone (no call indices) ranks of the same stage are ties: there the injected record may be
+    listed among the ties of one of the `csv_peers` ranks.
+    """
+    from trainmon.anomaly.nan_analyze import analyze
+
+    rank_dir = os.path.join(run_dir, f"rank_{expected['rank']}")
+    online = [json.loads(line) for line in open(os.path.join(rank_dir, "anomalies.jsonl"))]
+    assert min(r["step"] for r in online) == expected["step"], "nothing anomalous before the injection"
+    first_online = next(r for r in online if r["first"] and r["step"] == expected["step"])
+    assert {k: first_online[k] for k in WHERE} == expected, first_online
+    # the run as a user would analyse it; the copies in this process (one CLI start costs seconds)
+    reports = {variant: nan_analyze(path) if variant == "all" else analyze(path)
+               for variant, path in source_variants(run_dir, copies).items()}
+    for variant, report in reports.items():
+        named = [{k: place[k] for k in WHERE} for place in [report["first"]] + report["ties"]]
+        if variant == "csv-only" and named[0]["rank"] in csv_peers:
+            assert expected in named, (variant, named)
+        else:
+            assert named[0] == expected, (variant, report["first"])
+        cross = report["cross_rank"]
+        if cc == "off":
+            assert cross is None, variant
+        elif cc == "on":
+            assert cross["origin_rank"] == expected["rank"] and cross["unattributed"] == [], (variant, cross)
+    # the record also read from CSV is reported from a source that has its call index
+    assert reports["all"]["first"]["call_index"] is not None and reports["csv-only"]["first"]["call_index"] is None

@@ -11,7 +11,9 @@ number within the step; p2p: source, destination). Over the non-finite records o
 
 Calls are followed in causal order: a call happens at once on every rank taking part, so the calls are
 ordered to keep each rank's own order of them (its call indices). A rank that passes on non-finite
-values without having received them through an earlier call is an origin. The result names the origin
+values without having received them through an earlier call is an origin; a collective whose non-finite
+outputs no recorded input explains is unattributed, and its ranks are not taken for origins (they got
+the values from somewhere). The result names the origin
 rank's earliest non-finite record and the chain rank → call → ranks, where consecutive calls of one
 series (same op and group, same ranks on either side) form one link.
 """
@@ -23,6 +25,7 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.ordering import order_key
 from trainmon.monitor.collective_ops import P2P, parse_comm_name
 from trainmon.monitor.records import COMM
 
@@ -38,12 +41,15 @@ def _calls(events: Sequence[AnomalyEvent]) -> list[dict]:
     calls: dict[tuple, dict] = {}
     for position, event in enumerate(events):
         parsed = parse_comm_name(event.module) if event.family == COMM else None
-        if parsed is None:
+        if parsed is None or len(parsed["ranks"]) == 1:  # a group of one rank moves nothing between ranks
             continue
         key = _call_key(event.step, parsed)
         name = event.module.rsplit(".", 1)[0]
         call = calls.setdefault(key, {"step": event.step, "name": name, "series": name.rsplit("#", 1)[0],
                                       "sources": set(), "reached": set(), "p2p": parsed["op"] in P2P, "at": {}})
+        if call["p2p"] and event.rank == parsed["src"]:
+            # A p2p call is named by its send, whichever end's record sorts first.
+            call["name"], call["series"] = name, name.rsplit("#", 1)[0]
         index = math.inf if event.call_index is None else event.call_index
         call["at"].setdefault(event.rank, (event.step, index, position))
         if call["p2p"]:
@@ -91,7 +97,7 @@ def attribute(events: Sequence[AnomalyEvent]) -> Optional[dict]:
     """The origin of the non-finite values and their spread, from the collectives among `events`.
 
     Args:
-        events: non-finite records of every rank, ordered by the ordering key (earliest first).
+        events: non-finite records of every rank, in any order (they are taken in the ordering key's).
 
     Returns:
         None when no collective carried non-finite values; else {origin_rank, origin (the `where()` of
@@ -100,6 +106,7 @@ def attribute(events: Sequence[AnomalyEvent]) -> Optional[dict]:
         series), unattributed [call names whose non-finite outputs have no recorded
         non-finite input: record inputs with cc_pre_hook]}.
     """
+    events = sorted(events, key=order_key)
     calls = [c for c in _calls(events) if c["reached"] - c["sources"] or c["p2p"]]
     if not calls:
         return None
@@ -108,7 +115,10 @@ def attribute(events: Sequence[AnomalyEvent]) -> Optional[dict]:
     chain, unattributed = [], []
     for call in _causal_order(calls):
         if not call["sources"]:
+            # Its ranks got non-finite values from an unknown rank: none of them is taken for an origin.
             unattributed.append(call["name"])
+            for rank in call["reached"]:
+                reached_by.setdefault(rank, call["name"])
             continue
         for rank in sorted(call["sources"]):
             if rank not in reached_by and rank not in origins:

@@ -1,4 +1,4 @@
-"""One anomaly: where it was seen (the ordering key), what tensor it was, which rule fired.
+"""One anomaly: where it was seen (its place in the ordering key), what tensor it was, which rule fired.
 
 Names: a record's `RecordKey.name` is split into `module` and `tensor`.
 - Activations (`actv`): `<module>.<leaf>` -> module `<module>`, tensor `input`, `input_<i>`, `output`,
@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from trainmon.anomaly import ordering
 from trainmon.monitor.records import (ACTV, ACTV_GRAD, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
                                       GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
                                       PARAM_UPDATED, PHASES)
@@ -33,7 +34,6 @@ PARAM_TENSORS = {
     MG_DIRECTION: "mg_direction",
 }
 SCALAR_PHASE = "scalar"  # anomalies of values given to `log_scalar`
-_LAST = math.inf  # per-step records (no micro-step) and unknown call indices sort last
 
 
 def split_name(family: str, name: str) -> tuple[str, str]:
@@ -68,9 +68,8 @@ class AnomalyEvent:
     first: bool = False
 
     def order_key(self) -> tuple:
-        """`(step, micro_step, rank, pp_stage, vpp_stage, call_index)`; missing parts sort last."""
-        return (self.step, _LAST if self.micro_step is None else self.micro_step, self.rank, self.pp_stage,
-                self.vpp_stage, _LAST if self.call_index is None else self.call_index)
+        """The ordering key (`ordering.order_key`): sort by it, earliest first."""
+        return ordering.order_key(self)
 
     @property
     def nonfinite(self) -> bool:

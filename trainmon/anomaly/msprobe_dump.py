@@ -15,7 +15,9 @@ msprobe's dump.json format, as used here:
   (torch's max and min propagate NaN), which is where msprobe's own analysis looks for them too.
 
 Each non-finite tensor becomes one event: rank from the rank directory, step from the step directory,
-`call_index` = the entry's position in dump.json, `micro_step` None (msprobe has no micro-steps). Module
+`call_index` = the entry's position in dump.json, `micro_step` None (msprobe has no micro-steps), and the
+phase of the entry (`forward` or `backward`, which is when its tensors were seen, parameters and
+collectives included: the ordering key puts phase before call index). Module
 entries name the module path (`<path>#<n>` for its n-th extra call in the step); API entries name the call
 (`Functional.linear.3`); the tensor is `input_args_<i>`, `input_kwargs_<key>`, `input_<i>` or `output_<i>`
 (`_<j>` per level of nesting). Parameters and their gradients are named like trainmon's own records
@@ -29,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
-from trainmon.anomaly.events import AnomalyEvent, phase_of
+from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.msprobe_comm import CommNamer, gap_notes, is_tensor, known_op
 from trainmon.anomaly.run_inputs import InputError
 from trainmon.monitor.collective_ops import compact_ranks
@@ -150,7 +152,7 @@ def read_dump_json(path: Path, step: int, rank: int) -> tuple[list[AnomalyEvent]
             if value is not None and not math.isfinite(value[1]):
                 events.append(AnomalyEvent(rank=rank, step=step, micro_step=None, pp_stage=0, vpp_stage=0,
                                            call_index=index, module=module,
-                                           phase=place.phase if family in (ACTV, ACTV_GRAD) else phase_of(family),
+                                           phase=place.phase,
                                            tensor=tensor, op=value[0], value=value[1], rule=RULE, family=family))
     return events, namer.gaps, tensors > 0 and not with_stats
 

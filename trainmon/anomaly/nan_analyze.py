@@ -1,15 +1,17 @@
 """Post-mortem: where did non-finite values first appear in a run, and where did they spread?
 
 Reads every rank's `anomalies.jsonl`, `monitor.db` and CSV files, sorts the non-finite records by the
-ordering key `(step, micro_step, rank, pp_stage, vpp_stage, call_index)` and reports the earliest one
-(`first`), and the chain: the first appearance of each other (rank, module, phase), in key order.
-Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the rank
-they started on is found from them (`cross_rank`) and `first` is that rank's earliest record;
-without them, the earliest step and micro-step wins and the other ranks non-finite at the same step
-and micro-step are listed as `ties`, not guessed.
+ordering key (`ordering`: step, micro-step, phase, pipeline stage, call index, rank) and reports the
+earliest one (`first`), and the chain: the first appearance of each other (rank, module, phase), in key
+order. Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the
+rank they started on is found from them (`cross_rank`) and `first` is that rank's earliest record;
+without them, the key decides, and the other ranks non-finite at the same stage place (step,
+micro-step, phase, stage) are listed as `ties`, not guessed. Collectives whose non-finite outputs no
+recorded input explains are named, with the config key that records their inputs when that was off.
 
-CSV files carry no call index: within a step and micro-step their rows are ordered by phase
-(forward, backward, optimizer) and then by file order, and `call_index` is reported as null.
+CSV files carry no call index (`call_index` is reported as null): within their stage place their rows
+follow the indexed records, in file order. A record read from several sources is reported once, from
+a source that has its call index.
 
 msprobe dump directories (`step<N>/rank<R>/dump.json`) are read instead when `path` is one
 (msprobe_dump), with the same report.
@@ -22,38 +24,43 @@ from typing import Optional
 from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
 from trainmon.anomaly.msprobe_dump import read_dump
-from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events
+from trainmon.anomaly.ordering import order_key, stage_place
+from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events, read_metadata
 
-_PHASE_ORDER = {"forward": 0, "backward": 1, "communication": 2, "optimizer": 3}
-
-
-def _sort_key(indexed: tuple[int, AnomalyEvent]) -> tuple:
-    position, event = indexed
-    return event.order_key() + (_PHASE_ORDER.get(event.phase, 4), position)
+# The config key that records collectives' inputs, without which a collective's non-finite outputs
+# cannot be traced back to the rank that fed it the non-finite values.
+INPUTS_KEY = "cc_distribution.cc_pre_hook"
 
 
-def _dedupe(events: list[AnomalyEvent]) -> list[AnomalyEvent]:
-    """One event per tensor record; a record read from several sources keeps its earliest, indexed copy."""
-    seen, out = set(), []
-    for event in events:
-        ident = (event.rank, event.step, event.micro_step, event.family, event.module, event.tensor)
-        if ident not in seen:
-            seen.add(ident)
-            out.append(event)
-    return out
+def _dedupe(ordered: list[AnomalyEvent]) -> list[AnomalyEvent]:
+    """One event per tensor record, in key order; of a record read from several sources, the copy that
+    has a call index (the database's or anomalies.jsonl's, not a CSV row's) is kept."""
+    chosen: dict[tuple, AnomalyEvent] = {}
+    for event in ordered:
+        ident = (event.rank, event.step, event.micro_step, event.vpp_stage, event.family, event.module,
+                 event.tensor)
+        kept = chosen.get(ident)
+        if kept is None or (kept.call_index is None and event.call_index is not None):
+            chosen[ident] = event
+    return sorted(chosen.values(), key=order_key)
 
 
-def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent]]:
-    """(run directory, sources {rank: [files]}, notes, events) of a trainmon run or output root."""
+def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent], list[int]]:
+    """(run directory, sources {rank: [files]}, notes, events, ranks that did not record collectives'
+    inputs) of a trainmon run or output root."""
     run_dir, note = find_run(path)
     notes = [note] if note else []
-    sources, everything = {}, []
+    sources, everything, without_inputs = {}, [], []
     for rank, directory in rank_dirs(run_dir).items():
-        events, used, rank_notes = rank_events(rank, directory)
+        metadata = read_metadata(directory)
+        events, used, rank_notes = rank_events(rank, directory, metadata)
         sources[str(rank)] = used
         notes += rank_notes
         everything += events
-    return str(run_dir), sources, notes, everything
+        cc = metadata.get("config", {}).get("cc_distribution", {})
+        if cc.get("enable") and not cc.get("cc_pre_hook"):
+            without_inputs.append(rank)
+    return str(run_dir), sources, notes, everything, without_inputs
 
 
 def analyze(path: str | Path) -> dict:
@@ -63,22 +70,26 @@ def analyze(path: str | Path) -> dict:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, nonfinite_records, first
         ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
         (first plus op, value, rule, family), ties and chain (lists shaped like first), cross_rank
-        (`cross_rank.attribute`'s result, or None without collective records).
+        (`cross_rank.attribute`'s result plus `inputs_not_recorded_on`, the ranks that ran with
+        cc_distribution on and cc_pre_hook off; None without collective records).
 
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    run, sources, notes, everything = read_dump(Path(path)) or _read_run(Path(path))
-    ordered = _dedupe([e for _, e in sorted(enumerate(everything), key=_sort_key)])
+    dump = read_dump(Path(path))
+    run, sources, notes, everything, without_inputs = (*dump, []) if dump else _read_run(Path(path))
+    ordered = _dedupe(sorted(everything, key=order_key))
     first: Optional[AnomalyEvent] = ordered[0] if ordered else None
     cross = attribute(ordered)
-    if cross is not None and cross["origin"] is not None:
-        first = next(e for e in ordered if e.where() == cross["origin"])
+    if cross is not None:
+        cross["inputs_not_recorded_on"] = without_inputs
+        if cross["origin"] is not None:
+            first = next(e for e in ordered if e.where() == cross["origin"])
     ties, chain, reached = [], [], set()
-    if first is not None and cross is None:
+    if first is not None and (cross is None or cross["origin_rank"] is None):
         tied_ranks = {first.rank}
         for event in ordered[1:]:
-            if (event.step, event.micro_step) == (first.step, first.micro_step) and event.rank not in tied_ranks:
+            if stage_place(event) == stage_place(first) and event.rank not in tied_ranks:
                 tied_ranks.add(event.rank)
                 ties.append(event.where())
     if first is not None:
@@ -101,6 +112,26 @@ def analyze(path: str | Path) -> dict:
         "chain": chain,
         "cross_rank": cross,
     }
+
+
+def _unattributed_lines(cross: dict) -> list[str]:
+    """What the report could not trace: collectives with non-finite outputs and no non-finite input, by series
+    (op and group; the calls of one series differ only in their sequence number)."""
+    names = cross["unattributed"]
+    if not names:
+        return []
+    series: dict[str, int] = {}
+    for name in names:
+        key = name.rsplit("#", 1)[0]
+        series[key] = series.get(key, 0) + 1
+    listed = ", ".join(f"{key} ({count} call{'s' if count > 1 else ''})" for key, count in series.items())
+    lines = [f"could not attribute {len(names)} collective call(s) with non-finite outputs, as no non-finite input "
+             f"of theirs was recorded: {listed}"]
+    missing = cross["inputs_not_recorded_on"]
+    if missing:
+        lines.append(f"  rank(s) {', '.join(map(str, missing))} did not record collectives' inputs: set "
+                     f"{INPUTS_KEY} to true (the default) to attribute them")
+    return lines
 
 
 def _json_value(value: float):
@@ -128,11 +159,14 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     if came_with_input_batch(first):
         lines.append(f"  {INPUT_BATCH_ORIGIN}")
     if result["ties"]:
-        lines.append("also non-finite at the same step and micro-step (order across ranks unknown):")
+        lines.append("also non-finite at the same step, micro-step, phase and pipeline stage (order across ranks "
+                     "unknown; records of collectives, cc_distribution, would decide):")
         lines += [f"  {_place(t)}" for t in result["ties"]]
-    if result["cross_rank"] is not None:
+    cross = result["cross_rank"]
+    if cross is not None:
         lines.append("spread across ranks through collectives:")
-        lines += [f"  {line}" for line in format_chain(result["cross_rank"])]
+        lines += [f"  {line}" for line in format_chain(cross)]
+        lines += _unattributed_lines(cross)
     chain = result["chain"]
     lines.append(f"then reached {len(chain)} more module/phase place(s), in order:" if chain
                  else "it reached no other module")

@@ -1,7 +1,7 @@
 """The online anomaly processor: a sink that judges every step batch in the writer thread.
 
 Per rank and step it logs one line naming the earliest anomalous record by the ordering key
-`(step, micro_step, rank, pp_stage, vpp_stage, call_index)` and how many others there were, and
+(`ordering`, the same key nan-analyze uses across ranks) and how many others there were, and
 appends every anomaly to `rank_<R>/anomalies.jsonl` (one JSON object per line, flushed per step).
 """
 from __future__ import annotations

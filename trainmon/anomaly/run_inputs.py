@@ -2,6 +2,7 @@
 
 Every reader returns AnomalyEvents in file order and raises InputError naming the file (and line)
 when a file is truncated or corrupt, so a post-mortem never silently reports from half the data.
+CSV rows carry no pipeline stage: it comes from the rank's `run.json` (`pp_stage`).
 """
 from __future__ import annotations
 
@@ -98,6 +99,21 @@ def read_db(path: Path, rank: int) -> list[AnomalyEvent]:
     return events
 
 
+# ----------------------------------------------------------------------------------------- run.json
+def read_metadata(rank_dir: Path) -> dict:
+    """The rank's `run.json` ({} when it has none)."""
+    path = rank_dir / "run.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path}: not a readable run.json ({err})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a run.json (expected a JSON object)")
+    return data
+
+
 # ---------------------------------------------------------------------------------------- CSV files
 def csv_files(rank_dir: Path) -> list[tuple[str, Path]]:
     """(family, path) of the statistic CSV files in a rank directory, by family and first step."""
@@ -109,7 +125,7 @@ def csv_files(rank_dir: Path) -> list[tuple[str, Path]]:
     return [(family, path) for family, _, path in sorted(found)]
 
 
-def read_csv(path: Path, family: str, rank: int) -> tuple[list[AnomalyEvent], bool]:
+def read_csv(path: Path, family: str, rank: int, pp_stage: int) -> tuple[list[AnomalyEvent], bool]:
     """Non-finite rows of one CSV file, and whether the file has a `nans` or `infs` column at all."""
     with open(path, newline="", encoding="utf-8") as fh:
         rows = csv.reader(fh)
@@ -130,7 +146,7 @@ def read_csv(path: Path, family: str, rank: int) -> tuple[list[AnomalyEvent], bo
                 found = [(op, float(row[col[op]])) for op in counted if row[col[op]] and float(row[col[op]]) > 0]
                 if found:
                     micro = row[col["micro_step"]] if "micro_step" in col else ""
-                    events.append(_record_event(rank, int(row[col["step"]]), int(micro) if micro else None, 0,
+                    events.append(_record_event(rank, int(row[col["step"]]), int(micro) if micro else None, pp_stage,
                                                 int(row[col["vpp_stage"]]), None, family, row[col["name"]],
                                                 *found[0]))
             except ValueError as err:
@@ -145,8 +161,8 @@ def _record_event(rank, step, micro, pp, vpp, call, family, name, op, value) -> 
                         rule="record", family=family)
 
 
-def rank_events(rank: int, rank_dir: Path) -> tuple[list[AnomalyEvent], list[str], list[str]]:
-    """All non-finite evidence of one rank: (events, sources read, notes)."""
+def rank_events(rank: int, rank_dir: Path, metadata: dict) -> tuple[list[AnomalyEvent], list[str], list[str]]:
+    """All non-finite evidence of one rank: (events, sources read, notes); `metadata` is its run.json."""
     events, sources, notes = [], [], []
     jsonl = rank_dir / ANOMALIES_FILE
     if jsonl.exists():
@@ -158,9 +174,13 @@ def rank_events(rank: int, rank_dir: Path) -> tuple[list[AnomalyEvent], list[str
         sources.append(DB_NAME)
     files = csv_files(rank_dir)
     if files:
+        pp_stage = metadata.get("pp_stage")
+        if not isinstance(pp_stage, int):
+            notes.append(f"rank {rank}: run.json names no pp_stage; its CSV rows are taken as pipeline stage 0")
+            pp_stage = 0
         without_counts = []
         for family, path in files:
-            found, counted = read_csv(path, family, rank)
+            found, counted = read_csv(path, family, rank, pp_stage)
             events += found
             if not counted:
                 without_counts.append(path.name)

@@ -1,5 +1,5 @@
 """`trainmon anomalies DIR --top K [--steps A-B]`: the earliest anomalies of a run, across ranks, in the
-order of the key (step, micro_step, rank, pp_stage, vpp_stage, call_index) (msprobe's anomaly_analyse)."""
+order of the ordering key (trainmon.anomaly.ordering) (msprobe's anomaly_analyse)."""
 from __future__ import annotations
 
 import argparse

@@ -12,6 +12,8 @@ Where trainmon differs from msprobe 26.x (which mostly logs a warning and carrie
 - `ndigits` counts significant digits (msprobe: decimal places), so small values are not printed as 0;
   its default stays msprobe's 6;
 - `forward_only` and `backward_only` both true is an error (msprobe warns and records neither);
+- `cc_distribution.cc_pre_hook` defaults to true, so turning on `cc_distribution` is enough to trace a
+  NaN across ranks;
 - integer keys take integral floats (`1e8`), never bools; `eps` may be an int.
 
 Environment variables are not read here: `MONITOR_OUTPUT_DIR` (output root, default
@@ -104,8 +106,9 @@ class CCConfig:
     """Record statistics of torch.distributed collectives and p2p ops (see README: what cannot be seen)."""
     cc_codeline: list[str] = _field(check_list(check_str, "code-line patterns"), factory=list)
     """Only collectives called from these code lines, e.g. "train.py\\\\[23\\\\]"; empty means all."""
-    cc_pre_hook: bool = _field(check_bool, default=False)
-    """Also record the inputs of collectives (before the call)."""
+    cc_pre_hook: bool = _field(check_bool, default=True)
+    """Also record the inputs of collectives (before the call). On by default (msprobe: off): without
+    them nan-analyze cannot tell which rank fed a collective its non-finite values."""
     cc_log_only: bool = _field(check_bool, default=False)
     """Only log the collectives used (stack, dtype, group) and stop after the first step."""
 

@@ -1,11 +1,13 @@
 """What a forward pass of the model is: a training micro-step or an evaluation forward.
 
-A micro-step is one training forward/backward: a forward of the model (its first chunk) with grad
-enabled and the model in training mode. Evaluation and validation forwards (`torch.no_grad()`,
-`torch.inference_mode()`, `model.eval()`) take no micro-step number, so they do not shift the numbers of
-the training forwards; they are counted as evaluation passes instead. The decision is taken once, when
-the model's forward starts, because modules inside a training forward may legitimately run without grad
-(reentrant activation checkpointing) or in eval mode (a frozen submodule).
+A micro-step is one training forward/backward: a forward of a model chunk with grad enabled and the
+chunk in training mode. Evaluation and validation forwards (`torch.no_grad()`, `torch.inference_mode()`,
+`model.eval()`) take no micro-step number, so they do not shift the numbers of the training forwards;
+they are counted as evaluation passes instead. The decision is taken once, when the chunk's forward
+starts, because modules inside a training forward may legitimately run without grad (reentrant
+activation checkpointing) or in eval mode (a frozen submodule). Each chunk counts its own forwards: an
+interleaved pipeline schedule runs several micro-batches through one chunk before the next chunk sees
+the first.
 """
 from __future__ import annotations
 
@@ -21,29 +23,28 @@ def in_backward() -> bool:
 
 
 class ForwardPasses:
-    """Classifies and counts the forward passes of `root` in `state`."""
+    """Classifies and counts the forward passes of every model chunk in `state`."""
 
-    def __init__(self, state: HookState, root: torch.nn.Module):
+    def __init__(self, state: HookState, chunks: list[torch.nn.Module]):
         self.state = state
-        self.root = root
-        self._handle = None
+        self.chunks = chunks
+        self._handles: list = []
 
     def install(self) -> None:
+        for vpp, chunk in enumerate(self.chunks):
+            # First among the chunk's pre-hooks, so every other hook of this pass sees its micro-step.
+            self._handles.append(chunk.register_forward_pre_hook(self._pre_hook(vpp), prepend=True))
+
+    def _pre_hook(self, vpp: int):
         state = self.state
 
         def pre_hook(module, args):
-            if in_backward():  # the whole model run again by activation checkpointing: same micro-step
-                return
-            state.training_forward = module.training and torch.is_grad_enabled()
-            if state.training_forward:
-                state.forward_micro += 1
-            else:
-                state.eval_pass += 1
+            if not in_backward():  # a whole chunk run again by activation checkpointing: same micro-step
+                state.start_forward(vpp, module.training and torch.is_grad_enabled())
 
-        # First among the root's pre-hooks, so every other hook of this pass sees its micro-step.
-        self._handle = self.root.register_forward_pre_hook(pre_hook, prepend=True)
+        return pre_hook
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

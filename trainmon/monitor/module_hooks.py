@@ -156,7 +156,7 @@ class ActivationHooks:
             call = _OpenCall(collector.next_call_index())
             watched.open_calls.append(call)
             if self.backward and state.training_forward and torch.is_grad_enabled():
-                call.tap = _TapTarget(watched, state.micro, [])
+                call.tap = _TapTarget(watched, state.forward_micro(watched.vpp_stage), [])
                 return self._tap_inputs(call.tap, args, kwargs)
             return None
 
@@ -196,7 +196,7 @@ class ActivationHooks:
                 return  # its activations were recorded when it first ran
             training = state.training_forward
             collector = state.collector if training else state.eval_collector
-            micro = state.micro if training else state.eval_pass
+            micro = (state.forward_micro if training else state.eval_pass)(watched.vpp_stage)
             name = self._call_name(watched, (collector.step, training, micro))
             if training and self.backward and torch.is_grad_enabled():
                 if call.tap is not None:

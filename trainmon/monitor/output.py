@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from trainmon.anomaly import ordering
+
 DEFAULT_OUTPUT_DIR = "./monitor_output"
 logger = logging.getLogger("trainmon")
 
@@ -68,12 +70,15 @@ def rank_dir(run: str, rank: int) -> Path:
 
 
 def run_metadata(config: dict, rank: int, world_size: int, extra: dict) -> dict:
+    """run.json; readers take the pipeline stage of CSV rows (which have no column for it) from `extra`'s
+    `pp_stage`, and `ordering_key` says how they order records across ranks."""
     return {
         "rank": rank,
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "trainmon": _trainmon_version()},
+        "ordering_key": ordering.DESCRIPTION,
         "config": config,
         **extra,
     }

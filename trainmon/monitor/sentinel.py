@@ -112,7 +112,7 @@ class NanSentinel:
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
         self._probed: dict[int, tuple] = {}
-        self._backward_micro = 0
+        self._in_pass: dict[int, int] = {}  # vpp stage -> micro-step, of the grads seen in the running backward pass
         self._callback_queued = False
         self._grad_hook = state.guarded("NaN sentinel on activation grads", self._on_grad)
         self._dump: Optional[_ForwardDump] = None
@@ -168,7 +168,7 @@ class NanSentinel:
                 return
             if self._dump is not None:
                 self._dump.saw(name, "input", args, start=len(self.slots.keys) if name == "" else None)
-            micro = state.micro
+            micro = state.forward_micro(vpp)
             inputs = floating_leaves(values_at(input_places(args, kwargs), args, kwargs), None, f"{name}.input")
             if name == "":
                 self._probe(ACTV, [(n, t) for n, t in inputs if self._first_sight(t)], vpp, micro)
@@ -192,7 +192,9 @@ class NanSentinel:
 
     def _on_grad(self, consumer: _GradConsumer, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward()
-        self._probe(ACTV_GRAD, [(consumer.name, grad)], consumer.vpp_stage, consumer.micro)
+        vpp = consumer.vpp_stage
+        self._in_pass[vpp] = max(self._in_pass.get(vpp, 0), consumer.micro)
+        self._probe(ACTV_GRAD, [(consumer.name, grad)], vpp, consumer.micro)
 
     def _make_forward(self, name: str, vpp: int):
         state = self.state
@@ -200,7 +202,7 @@ class NanSentinel:
         def forward_hook(module, args, output):
             if not state.training_forward or in_backward():
                 return
-            micro = state.micro
+            micro = state.forward_micro(vpp)
             leaves = floating_leaves(output, None, f"{name}.output")
             self._probe(ACTV, [(n, t) for n, t in leaves if self._first_sight(t)], vpp, micro)
             if self._dump is not None:
@@ -226,13 +228,15 @@ class NanSentinel:
         return main_grad if main_grad is not None else param.grad
 
     def _end_of_backward(self) -> None:
-        """Probes every weight grad as accumulated so far, once per backward pass (micro-batch)."""
+        """Probes the weight grads, as accumulated so far, of the chunks whose backward this pass ran, under
+        the micro-step of the forward whose graph it ran (an interleaved pipeline schedule runs one chunk's
+        backward per pass, not in the order of the forwards)."""
         self._callback_queued = False
-        grads = [(name, self._grad(p), vpp) for name, p, vpp in self.params]
+        in_pass, self._in_pass = self._in_pass, {}
+        grads = [(name, self._grad(p), vpp) for name, p, vpp in self.params if vpp in in_pass]
         for vpp in sorted({vpp for _, g, vpp in grads if g is not None}):
             leaves = [(name, g) for name, g, v in grads if g is not None and v == vpp]
-            self._probe(GRAD_UNREDUCED, leaves, vpp, self._backward_micro)
-        self._backward_micro += 1
+            self._probe(GRAD_UNREDUCED, leaves, vpp, in_pass[vpp])
 
     # ----------------------------------------------------------------------------- step cycle
     def close_step(self) -> None:
@@ -245,7 +249,7 @@ class NanSentinel:
         self.slots.reset()
         self._consumers.clear()
         self._probed.clear()
-        self._backward_micro = 0
+        self._in_pass.clear()
 
     @property
     def pending(self) -> bool:
@@ -258,11 +262,16 @@ class NanSentinel:
         return None if filled is None else ~torch.isfinite(filled).all()
 
 
-def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: bool) -> NanSentinel:
-    """The sentinel over every module and trainable parameter of the model chunks (vpp stage = index)."""
-    modules = [(display_name(name, squash_name), module, vpp)
+def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: bool,
+                 rename: Callable[[int, str], str]) -> NanSentinel:
+    """The sentinel over every module and trainable parameter of the model chunks (vpp stage = index).
+
+    `rename(vpp_stage, name)` is the adapter's: the sentinel writes the names every other family writes
+    (e.g. Megatron's global layer numbers, so stage 1's `layers.0` does not collide with stage 0's).
+    """
+    modules = [(rename(vpp, display_name(name, squash_name)), module, vpp)
                for vpp, chunk in enumerate(chunks) for name, module in chunk.named_modules()]
-    params = [(display_name(name, squash_name), param, vpp)
+    params = [(rename(vpp, display_name(name, squash_name)), param, vpp)
               for vpp, chunk in enumerate(chunks) for name, param in chunk.named_parameters() if param.requires_grad]
     return NanSentinel(state, modules, params)
 

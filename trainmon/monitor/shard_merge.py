@@ -75,7 +75,7 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
     # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
     gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=device)
     with not_monitored():  # trainmon's own collective is not part of the training's communication
-        dist.all_gather_into_tensor(gathered, rows, group=group)
+        _all_gather_single(gathered, rows, group)
     # A rank that holds nothing of a parameter (not even an empty piece, see adapters.base) labels it with
     # the dtype of the pieces it does hold (one family's pieces share a dtype: fp32 main params, fp32
     # moments), so every rank writes the same. Only a rank holding nothing of any of them falls back to the
@@ -83,6 +83,13 @@ def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
     some = next((t for t in pieces if t is not None), None)
     keys = [_key(collector, family, w, t if t is not None else some, micro) for w, t in zip(params, pieces)]
     collector.record_rows(keys, merge_gathered(gathered.view(ranks, *rows.shape)))
+
+
+def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group) -> None:
+    # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning on every call, on every rank) in favour
+    # of all_gather_single, the same collective, which earlier releases do not have.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
 
 
 def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordKey:

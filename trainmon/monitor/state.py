@@ -27,23 +27,36 @@ class HookState:
         self.strict = strict
         self.collecting = False
         self.training_forward = False  # the running (or last) forward pass of the model is a training one
-        self.forward_micro = -1  # index of the running training forward (micro-step); -1 before the first
+        # Per model chunk (vpp stage): index of its running training forward (micro-step) and of its running
+        # evaluation forward since the last optimizer step. An interleaved pipeline schedule runs several
+        # micro-batches through one chunk before the next chunk sees the first.
+        self._forward_micro: dict[int, int] = {}
+        self._eval_pass: dict[int, int] = {}
         self.backward_micro = 0  # index of the running backward pass
-        self.eval_pass = -1  # index of the running evaluation forward since the last optimizer step
         self._failed: set[str] = set()
-
-    @property
-    def micro(self) -> int:
-        """The micro-step that records of the running training forward belong to."""
-        return max(self.forward_micro, 0)
 
     def start_step(self, step: int, collecting: bool) -> None:
         self.collector.step = step
         self.collecting = collecting
         self.training_forward = False
-        self.forward_micro = -1
+        self._forward_micro.clear()
+        self._eval_pass.clear()
         self.backward_micro = 0
-        self.eval_pass = -1
+
+    def start_forward(self, vpp_stage: int, training: bool) -> None:
+        """A forward pass of chunk `vpp_stage` starts (its root's forward pre-hook): a training micro-step
+        or an evaluation forward."""
+        self.training_forward = training
+        counts = self._forward_micro if training else self._eval_pass
+        counts[vpp_stage] = counts.get(vpp_stage, -1) + 1
+
+    def forward_micro(self, vpp_stage: int) -> int:
+        """The micro-step of chunk `vpp_stage`'s running training forward (0 before its first)."""
+        return self._forward_micro.get(vpp_stage, 0)
+
+    def eval_pass(self, vpp_stage: int) -> int:
+        """The number of chunk `vpp_stage`'s running evaluation forward since the last optimizer step."""
+        return self._eval_pass.get(vpp_stage, 0)
 
     def guarded(self, item: str, fn: Callable) -> Callable:
         """Wraps a hook so that an exception disables monitoring of `item` instead of training.

@@ -19,6 +19,8 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
         obj = obj[index] if index < len(obj) else None
     if isinstance(obj, torch.Tensor):
         leaves = [obj]
+    elif type(obj) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in obj):
+        leaves = obj  # what tree_flatten gives for a flat sequence (None is a leaf too), without its cost
     else:
         leaves = tree_flatten(obj)[0]
     single = len(leaves) == 1

@@ -129,7 +129,8 @@ class TrainerMon:
         self._metadata = run_metadata(
             dataclasses.asdict(self.config), self.rank, self.world_size,
             {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration,
-             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, **groups)})
+             "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, **groups),
+             "pp_stage": self._adapter.pp_stage()})
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_json(self.output_dir / "run.json", self._metadata)
@@ -179,7 +180,7 @@ class TrainerMon:
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
                                         for w in watched_params(self._chunks, config)])
         if config.sentinel:
-            self._sentinel = nan_sentinel(state, self._chunks, config.squash_name)
+            self._sentinel = nan_sentinel(state, self._chunks, config.squash_name, self._adapter.rename)
             if config.alert.dump and self._anomalies is not None:
                 self._sentinel.enable_dump(self._anomalies.add_dump, self.rank)
             self._hooks.append(self._sentinel)
@@ -225,7 +226,7 @@ class TrainerMon:
             params_before_after=config.param_distribution, moments=config.mv_distribution,
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step,
             before_update=before_update))
-        self._hooks.append(ForwardPasses(state, self._chunks[0]))
+        self._hooks.append(ForwardPasses(state, self._chunks))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,

@@ -1,4 +1,7 @@
-"""msprobe-compatible CSV files: `<family>_<first>-<last>.csv` per family and range of collected steps."""
+"""msprobe-compatible CSV files: `<family>_<first>-<last>.csv` per family and range of collected steps.
+
+Within a step, rows are written in the order of their records' call indices.
+"""
 from __future__ import annotations
 
 import csv
@@ -84,7 +87,9 @@ class CsvSink(Sink):
         if self._range is None:
             self._range = _RangeFiles(ctx.rank_dir, batch.step)
         self._range.extend_to(batch.step)
-        for key, figures in zip(batch.keys, batch.derived):
+        # Rows in the rank's order of events (records are batched, so keys arrive out of it): a CSV row has
+        # no call index, and its position is what orders it within its step and micro-step (nan-analyze).
+        for key, figures in sorted(zip(batch.keys, batch.derived), key=lambda row: row[0].call_index):
             row = [key.vpp_stage, key.name, batch.step]
             if key.family in ctx.per_micro_families:
                 row.append(key.micro_step)

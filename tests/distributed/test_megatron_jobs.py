@@ -194,3 +194,16 @@ def test_inf_on_a_later_stage_is_named_first(tmp_path, layout, cc):
         report = nan_analyze(run, text=True)
         assert "could not attribute" in report and "all_reduce[2,3]" in report, report
         assert "rank(s) 0, 1, 2, 3 did not record collectives' inputs: set cc_distribution.cc_pre_hook" in report
+
+
+def test_hooks_and_records_stay_constant_over_100_steps(tmp_path):
+    """Megatron's linear layers return their bias Parameter as an output: no hook is left on it per forward,
+    the records per step do not grow, and stop() leaves nothing."""
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_megatron_hooks.py", 1, ["--out", str(tmp_path), "--steps", "100"], output_dir)
+    hooks = json.loads((tmp_path / "hooks.rank0.json").read_text())
+    assert set(hooks["per_step"]) == {0} and hooks["after_stop"] == 0 and hooks["forward_hooks"] == 0
+    rank_dir = os.path.join(the_run(output_dir), "rank_0")
+    for family in ("actv", "actv_grad"):
+        per_step = read_family(rank_dir, family).groupby("step").size()
+        assert len(per_step) == 100 and per_step.nunique() == 1, (family, per_step.value_counts())

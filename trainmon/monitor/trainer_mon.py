@@ -196,7 +196,7 @@ class TrainerMon:
                 config.alert.action, self._adapter.step_owner(), step_of=lambda: self.step, end_step=self._end_step,
                 evidence=lambda: [state.collector.any_nonfinite(), self._sentinel and self._sentinel.any_nonfinite()],
                 drain=self._writer.drain, processor=self._anomalies))
-        self._eval_collector = None
+        self._eval_collector = state.eval_collector = None  # armed when a step has been applied (_end_step)
         if config.eval_xy_distribution and config.xy_distribution and writes:
             self._eval_collector = StepCollector(config.eps, config.ops, self.rank, self._adapter.pp_stage(),
                                                  batch_bytes=config.stats_batch_mb << 20)

@@ -193,16 +193,18 @@ def print_tables(rows: list[dict], micro_rows: list[dict], args) -> None:
 
 
 def _print_jobs(rows: list[dict], args) -> None:
-    print(f"{args.steps} steps after {args.warmup} of warm-up, {args.repeats} repeat(s), format {args.format}; "
-          "rank 0's median wall time per step and its ratio against `none`, the same for the process's CPU time.\n")
-    print("| job | tier | step | × none | per repeat | CPU × none | hooked calls/step | µs per hooked call "
-          "| disk/rank/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"{args.steps} steps after {args.warmup} of warm-up, {args.repeats} repeat(s), format {args.format}. "
+          "Rank 0's median wall time per step, its ratio against `none` (pooled, and per repeat), the same "
+          "for the process's CPU time (every thread), and the added time per hooked call in both.\n")
+    print("| job | tier | wall/step | × none | per repeat | CPU/step | CPU × none | hooked calls/step "
+          "| µs per hooked call: wall | CPU | disk/rank/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         per_repeat = ", ".join(f"{x:.2f}" for x in r["per_repeat"]) if r["tier"] != "none" else ""
         print(f"| {r['job']} | {r['tier']} | {r['wall_ms']:.0f} ms | {_fmt(r['wall_ratio'], '.3f')} | {per_repeat} "
-              f"| {_fmt(r['cpu_ratio'], '.3f')} | {r['hooked_calls_per_step']:.0f} "
-              f"| {_fmt(r['wall_us_per_hooked_call'], '.0f')} | {r['disk_kb_per_rank_step']:.1f} KB |")
+              f"| {r['cpu_ms']:.0f} ms | {_fmt(r['cpu_ratio'], '.3f')} | {r['hooked_calls_per_step']:.0f} "
+              f"| {_fmt(r['wall_us_per_hooked_call'], '.0f')} | {_fmt(r['cpu_us_per_hooked_call'], '.0f')} "
+              f"| {r['disk_kb_per_rank_step']:.1f} KB |")
 
 
 def _print_micro(micro_rows: list[dict], args) -> None:
@@ -230,6 +232,7 @@ def main() -> int:
     parser.add_argument("--format", default="csv,db", help="comma-separated formats for the monitored tiers")
     parser.add_argument("--extra", default="{}", help="JSON merged into every monitored config")
     parser.add_argument("--micro-calls", type=int, default=200, help="modules in the micro-benchmark (0: skip it)")
+    parser.add_argument("--micro-steps", type=int, default=100, help="timed steps of each micro-benchmark run")
     parser.add_argument("--json", default="frameworks.json", help="where to write every run and the summary")
     parser.add_argument("--micro-child", help=argparse.SUPPRESS)
     parser.add_argument("--shim", action="store_true", help=argparse.SUPPRESS)
@@ -257,7 +260,7 @@ def main() -> int:
         if args.micro_calls:
             for shim in (False, True):
                 for tier in order:
-                    result = run_micro(tier, formats, args.micro_calls, max(args.steps, 30), args.warmup, shim, extra)
+                    result = run_micro(tier, formats, args.micro_calls, args.micro_steps, args.warmup, shim, extra)
                     micro_runs.append({"job": "micro, CPU shim" if shim else "micro", "tier": tier,
                                        "repeat": repeat, **result})
     rows = summarize(runs, args.warmup)

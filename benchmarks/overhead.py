@@ -36,6 +36,18 @@ TIERS = {
 }
 
 
+def tier_config(tier: str, formats: list[str], extra: dict | None = None, interleave: int = 1,
+                tiers: dict | None = None) -> dict | None:
+    """The trainmon config of a tier of `tiers` (default TIERS), None for `none` with no extra keys.
+
+    Every benchmark builds its configs here, so a tier means the same thing in all of them.
+    """
+    keys = (tiers or TIERS)[tier]
+    if keys is None and not extra:
+        return None
+    return {"targets": {}, "ops": OPS, "format": formats, **(keys or {}), **(extra or {}), "step_interval": interleave}
+
+
 def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict, interleave: int = 1) -> dict:
     """Trains in this process and returns the medians (the child side).
 
@@ -55,9 +67,8 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     monitor = None
     out_dir = tempfile.mkdtemp(prefix="trainmon_bench_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    if TIERS[tier] is not None or extra:
-        config = {"targets": {}, "ops": OPS, "format": formats, **(TIERS[tier] or {}), **extra,
-                  "step_interval": interleave}
+    config = tier_config(tier, formats, extra, interleave)
+    if config is not None:
         path = os.path.join(out_dir, "config.json")
         with open(path, "w") as f:
             json.dump(config, f)

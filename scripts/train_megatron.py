@@ -4,6 +4,7 @@
       scripts/train_megatron.py --tp 2 --config configs/megatron.json
   # --pp 2 (1F1B pipeline), --pp 2 --vpp 2 (interleaved, 2 model chunks per stage),
   # --distopt (DistributedOptimizer over DP), --bf16 (Float16Module); 4 processes: --tp 2 --pp 2.
+  # --config none trains unmonitored; --timings PATH writes step times (benchmarks/frameworks.py).
 
 Output: $MONITOR_OUTPUT_DIR (default ./monitor_output)/<run>/rank_<R>/.
 """
@@ -33,7 +34,9 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=None, help="default: 2 per pipeline chunk")
-    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "megatron.json"))
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "megatron.json"),
+                        help='trainmon config; "none" trains without a monitor')
+    parser.add_argument("--timings", metavar="PATH", help="write step times and module calls to PATH.rank<R>.json")
     return parser.parse_args(argv)
 
 
@@ -128,17 +131,28 @@ def train_step(args, chunks, optimizer, data):
 def main() -> None:
     args = parse_args()
     chunks, optimizer = setup(args)
+    from step_timer import StepTimer
     from trainmon import TrainerMon
 
-    monitor = TrainerMon(args.config)
-    monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
+    monitor = None
+    if args.config != "none":
+        monitor = TrainerMon(args.config)
+        monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
+    timer = StepTimer(args.timings, dist.get_rank()) if args.timings else None
     data = batches(args)
     for step in range(args.steps):
         loss = train_step(args, chunks, optimizer, data)
+        if timer:
+            timer.step_done()
         if loss is not None:
             print(f"[rank{dist.get_rank()}] step {step} loss {loss:.4f}", flush=True)
-    monitor.stop()
-    print(f"[rank{dist.get_rank()}] monitor output in {monitor.output_dir}", flush=True)
+    if timer:
+        with timer.count_calls([m for chunk in chunks for m in chunk.modules()]):
+            train_step(args, chunks, optimizer, data)
+        timer.write()
+    if monitor:
+        monitor.stop()
+        print(f"[rank{dist.get_rank()}] monitor output in {monitor.output_dir}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,278 @@
+"""Overhead of trainmon on the example Megatron-Core and DeepSpeed jobs, per tier, against no monitor.
+
+Each job is `scripts/train_megatron.py` or `scripts/train_deepspeed.py` on 2 processes (torchrun on
+127.0.0.1, gloo, CPU, OMP_NUM_THREADS=1), at a size where the unmonitored step takes 300 ms or more on
+a 2-core machine. The tiers are those of `overhead.py` (same configs, same ops); `all` adds the remaining
+families (update ratio, momentum/grad direction, collectives) and the sentinel.
+
+Inside each job rank 0 times every `optimizer.step()`-delimited step (`--timings`); the figure is the
+median over the steps after warm-up, pooled over the repeats. Tiers run interleaved: each repeat runs
+every tier of a job back to back, in reverse order on odd repeats, so a drift in the machine's load
+does not land on one tier. `× none` compares pooled medians; `per repeat` gives each repeat's own ratio
+(tier / none of the same repeat), a measure of the noise.
+
+Hooked calls: the jobs also count, over one extra step, the module forward calls and the calls whose
+output received a grad (a monitor's module hooks run once in each), averaged over the two ranks. The
+added time per step divided by that count is the cost per hooked call: an upper bound, since a tier's
+per-parameter and per-step work is counted in it too. The micro-benchmark isolates it: a parameter-free
+chain of N modules (one Linear in front) trained with and without the tier's hooks, in one process,
+plainly and under the CPU shim the Megatron jobs run in (a TorchFunctionMode that sees every torch call).
+
+    python benchmarks/frameworks.py --steps 20 --warmup 5 --repeats 2 --json frameworks.json
+    python benchmarks/frameworks.py --jobs megatron-tp2 --tiers none,full --steps 4 --warmup 2 --repeats 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from overhead import TIERS as BASE_TIERS
+from overhead import tier_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+TIERS = {**BASE_TIERS,
+         "all": {**BASE_TIERS["full"], "ur_distribution": True, "mg_direction": True,
+                 "cc_distribution": {"enable": True, "cc_pre_hook": True}, "sentinel": True}}
+DEFAULT_TIERS = ["none", "sentinel", "wg", "wg+xy", "full"]
+
+# Sizes: the unmonitored step takes 300 ms or more on the 2-core benchmark machine (see the README).
+_MEGATRON = ["--hidden", "256", "--layers", "4", "--seq", "128", "--mbs", "4", "--micro-batches", "2",
+             "--vocab", "1024"]
+_DEEPSPEED = ["--hidden", "256", "--layers", "4", "--seq", "128", "--mbs", "4", "--vocab", "1024"]
+JOBS = {
+    "megatron-tp2": ("train_megatron.py", ["--tp", "2", *_MEGATRON]),
+    "megatron-pp2": ("train_megatron.py", ["--pp", "2", *_MEGATRON]),
+    "zero2": ("train_deepspeed.py", ["--stage", "2", *_DEEPSPEED]),
+    "zero3": ("train_deepspeed.py", ["--stage", "3", *_DEEPSPEED]),
+}
+NPROC = 2
+JOB_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict) -> dict:
+    """One torchrun job; returns rank 0's step times, the hooked calls per rank and the bytes written."""
+    script, job_args = JOBS[job]
+    with tempfile.TemporaryDirectory(prefix="trainmon_fw_") as tmp:
+        config = tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS)
+        config_arg = "none"
+        if config is not None:
+            config_arg = os.path.join(tmp, "config.json")
+            with open(config_arg, "w") as f:
+                json.dump(config, f)
+        out_dir = os.path.join(tmp, "monitor_output")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MONITOR_OUTPUT_DIR": out_dir,
+               "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+        env.pop("DYNAMIC_MONITOR", None)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", os.path.join(SCRIPTS, script), *job_args, "--steps", str(steps),
+               "--config", config_arg, "--timings", os.path.join(tmp, "timings")]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{job} {tier} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+        ranks = []
+        for rank in range(NPROC):
+            with open(os.path.join(tmp, f"timings.rank{rank}.json")) as f:
+                ranks.append(json.load(f))
+        disk = sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(out_dir) for name in names)
+    return {"step_s": ranks[0]["step_s"], "cpu_s": ranks[0]["cpu_s"], "calls": [r["calls"] for r in ranks],
+            "disk_bytes_per_rank_step": disk / NPROC / (steps + 1), "job_s": time.perf_counter() - start}
+
+
+def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: int, shim: bool, extra: dict) -> dict:
+    """A parameter-free chain of `calls` modules behind one Linear, trained with the tier's hooks (child side)."""
+    import torch
+
+    from trainmon import TrainerMon
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), *[torch.nn.GELU() for _ in range(calls)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out_dir = tempfile.mkdtemp(prefix="trainmon_micro_")
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    monitor = None
+    config = tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS)
+    if config is not None:
+        path = os.path.join(out_dir, "config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        monitor = TrainerMon(path)
+        monitor.set_monitor(model, optimizer=optimizer)
+    if shim:
+        sys.path.insert(0, SCRIPTS)
+        from cpu_shims import CudaToCpuMode
+
+        CudaToCpuMode().__enter__()
+    x = torch.randn(8, 16)
+    wall, cpu, thread = [], [], []
+    for _ in range(warmup + steps):
+        start = (time.perf_counter(), time.process_time(), time.thread_time())
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        wall.append(time.perf_counter() - start[0])
+        cpu.append(time.process_time() - start[1])
+        thread.append(time.thread_time() - start[2])
+    if monitor is not None:
+        monitor.stop()
+    # Module calls per step: the chain, its Linear and the Sequential around them, each forward and backward.
+    return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "calls": [{"forward": calls + 2, "backward": calls + 2}]}
+
+
+def run_micro(tier: str, formats: list[str], calls: int, steps: int, warmup: int, shim: bool, extra: dict) -> dict:
+    cmd = [sys.executable, __file__, "--micro-child", tier, "--format", ",".join(formats), "--micro-calls",
+           str(calls), "--steps", str(steps), "--warmup", str(warmup), "--extra", json.dumps(extra)]
+    if shim:
+        cmd.append("--shim")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"micro {tier} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict], warmup: int) -> list[dict]:
+    """One row per (job, tier): pooled medians of wall and CPU time per step, ratios against `none`,
+    per-repeat ratios, and the added time per hooked call. Runs' step lists start after the warm-up."""
+    rows = []
+    for key in dict.fromkeys(r["job"] for r in runs):
+        mine = [r for r in runs if r["job"] == key]
+        pooled: dict = {}
+        for r in mine:
+            for metric in ("step_s", "cpu_s", "thread_s"):
+                if metric in r:
+                    pooled.setdefault((r["tier"], metric), []).extend(r[metric][warmup:])
+        median = {k: statistics.median(v) for k, v in pooled.items()}
+        repeat_median = {(r["tier"], r["repeat"]): statistics.median(r["step_s"][warmup:]) for r in mine}
+        for tier in dict.fromkeys(r["tier"] for r in mine):
+            tier_runs = [r for r in mine if r["tier"] == tier]
+            calls = statistics.mean(c["forward"] + c["backward"] for c in tier_runs[0]["calls"])
+            row = {"job": key, "tier": tier, "steps": len(pooled[tier, "step_s"]), "hooked_calls_per_step": calls,
+                   "per_repeat": [repeat_median[tier, r["repeat"]] / repeat_median["none", r["repeat"]]
+                                  for r in tier_runs if ("none", r["repeat"]) in repeat_median]}
+            for metric, name in (("step_s", "wall"), ("cpu_s", "cpu"), ("thread_s", "thread")):
+                if (tier, metric) not in median:
+                    continue
+                value, base = median[tier, metric], median.get(("none", metric))
+                row[f"{name}_ms"] = value * 1e3
+                row[f"{name}_ratio"] = value / base if base else None
+                # Module hooks run in every tier but `wg` (grad hooks on parameters only).
+                row[f"{name}_us_per_hooked_call"] = ((value - base) / calls * 1e6
+                                                     if base and tier not in ("none", "wg") else None)
+            if "disk_bytes_per_rank_step" in tier_runs[0]:
+                row["disk_kb_per_rank_step"] = statistics.mean(r["disk_bytes_per_rank_step"] for r in tier_runs) / 1024
+            rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_tables(rows: list[dict], micro_rows: list[dict], args) -> None:
+    if rows:
+        _print_jobs(rows, args)
+    if micro_rows:
+        _print_micro(micro_rows, args)
+
+
+def _print_jobs(rows: list[dict], args) -> None:
+    print(f"{args.steps} steps after {args.warmup} of warm-up, {args.repeats} repeat(s), format {args.format}. "
+          "Rank 0's median wall time per step, its ratio against `none` (pooled, and per repeat), the same "
+          "for the process's CPU time (every thread), and the added time per hooked call in both.\n")
+    print("| job | tier | wall/step | × none | per repeat | CPU/step | CPU × none | hooked calls/step "
+          "| µs per hooked call: wall | CPU | disk/rank/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        per_repeat = ", ".join(f"{x:.2f}" for x in r["per_repeat"]) if r["tier"] != "none" else ""
+        print(f"| {r['job']} | {r['tier']} | {r['wall_ms']:.0f} ms | {_fmt(r['wall_ratio'], '.3f')} | {per_repeat} "
+              f"| {r['cpu_ms']:.0f} ms | {_fmt(r['cpu_ratio'], '.3f')} | {r['hooked_calls_per_step']:.0f} "
+              f"| {_fmt(r['wall_us_per_hooked_call'], '.0f')} | {_fmt(r['cpu_us_per_hooked_call'], '.0f')} "
+              f"| {r['disk_kb_per_rank_step']:.1f} KB |")
+
+
+def _print_micro(micro_rows: list[dict], args) -> None:
+    print(f"\nMicro-benchmark: a chain of {args.micro_calls} parameter-free modules in one process; a hooked call "
+          "is one forward or one backward hook run; µs per hooked call = added time per step / hooked calls, "
+          "in wall time, in the training thread's CPU time (the hooks and the step's own work) and in the "
+          "process's CPU time (the writer thread too).\n")
+    print("| setting | tier | step | × none | per repeat | µs per hooked call: wall | training thread | process |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in micro_rows:
+        per_repeat = ", ".join(f"{x:.2f}" for x in r["per_repeat"]) if r["tier"] != "none" else ""
+        print(f"| {r['job']} | {r['tier']} | {r['wall_ms']:.1f} ms | {_fmt(r['wall_ratio'], '.3f')} | {per_repeat} "
+              f"| {_fmt(r['wall_us_per_hooked_call'], '.1f')} | {_fmt(r.get('thread_us_per_hooked_call'), '.1f')} "
+              f"| {_fmt(r['cpu_us_per_hooked_call'], '.1f')} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", default=",".join(JOBS),
+                        help=f"comma-separated, of {', '.join(JOBS)}; empty: the micro-benchmark only")
+    parser.add_argument("--tiers", default=",".join(DEFAULT_TIERS), help=f"comma-separated, of {', '.join(TIERS)}")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per job, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every (job, tier), interleaved")
+    parser.add_argument("--format", default="csv,db", help="comma-separated formats for the monitored tiers")
+    parser.add_argument("--extra", default="{}", help="JSON merged into every monitored config")
+    parser.add_argument("--micro-calls", type=int, default=200, help="modules in the micro-benchmark (0: skip it)")
+    parser.add_argument("--micro-steps", type=int, default=100, help="timed steps of each micro-benchmark run")
+    parser.add_argument("--json", default="frameworks.json", help="where to write every run and the summary")
+    parser.add_argument("--micro-child", help=argparse.SUPPRESS)
+    parser.add_argument("--shim", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    formats, extra = args.format.split(","), json.loads(args.extra)
+    if args.micro_child:
+        print(json.dumps(micro_child(args.micro_child, formats, args.micro_calls, args.steps, args.warmup,
+                                     args.shim, extra)))
+        return 0
+    jobs, tiers = [j for j in args.jobs.split(",") if j], args.tiers.split(",")
+    for name, known in (("job", JOBS), ("tier", TIERS)):
+        unknown = [x for x in (jobs if name == "job" else tiers) if x not in known]
+        if unknown:
+            parser.error(f"unknown {name} {unknown}; choose from {', '.join(known)}")
+    runs, micro_runs = [], []
+    for repeat in range(args.repeats):
+        order = tiers if repeat % 2 == 0 else tiers[::-1]
+        for job in jobs:
+            for tier in order:
+                result = run_job(job, tier, formats, args.warmup + args.steps, extra)
+                runs.append({"job": job, "tier": tier, "repeat": repeat, **result})
+                print(f"[{time.strftime('%H:%M:%S')}] repeat {repeat} {job} {tier}: median "
+                      f"{statistics.median(result['step_s'][args.warmup:]) * 1e3:.1f} ms ({result['job_s']:.0f} s)",
+                      file=sys.stderr, flush=True)
+        if args.micro_calls:
+            for shim in (False, True):
+                for tier in order:
+                    result = run_micro(tier, formats, args.micro_calls, args.micro_steps, args.warmup, shim, extra)
+                    micro_runs.append({"job": "micro, CPU shim" if shim else "micro", "tier": tier,
+                                       "repeat": repeat, **result})
+    rows = summarize(runs, args.warmup)
+    micro_rows = summarize(micro_runs, args.warmup) if micro_runs else []
+    print_tables(rows, micro_rows, args)
+    with open(args.json, "w") as f:
+        json.dump({"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M"), "jobs": {j: JOBS[j] for j in jobs},
+                   "configs": {t: tier_config(t, formats, extra if t != "none" else None, tiers=TIERS)
+                               for t in tiers},
+                   "rows": rows, "micro_rows": micro_rows, "runs": runs, "micro_runs": micro_runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

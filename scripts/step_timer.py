@@ -1,0 +1,58 @@
+"""Per-step wall times of one rank, and the module calls of one step, for `benchmarks/frameworks.py`.
+
+The example jobs take `--timings PATH`: each rank then writes `PATH.rank<R>.json` with the wall time of
+every training step (from the end of one `optimizer.step()` to the end of the next, so everything the
+step does counts, the monitor's own step work included), the process CPU time of the same intervals
+(every thread: the monitor's writer too; less sensitive than wall time to other load) and, counted over one extra step after the timed
+ones, how many module forward calls ran and how many of them received a grad in backward: the calls a
+monitor's module hooks see.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import torch
+
+
+class StepTimer:
+    """Collects this rank's step times; `count_calls()` wraps one untimed step that counts module calls."""
+
+    def __init__(self, path: str, rank: int):
+        self.path = f"{path}.rank{rank}.json"
+        self.rank = rank
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.calls = {"forward": 0, "backward": 0}
+        self._last = (time.perf_counter(), time.process_time())
+
+    def step_done(self) -> None:
+        now = (time.perf_counter(), time.process_time())
+        self.times.append(now[0] - self._last[0])
+        self.cpu_times.append(now[1] - self._last[1])
+        self._last = now
+
+    @contextlib.contextmanager
+    def count_calls(self, modules: list[torch.nn.Module]):
+        """Counts, during the `with` block, forward calls of `modules` and the calls whose output got a grad."""
+        def backward_seen(*_):
+            self.calls["backward"] += 1
+
+        def forward_hook(module, args, output):
+            self.calls["forward"] += 1
+            first = next((t for t in torch.utils._pytree.tree_leaves(output)
+                          if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+            if first is not None:
+                first.register_hook(backward_seen)
+
+        handles = [m.register_forward_hook(forward_hook) for m in modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"rank": self.rank, "step_s": self.times, "cpu_s": self.cpu_times, "calls": self.calls}, f)

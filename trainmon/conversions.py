@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from trainmon.monitor.records import RecordKey
-from trainmon.reader import Run
+from trainmon.read.run import Run
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 from trainmon.writers.tags import tag_for

@@ -1,6 +1,6 @@
 """Post-mortem: where did non-finite values first appear in a run, and where did they spread?
 
-Reads every rank's `anomalies.jsonl`, `monitor.db` and CSV files, sorts the non-finite records by the
+Reads every rank's non-finite records once, from the best source present (`read.evidence`), sorts the non-finite records by the
 ordering key (`ordering`: step, micro-step, phase, pipeline stage, call index, rank) and reports the
 earliest one (`first`), and the chain: the first appearance of each other (rank, module, phase), in key
 order. Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the
@@ -10,8 +10,8 @@ micro-step, phase, stage) are listed as `ties`, not guessed. Collectives whose n
 recorded input explains are named, with the config key that records their inputs when that was off.
 
 CSV files carry no call index (`call_index` is reported as null): within their stage place their rows
-follow the indexed records, in file order. A record read from several sources is reported once, from
-a source that has its call index.
+follow the indexed records, in file order. A record that two sources hold is reported once, from a
+source that has its call index.
 
 msprobe dump directories (`step<N>/rank<R>/dump.json`) are read instead when `path` is one
 (msprobe_dump), with the same report.
@@ -25,7 +25,8 @@ from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.ordering import order_key, stage_place
-from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events, read_metadata
+from trainmon.read.evidence import rank_evidence, record_identity
+from trainmon.read.layout import find_run
 
 # The config key that records collectives' inputs, without which a collective's non-finite outputs
 # cannot be traced back to the rank that fed it the non-finite values.
@@ -37,37 +38,38 @@ def _dedupe(ordered: list[AnomalyEvent]) -> list[AnomalyEvent]:
     has a call index (the database's or anomalies.jsonl's, not a CSV row's) is kept."""
     chosen: dict[tuple, AnomalyEvent] = {}
     for event in ordered:
-        ident = (event.rank, event.step, event.micro_step, event.vpp_stage, event.family, event.module,
-                 event.tensor)
+        ident = record_identity(event)
         kept = chosen.get(ident)
         if kept is None or (kept.call_index is None and event.call_index is not None):
             chosen[ident] = event
     return sorted(chosen.values(), key=order_key)
 
 
-def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent], list[int]]:
-    """(run directory, sources {rank: [files]}, notes, events, ranks that did not record collectives'
-    inputs) of a trainmon run or output root."""
-    run_dir, note = find_run(path)
-    notes = [note] if note else []
-    sources, everything, without_inputs = {}, [], []
-    for rank, directory in rank_dirs(run_dir).items():
-        metadata = read_metadata(directory)
-        events, used, rank_notes = rank_events(rank, directory, metadata)
-        sources[str(rank)] = used
-        notes += rank_notes
-        everything += events
+def _read_run(path: Path) -> tuple[str, dict, list[str], list[str], list[AnomalyEvent], list[int]]:
+    """(run directory, sources {rank: [files]}, notes, warnings, events, ranks that did not record
+    collectives' inputs) of a trainmon run or output root."""
+    run = find_run(path)
+    notes = [run.note] if run.note else []
+    sources, everything, without_inputs, warnings = {}, [], [], []
+    for rank_dir in run.ranks:
+        metadata = rank_dir.metadata()
+        evidence = rank_evidence(rank_dir, metadata)
+        sources[str(rank_dir.rank)] = evidence.sources
+        notes += evidence.notes
+        warnings += evidence.warnings
+        everything += evidence.events
         cc = metadata.get("config", {}).get("cc_distribution", {})
         if cc.get("enable") and not cc.get("cc_pre_hook"):
-            without_inputs.append(rank)
-    return str(run_dir), sources, notes, everything, without_inputs
+            without_inputs.append(rank_dir.rank)
+    return str(run.path), sources, notes, warnings, everything, without_inputs
 
 
 def analyze(path: str | Path) -> dict:
     """Analyses a run directory (or the latest run under an output root, or an msprobe dump directory).
 
     Returns:
-        A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, nonfinite_records, first
+        A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
+        crash, read up to their last whole record), nonfinite_records, first
         ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
         (first plus op, value, rule, family), ties and chain (lists shaped like first), cross_rank
         (`cross_rank.attribute`'s result plus `inputs_not_recorded_on`, the ranks that ran with
@@ -77,7 +79,8 @@ def analyze(path: str | Path) -> dict:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
     dump = read_dump(Path(path))
-    run, sources, notes, everything, without_inputs = (*dump, []) if dump else _read_run(Path(path))
+    run, sources, notes, warnings, everything, without_inputs = (
+        (dump.run, dump.sources, dump.notes, [], dump.events, []) if dump else _read_run(Path(path)))
     ordered = _dedupe(sorted(everything, key=order_key))
     first: Optional[AnomalyEvent] = ordered[0] if ordered else None
     cross = attribute(ordered)
@@ -104,6 +107,7 @@ def analyze(path: str | Path) -> dict:
         "ranks": sorted(int(r) for r in sources),
         "sources": sources,
         "notes": notes,
+        "warnings": warnings,
         "nonfinite_records": len(ordered),
         "first": first.where() if first else None,
         "first_record": ({**first.where(), "op": first.op, "value": _json_value(first.value), "rule": first.rule,
@@ -151,6 +155,7 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
              "sources: " + "; ".join(f"rank {r}: {', '.join(s) or 'nothing readable'}"
                                      for r, s in result["sources"].items())]
     lines += [f"note: {n}" for n in result["notes"]]
+    lines += [f"warning: {w}" for w in result["warnings"]]
     first = result["first_record"]
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")

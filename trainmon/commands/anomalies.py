@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.anomaly.processor import ANOMALIES_FILE
-from trainmon.anomaly.run_inputs import InputError, find_run, rank_dirs, read_jsonl
+from trainmon.read.database import DbRankReader
+from trainmon.read.errors import InputError
+from trainmon.read.jsonl import read_jsonl
+from trainmon.read.layout import find_run
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -34,14 +36,29 @@ def register(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
+def warn(message: str) -> None:
+    print(f"trainmon anomalies: warning: {message}", file=sys.stderr)
+
+
 def top_anomalies(directory: str, top: int, steps=None) -> list[AnomalyEvent]:
-    """The `top` earliest anomalies of the run under `directory`, optionally within `steps` (first, last)."""
-    run_dir, _ = find_run(Path(directory))
+    """The `top` earliest anomalies of the run under `directory`, optionally within `steps` (first, last).
+
+    Each rank's anomalies come from its database's anomalies table where it has one; from anomalies.jsonl
+    only for the steps the database lacks.
+    """
     events = []
-    for rank_dir in rank_dirs(run_dir).values():
-        path = rank_dir / ANOMALIES_FILE
-        if path.exists():
-            events += read_jsonl(path)
+    for rank_dir in find_run(Path(directory)).ranks:
+        db_steps: set[int] = set()
+        if rank_dir.db is not None:
+            reader = DbRankReader(rank_dir.db)
+            try:
+                if reader.has_anomalies():
+                    db_steps = reader.steps()
+                    events += reader.anomalies()
+            finally:
+                reader.close()
+        if rank_dir.jsonl is not None:
+            events += read_jsonl(rank_dir.jsonl, warn, skip_step=db_steps.__contains__)
     if steps is not None:
         events = [e for e in events if steps[0] <= e.step <= steps[1]]
     return sorted(events, key=AnomalyEvent.order_key)[:top]

@@ -6,7 +6,7 @@ import json
 import sys
 
 from trainmon.anomaly.nan_analyze import analyze, format_report
-from trainmon.anomaly.run_inputs import InputError
+from trainmon.read.errors import InputError
 
 
 def register(subparsers) -> None:

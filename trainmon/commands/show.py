@@ -5,7 +5,7 @@ import argparse
 import sqlite3
 import sys
 
-from trainmon.reader import open_run
+from trainmon.read import open_run
 
 
 def parse_steps(text: str):

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.commands.arguments import positive_int
 from trainmon.read.database import DbRankReader
-from trainmon.read.errors import InputError
 from trainmon.read.jsonl import read_jsonl
 from trainmon.read.layout import find_run
 
@@ -21,6 +21,8 @@ def parse_step_range(text: str) -> tuple[int, int]:
         bounds = (int(first), int(last or first))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--steps {text!r}: give a step (7) or an inclusive range (10-20)") from None
+    if bounds[0] < 0:
+        raise argparse.ArgumentTypeError(f"--steps {text!r}: steps count from 0")
     if bounds[0] > bounds[1]:
         raise argparse.ArgumentTypeError(f"--steps {text!r}: the first step is after the last")
     return bounds
@@ -30,7 +32,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("anomalies", help="list a run's earliest anomalies across ranks",
                                    description=__doc__)
     parser.add_argument("dir", help="a run directory (holding rank_<R>/) or the output root (latest run)")
-    parser.add_argument("--top", type=int, default=10, metavar="K", help="how many to list (default 10)")
+    parser.add_argument("--top", type=positive_int, default=10, metavar="K", help="how many to list (default 10)")
     parser.add_argument("--steps", type=parse_step_range, metavar="A-B", help="only steps A..B (inclusive)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.set_defaults(handler=run)
@@ -65,11 +67,7 @@ def top_anomalies(directory: str, top: int, steps=None) -> list[AnomalyEvent]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        events = top_anomalies(args.dir, args.top, args.steps)
-    except InputError as err:
-        print(f"trainmon anomalies: {err}", file=sys.stderr)
-        return 2
+    events = top_anomalies(args.dir, args.top, args.steps)  # cli.main reports an InputError
     if args.json:
         print(json.dumps([e.to_json() for e in events], indent=1))
         return 0

@@ -6,7 +6,6 @@ import json
 import sys
 
 from trainmon.anomaly.nan_analyze import analyze, format_report
-from trainmon.read.errors import InputError
 
 
 def register(subparsers) -> None:
@@ -20,11 +19,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = analyze(args.dir)
-    except InputError as err:
-        print(f"trainmon nan-analyze: {err}", file=sys.stderr)
-        return 2
+    result = analyze(args.dir)  # cli.main reports an InputError
     text = json.dumps(result, indent=1) if args.json else format_report(result)
     if args.output:
         try:

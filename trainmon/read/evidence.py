@@ -9,6 +9,7 @@ CSV rows carry no pipeline stage: it comes from the rank's `run.json` (`pp_stage
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.read.csv_rows import read_csv_rows
 from trainmon.read.database import DbRankReader, record_event
@@ -50,6 +51,9 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
         finally:
             reader.close()
         out.sources.append(DB_NAME)
+        if Path(f"{rank_dir.db}-wal").exists():
+            out.warnings.append(f"{rank_dir.db}: its job is still writing it or was stopped (a -wal file is "
+                                "beside it); read up to its last committed step")
 
     def lacking(step: int) -> bool:
         return step not in db_steps

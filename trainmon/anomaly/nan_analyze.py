@@ -1,6 +1,7 @@
 """Post-mortem: where did non-finite values first appear in a run, and where did they spread?
 
-Reads every rank's non-finite records once, from the best source present (`read.evidence`), sorts the non-finite records by the
+Reads every rank's non-finite records once, from the best source present (`read.evidence`), in
+parallel processes; keeps of each rank what the report needs (`rank_summary`); merges the ranks by the
 ordering key (`ordering`: step, micro-step, phase, pipeline stage, call index, rank) and reports the
 earliest one (`first`), and the chain: the first appearance of each other (rank, module, phase), in key
 order. Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the
@@ -18,6 +19,7 @@ msprobe dump directories (`step<N>/rank<R>/dump.json`) are read instead when `pa
 """
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 from typing import Optional
 
@@ -25,47 +27,40 @@ from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.ordering import order_key, stage_place
-from trainmon.read.evidence import rank_evidence, record_identity
+from trainmon.anomaly.rank_summary import RankSummary, summarize, summarize_rank_dir
+from trainmon.monitor.records import COMM
 from trainmon.read.layout import find_run
+from trainmon.read.parallel import map_ranks
 
 # The config key that records collectives' inputs, without which a collective's non-finite outputs
 # cannot be traced back to the rank that fed it the non-finite values.
 INPUTS_KEY = "cc_distribution.cc_pre_hook"
 
 
-def _dedupe(ordered: list[AnomalyEvent]) -> list[AnomalyEvent]:
-    """One event per tensor record, in key order; of a record read from several sources, the copy that
-    has a call index (the database's or anomalies.jsonl's, not a CSV row's) is kept."""
-    chosen: dict[tuple, AnomalyEvent] = {}
-    for event in ordered:
-        ident = record_identity(event)
-        kept = chosen.get(ident)
-        if kept is None or (kept.call_index is None and event.call_index is not None):
-            chosen[ident] = event
-    return sorted(chosen.values(), key=order_key)
-
-
-def _read_run(path: Path) -> tuple[str, dict, list[str], list[str], list[AnomalyEvent], list[int]]:
-    """(run directory, sources {rank: [files]}, notes, warnings, events, ranks that did not record
-    collectives' inputs) of a trainmon run or output root."""
+def _summaries(path: Path, progress: bool) -> tuple[str, dict, list[str], list[RankSummary]]:
+    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run."""
+    dump = read_dump(path)
+    if dump:
+        by_rank: dict[int, list[AnomalyEvent]] = {}
+        for event in dump.events:
+            by_rank.setdefault(event.rank, []).append(event)
+        summaries = [summarize(rank, events) for rank, events in sorted(by_rank.items())]
+        return dump.run, dump.sources, list(dump.notes), summaries
     run = find_run(path)
-    notes = [run.note] if run.note else []
-    sources, everything, without_inputs, warnings = {}, [], [], []
-    for rank_dir in run.ranks:
-        metadata = rank_dir.metadata()
-        evidence = rank_evidence(rank_dir, metadata)
-        sources[str(rank_dir.rank)] = evidence.sources
-        notes += evidence.notes
-        warnings += evidence.warnings
-        everything += evidence.events
-        cc = metadata.get("config", {}).get("cc_distribution", {})
-        if cc.get("enable") and not cc.get("cc_pre_hook"):
-            without_inputs.append(rank_dir.rank)
-    return str(run.path), sources, notes, warnings, everything, without_inputs
+    summaries = map_ranks(summarize_rank_dir, run.ranks, progress, "nan-analyze")
+    notes = ([run.note] if run.note else []) + [n for s in summaries for n in s.notes]
+    return str(run.path), {str(s.rank): s.sources for s in summaries}, notes, summaries
 
 
-def analyze(path: str | Path) -> dict:
+def analyze(path: str | Path, progress: bool = False) -> dict:
     """Analyses a run directory (or the latest run under an output root, or an msprobe dump directory).
+
+    Ranks are summarised in parallel processes (`rank_summary`) and their first appearances merged by
+    the ordering key.
+
+    Args:
+        path: the run.
+        progress: show a progress bar over the ranks on stderr.
 
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
@@ -78,37 +73,33 @@ def analyze(path: str | Path) -> dict:
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    dump = read_dump(Path(path))
-    run, sources, notes, warnings, everything, without_inputs = (
-        (dump.run, dump.sources, dump.notes, [], dump.events, []) if dump else _read_run(Path(path)))
-    ordered = _dedupe(sorted(everything, key=order_key))
-    first: Optional[AnomalyEvent] = ordered[0] if ordered else None
-    cross = attribute(ordered)
+    run, sources, notes, summaries = _summaries(Path(path), progress)
+    # every rank's first appearances, in key order: each rank's list is sorted, so a merge is enough
+    firsts = list(heapq.merge(*(s.firsts for s in summaries), key=order_key))
+    first: Optional[AnomalyEvent] = firsts[0] if firsts else None
+    # the collectives' records, and each rank's earliest other record (the origin's is `first`)
+    cross = attribute([e for s in summaries for e in s.comm] + [e for e in firsts if e.family != COMM])
     if cross is not None:
-        cross["inputs_not_recorded_on"] = without_inputs
+        cross["inputs_not_recorded_on"] = [s.rank for s in summaries if s.without_inputs]
         if cross["origin"] is not None:
-            first = next(e for e in ordered if e.where() == cross["origin"])
-    ties, chain, reached = [], [], set()
+            first = next(e for e in firsts if e.where() == cross["origin"])
+    ties, chain = [], []
     if first is not None and (cross is None or cross["origin_rank"] is None):
+        # a rank's first record at the first's stage place is its earliest, so among `firsts`
         tied_ranks = {first.rank}
-        for event in ordered[1:]:
+        for event in firsts[1:]:
             if stage_place(event) == stage_place(first) and event.rank not in tied_ranks:
                 tied_ranks.add(event.rank)
                 ties.append(event.where())
     if first is not None:
-        reached.add((first.rank, first.module, first.phase))
-        for event in ordered:
-            place = (event.rank, event.module, event.phase)
-            if place not in reached:
-                reached.add(place)
-                chain.append(event.where())
+        chain = [e.where() for e in firsts if (e.rank, e.module, e.phase) != (first.rank, first.module, first.phase)]
     return {
         "run": run,
         "ranks": sorted(int(r) for r in sources),
         "sources": sources,
         "notes": notes,
-        "warnings": warnings,
-        "nonfinite_records": len(ordered),
+        "warnings": [w for s in summaries for w in s.warnings],
+        "nonfinite_records": sum(s.records for s in summaries),
         "first": first.where() if first else None,
         "first_record": ({**first.where(), "op": first.op, "value": _json_value(first.value), "rule": first.rule,
                           "family": first.family} if first else None),

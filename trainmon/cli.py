@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "trainmon.commands.convert",
     "trainmon.commands.nan_analyze",
     "trainmon.commands.anomalies",
+    "trainmon.commands.export",
 )
 
 

@@ -32,8 +32,9 @@ def no_progress(items: Iterable, total: int, description: str) -> Iterable:
 _OUTPUT_RANK_DIR = re.compile(r"^rank_\d+$")  # what a conversion writes, and so what `overwrite` replaces
 
 
-def prepare_output(src: Path, out: Path, overwrite: bool) -> None:
-    """Checks that `out` may be written, and with `overwrite` removes the rank directories it holds.
+def prepare_output(src: Path, out: Path, overwrite: bool, replaced: re.Pattern = _OUTPUT_RANK_DIR) -> None:
+    """Checks that `out` may be written, and with `overwrite` removes the directories it holds whose
+    names `replaced` matches (by default the rank directories a conversion writes).
 
     Raises:
         InputError: `out` is not empty and `overwrite` is off, or `out` holds the source (or is in it).
@@ -48,10 +49,10 @@ def prepare_output(src: Path, out: Path, overwrite: bool) -> None:
     if not overwrite:
         if any(out.iterdir()):
             raise InputError.at(out, "the output directory is not empty; choose another, or pass --overwrite to "
-                                     "replace its rank_<R> directories")
+                                     "replace what it holds")
         return
     for child in out.iterdir():
-        if child.is_dir() and _OUTPUT_RANK_DIR.match(child.name):
+        if child.is_dir() and replaced.match(child.name):
             shutil.rmtree(child)
 
 

@@ -136,7 +136,7 @@ class DbRankReader:
     def nonfinite_events(self, rank: int) -> list[AnomalyEvent]:
         """The non-finite anomalies (from the anomalies table) and then the non-finite records of the
         database, each as an AnomalyEvent."""
-        return self._guard(lambda: self._anomalies(nonfinite_only=True) + self._nonfinite_records(rank))
+        return self._guard(lambda: self._anomalies(True) + self._nonfinite_records(rank))
 
     def _nonfinite_records(self, rank: int) -> list[AnomalyEvent]:
         query = ("SELECT t.family, t.name, t.vpp_stage, r.step, r.micro_step, r.call_index, r.pp_stage, r.nans, "
@@ -153,13 +153,19 @@ class DbRankReader:
         return self._guard(lambda: self.conn.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'anomalies'").fetchone() is not None)
 
-    def _anomalies(self, nonfinite_only: bool) -> list[AnomalyEvent]:
+    def _anomalies(self, nonfinite_only: bool, first: Optional[int] = None, last: Optional[int] = None,
+                   enough: Optional[int] = None) -> list[AnomalyEvent]:
         if not self.has_anomalies():
             return []
         columns = db_schema.ANOMALY_COLUMNS
-        events = []
-        for row in self.conn.execute(f"SELECT {', '.join(columns)}, is_nan FROM anomalies ORDER BY rowid"):
+        where, args = _step_filter("step", first, last)
+        query = (f"SELECT {', '.join(columns)}, is_nan FROM anomalies {'WHERE ' + ' AND '.join(where) if where else ''} "
+                 "ORDER BY step, rowid")
+        events: list[AnomalyEvent] = []
+        for row in self.conn.execute(query, args):
             fields = dict(zip(columns, row))
+            if enough is not None and len(events) >= enough and fields["step"] != events[-1].step:
+                break  # the ordering key starts with the step: later steps cannot be among the earliest
             fields["value"] = db_schema.decode_real(fields["value"], row[-1])
             fields["first"] = bool(fields["first"])
             event = AnomalyEvent(**fields)
@@ -167,9 +173,11 @@ class DbRankReader:
                 events.append(event)
         return events
 
-    def anomalies(self) -> list[AnomalyEvent]:
-        """Every row of the anomalies table, in insertion order (none without the table)."""
-        return self._guard(lambda: self._anomalies(nonfinite_only=False))
+    def anomalies(self, first: Optional[int] = None, last: Optional[int] = None,
+                  enough: Optional[int] = None) -> list[AnomalyEvent]:
+        """Rows of the anomalies table in step order (none without the table), within steps first..last;
+        with `enough`, reading stops at the end of the step that brought that many."""
+        return self._guard(lambda: self._anomalies(False, first, last, enough))
 
     def close(self) -> None:
         self.conn.close()

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from trainmon.monitor.stats import FIELDS  # the record's fields, in their order
+from trainmon.monitor.records import FIELDS  # the record's fields, in their order
 DB_NAME = "monitor.db"  # in each rank directory
 SCHEMA_VERSION = 1
 

@@ -84,7 +84,6 @@ def _nonfinite(keys: list[RecordKey], rank: int, step: int, origin: int, inf_ste
 def write_rank(job: tuple) -> None:
     """Writes rank `rank` of the run (job: out, rank, world size, steps, origin rank, Inf step)."""
     out, rank, world, steps, origin, inf_step = job
-    logging.getLogger("trainmon").setLevel(logging.ERROR)  # the online alerts of every step would flood
     rank_dir = Path(out) / f"rank_{rank}"
     config = {"ops": list(OPS), "format": ["csv", "db"], "alert": {"rules": [{"rule_name": "AnomalyNan"}]}}
     metadata = run_metadata(config, rank, world, {"pp_stage": 0})
@@ -120,6 +119,8 @@ def main() -> None:
     parser.add_argument("--inf-step", type=int, default=None, help="default: 70%% of the steps")
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
+    # the online alerts of every step would flood the terminal; the forked workers inherit the level
+    logging.getLogger("trainmon").setLevel(logging.ERROR)
     origin = args.ranks // 3 if args.origin_rank is None else args.origin_rank
     inf_step = int(args.steps * 0.7) if args.inf_step is None else args.inf_step
     started = time.perf_counter()

@@ -64,8 +64,9 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
             if event.nonfinite:
                 _keep(others, event)
         out.sources.insert(0, ANOMALIES_FILE)
-    files = [f for f in rank_dir.family_files() if any(lacking(s) for s in range(f.first, f.last + 1))]
-    if rank_dir.family_files():
+    all_files = rank_dir.family_files()
+    files = [f for f in all_files if any(lacking(s) for s in range(f.first, f.last + 1))]
+    if all_files:
         out.sources.append("csv")
     if files:
         pp_stage = metadata.get("pp_stage")

@@ -70,15 +70,29 @@ def _fails_naming(capsys, directory, name):
     return err
 
 
-def test_truncated_anomalies_file_is_named(finished_run, capsys):
+def test_truncated_last_line_is_read_up_to_it_with_a_warning(finished_run, capsys):
+    """A last line cut short is what a killed writer leaves: the report is made, and warns naming the file."""
     path = finished_run / "anomalies.jsonl"
     text = path.read_text()
     path.write_text(text[:len(text) - 40])  # a write cut short by a kill
-    err = _fails_naming(capsys, finished_run.parent, str(path))
-    assert "truncated" in err and "line" in err
+    assert cli_main(["nan-analyze", str(finished_run.parent), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["first"]["module"] == "layers.1.mlp.0"
+    assert len(report["warnings"]) == 1 and f"{path}, line " in report["warnings"][0]
+    assert cli_main(["nan-analyze", str(finished_run.parent)]) == 0
+    assert f"warning: {path}" in capsys.readouterr().out
+
+
+def test_garbage_in_the_middle_of_anomalies_file_is_named(finished_run, capsys):
+    path = finished_run / "anomalies.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
+    _fails_naming(capsys, finished_run.parent, f"{path}, line 3")
 
 
 def test_truncated_csv_is_named(finished_run, capsys):
+    """The CSV files are read for the steps the database lacks: here, every step (no database)."""
+    (finished_run / "monitor.db").unlink()
     path = sorted(finished_run.glob("actv_grad_*.csv"))[0]
     text = path.read_text()
     path.write_text(text[:text.rindex(",")])

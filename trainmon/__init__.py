@@ -3,6 +3,6 @@ __version__ = "0.1.0"
 
 from trainmon.monitor.config import ConfigError, load_config  # noqa: E402
 from trainmon.monitor.trainer_mon import TrainerMon  # noqa: E402
-from trainmon.reader import Run, open_run  # noqa: E402
+from trainmon.read import Run, open_run  # noqa: E402
 
 __all__ = ["TrainerMon", "open_run", "Run", "ConfigError", "load_config", "__version__"]

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional
+
+from trainmon.read.errors import InputError
+
+# The exit status of a command whose reader went away (`trainmon ... | head`): that of a process that
+# SIGPIPE ended, as other command-line tools give.
+BROKEN_PIPE_STATUS = 141
 
 # Modules that provide `register(subparsers)`; each adds one subcommand with `set_defaults(handler=...)`.
 COMMAND_MODULES = (
@@ -13,6 +20,7 @@ COMMAND_MODULES = (
     "trainmon.commands.convert",
     "trainmon.commands.nan_analyze",
     "trainmon.commands.anomalies",
+    "trainmon.commands.export",
 )
 
 
@@ -30,7 +38,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if getattr(args, "handler", None) is None:
         parser.print_help()
         return 0
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except InputError as err:  # bad input: the message names the file and line, no traceback
+        print(f"trainmon {args.command}: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # the reader closed the pipe: stop quietly; point stdout at devnull so the interpreter's final
+        # flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_STATUS
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """Conversions between output formats: CSV (trainmon's or msprobe's) to TensorBoard or SQLite, SQLite to TensorBoard.
 
-Each writes `<out>/rank_<R>/` per rank of the source, so the output is a trainmon run directory.
+Each writes `<out>/rank_<R>/` per rank of the source, so the output is a trainmon run directory. An
+output directory that is not empty is refused unless `overwrite` is given; then its `rank_<R>/`
+directories are replaced, so a conversion run twice never duplicates a record.
 """
 from __future__ import annotations
 
 import math
+import re
+import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
 from trainmon.monitor.records import RecordKey
-from trainmon.reader import Run
+from trainmon.read.errors import InputError
+from trainmon.read.run import Run
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 from trainmon.writers.tags import tag_for
@@ -24,13 +29,49 @@ def no_progress(items: Iterable, total: int, description: str) -> Iterable:
     return items
 
 
-def to_tensorboard(src: str | Path, out: str | Path, source: str = "auto", progress: Progress = no_progress) -> int:
+_OUTPUT_RANK_DIR = re.compile(r"^rank_\d+$")  # what a conversion writes, and so what `overwrite` replaces
+
+
+def prepare_output(src: Path, out: Path, overwrite: bool, replaced: re.Pattern = _OUTPUT_RANK_DIR) -> None:
+    """Checks that `out` may be written, and with `overwrite` removes the directories it holds whose
+    names `replaced` matches (by default the rank directories a conversion writes).
+
+    Raises:
+        InputError: `out` is not empty and `overwrite` is off, or `out` holds the source (or is in it).
+    """
+    source, target = src.resolve(), out.resolve()
+    if source == target or source.is_relative_to(target) or target.is_relative_to(source):
+        raise InputError.at(out, f"the output directory overlaps the source {src}; write somewhere else")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError.at(out, "not a directory")
+    if not overwrite:
+        if any(out.iterdir()):
+            raise InputError.at(out, "the output directory is not empty; choose another, or pass --overwrite to "
+                                     "replace what it holds")
+        return
+    for child in out.iterdir():
+        if child.is_dir() and replaced.match(child.name):
+            shutil.rmtree(child)
+
+
+def to_tensorboard(src: str | Path, out: str | Path, source: str = "auto", progress: Progress = no_progress,
+                   overwrite: bool = False) -> int:
     """Writes the figures of every record (and the scalars) of `src` as TensorBoard events.
 
     Tags and values are those the `tensorboard` format writes during training. Returns the number of
     steps converted.
+
+    Raises:
+        InputError: bad input (named), or an output directory that `prepare_output` refuses.
     """
     run = Run(src, source)
+    try:
+        prepare_output(run.path, Path(out), overwrite)
+    except InputError:
+        run.close()
+        raise
     all_scalars = run.scalars()
     done = 0
     for rank in run.ranks:
@@ -52,15 +93,23 @@ def to_tensorboard(src: str | Path, out: str | Path, source: str = "auto", progr
     return done
 
 
-def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress) -> int:
+def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress, overwrite: bool = False) -> int:
     """Writes every CSV record of `src` into `<out>/rank_<R>/monitor.db`, one transaction per step.
 
     A CSV row holds figures, not the mergeable record; the fields are rebuilt where the figures and
     the shape determine them (count from the element count minus NaN and Inf, sum = mean x count,
     sumsq = norm², zeros = fraction x elements, min, max) and stored NULL otherwise. Returns the
     number of steps converted.
+
+    Raises:
+        InputError: bad input (named), or an output directory that `prepare_output` refuses.
     """
     run = Run(src, source="csv")
+    try:
+        prepare_output(run.path, Path(out), overwrite)
+    except InputError:
+        run.close()
+        raise
     done = 0
     for rank in run.ranks:
         target = Path(out) / f"rank_{rank}"

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainmon.commands.arguments import positive_int
+
 # The embedded default config; configs/demo.json holds the same keys (a test keeps them equal).
 DEMO_CONFIG = {
     "targets": {},
@@ -129,8 +131,8 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a trainmon JSON config (default: the embedded demo config)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--grad-acc-steps", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--grad-acc-steps", type=positive_int, default=1)
 
 
 def register(subparsers) -> None:

@@ -10,8 +10,9 @@ import pytest
 from launch import torchrun
 from test_csv_output import read_family
 from trainmon.anomaly.cross_rank import attribute
-from trainmon.anomaly.run_inputs import rank_dirs, rank_events, read_metadata
 from trainmon.monitor.collective_ops import parse_comm_name
+from trainmon.read.evidence import rank_evidence
+from trainmon.read.layout import find_run
 from verify import (assert_injection_named, assert_norms_match, assert_same_labels, assert_unpatched, differing,
                     nan_analyze, norms, the_run)
 
@@ -156,7 +157,7 @@ def test_pipeline_inf_on_rank_1_is_traced_through_p2p(tmp_path):
     assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "decoder.layers.1", "forward")
     # the collectives' records say how it spread: rank 1 -> isend[1->3] -> rank 3 (the next stage), and the
     # data-parallel grad reduction took it to the other replica's ranks
-    result = attribute([e for r, d in rank_dirs(Path(run)).items() for e in rank_events(r, d, read_metadata(d))[0]])
+    result = attribute([e for d in find_run(run).ranks for e in rank_evidence(d, d.metadata()).events])
     assert result["origin_rank"] == 1 and result["origin"]["module"] == "decoder.layers.1"
     link = result["chain"][0]
     assert (link["step"], link["from"], link["to"]) == (1, [1], [3]) and "[1->3]" in link["via"]

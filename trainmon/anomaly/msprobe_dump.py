@@ -33,7 +33,7 @@ from typing import Iterator, NamedTuple, Optional
 
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.msprobe_comm import CommNamer, gap_notes, is_tensor, known_op
-from trainmon.anomaly.run_inputs import InputError
+from trainmon.read.errors import InputError
 from trainmon.monitor.collective_ops import compact_ranks
 from trainmon.monitor.records import ACTV, ACTV_GRAD, COMM, GRAD_UNREDUCED, PARAM_ORIGIN
 

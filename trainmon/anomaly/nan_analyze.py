@@ -1,6 +1,7 @@
 """Post-mortem: where did non-finite values first appear in a run, and where did they spread?
 
-Reads every rank's `anomalies.jsonl`, `monitor.db` and CSV files, sorts the non-finite records by the
+Reads every rank's non-finite records once, from the best source present (`read.evidence`), in
+parallel processes; keeps of each rank what the report needs (`rank_summary`); merges the ranks by the
 ordering key (`ordering`: step, micro-step, phase, pipeline stage, call index, rank) and reports the
 earliest one (`first`), and the chain: the first appearance of each other (rank, module, phase), in key
 order. Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the
@@ -10,14 +11,15 @@ micro-step, phase, stage) are listed as `ties`, not guessed. Collectives whose n
 recorded input explains are named, with the config key that records their inputs when that was off.
 
 CSV files carry no call index (`call_index` is reported as null): within their stage place their rows
-follow the indexed records, in file order. A record read from several sources is reported once, from
-a source that has its call index.
+follow the indexed records, in file order. A record that two sources hold is reported once, from a
+source that has its call index.
 
 msprobe dump directories (`step<N>/rank<R>/dump.json`) are read instead when `path` is one
 (msprobe_dump), with the same report.
 """
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 from typing import Optional
 
@@ -25,49 +27,44 @@ from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.ordering import order_key, stage_place
-from trainmon.anomaly.run_inputs import find_run, rank_dirs, rank_events, read_metadata
+from trainmon.anomaly.rank_summary import RankSummary, summarize, summarize_rank_dir
+from trainmon.monitor.records import COMM
+from trainmon.read.layout import find_run
+from trainmon.read.parallel import map_ranks
 
 # The config key that records collectives' inputs, without which a collective's non-finite outputs
 # cannot be traced back to the rank that fed it the non-finite values.
 INPUTS_KEY = "cc_distribution.cc_pre_hook"
 
 
-def _dedupe(ordered: list[AnomalyEvent]) -> list[AnomalyEvent]:
-    """One event per tensor record, in key order; of a record read from several sources, the copy that
-    has a call index (the database's or anomalies.jsonl's, not a CSV row's) is kept."""
-    chosen: dict[tuple, AnomalyEvent] = {}
-    for event in ordered:
-        ident = (event.rank, event.step, event.micro_step, event.vpp_stage, event.family, event.module,
-                 event.tensor)
-        kept = chosen.get(ident)
-        if kept is None or (kept.call_index is None and event.call_index is not None):
-            chosen[ident] = event
-    return sorted(chosen.values(), key=order_key)
+def _summaries(path: Path, progress: bool) -> tuple[str, dict, list[str], list[RankSummary]]:
+    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run."""
+    dump = read_dump(path)
+    if dump:
+        by_rank: dict[int, list[AnomalyEvent]] = {}
+        for event in dump.events:
+            by_rank.setdefault(event.rank, []).append(event)
+        summaries = [summarize(rank, events) for rank, events in sorted(by_rank.items())]
+        return dump.run, dump.sources, list(dump.notes), summaries
+    run = find_run(path)
+    summaries = map_ranks(summarize_rank_dir, run.ranks, progress, "nan-analyze")
+    notes = ([run.note] if run.note else []) + [n for s in summaries for n in s.notes]
+    return str(run.path), {str(s.rank): s.sources for s in summaries}, notes, summaries
 
 
-def _read_run(path: Path) -> tuple[str, dict, list[str], list[AnomalyEvent], list[int]]:
-    """(run directory, sources {rank: [files]}, notes, events, ranks that did not record collectives'
-    inputs) of a trainmon run or output root."""
-    run_dir, note = find_run(path)
-    notes = [note] if note else []
-    sources, everything, without_inputs = {}, [], []
-    for rank, directory in rank_dirs(run_dir).items():
-        metadata = read_metadata(directory)
-        events, used, rank_notes = rank_events(rank, directory, metadata)
-        sources[str(rank)] = used
-        notes += rank_notes
-        everything += events
-        cc = metadata.get("config", {}).get("cc_distribution", {})
-        if cc.get("enable") and not cc.get("cc_pre_hook"):
-            without_inputs.append(rank)
-    return str(run_dir), sources, notes, everything, without_inputs
-
-
-def analyze(path: str | Path) -> dict:
+def analyze(path: str | Path, progress: bool = False) -> dict:
     """Analyses a run directory (or the latest run under an output root, or an msprobe dump directory).
 
+    Ranks are summarised in parallel processes (`rank_summary`) and their first appearances merged by
+    the ordering key.
+
+    Args:
+        path: the run.
+        progress: show a progress bar over the ranks on stderr.
+
     Returns:
-        A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, nonfinite_records, first
+        A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
+        crash, read up to their last whole record), nonfinite_records, first
         ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
         (first plus op, value, rule, family), ties and chain (lists shaped like first), cross_rank
         (`cross_rank.attribute`'s result plus `inputs_not_recorded_on`, the ranks that ran with
@@ -76,35 +73,33 @@ def analyze(path: str | Path) -> dict:
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    dump = read_dump(Path(path))
-    run, sources, notes, everything, without_inputs = (*dump, []) if dump else _read_run(Path(path))
-    ordered = _dedupe(sorted(everything, key=order_key))
-    first: Optional[AnomalyEvent] = ordered[0] if ordered else None
-    cross = attribute(ordered)
+    run, sources, notes, summaries = _summaries(Path(path), progress)
+    # every rank's first appearances, in key order: each rank's list is sorted, so a merge is enough
+    firsts = list(heapq.merge(*(s.firsts for s in summaries), key=order_key))
+    first: Optional[AnomalyEvent] = firsts[0] if firsts else None
+    # the collectives' records, and each rank's earliest other record (the origin's is `first`)
+    cross = attribute([e for s in summaries for e in s.comm] + [e for e in firsts if e.family != COMM])
     if cross is not None:
-        cross["inputs_not_recorded_on"] = without_inputs
+        cross["inputs_not_recorded_on"] = [s.rank for s in summaries if s.without_inputs]
         if cross["origin"] is not None:
-            first = next(e for e in ordered if e.where() == cross["origin"])
-    ties, chain, reached = [], [], set()
+            first = next(e for e in firsts if e.where() == cross["origin"])
+    ties, chain = [], []
     if first is not None and (cross is None or cross["origin_rank"] is None):
+        # a rank's first record at the first's stage place is its earliest, so among `firsts`
         tied_ranks = {first.rank}
-        for event in ordered[1:]:
+        for event in firsts[1:]:
             if stage_place(event) == stage_place(first) and event.rank not in tied_ranks:
                 tied_ranks.add(event.rank)
                 ties.append(event.where())
     if first is not None:
-        reached.add((first.rank, first.module, first.phase))
-        for event in ordered:
-            place = (event.rank, event.module, event.phase)
-            if place not in reached:
-                reached.add(place)
-                chain.append(event.where())
+        chain = [e.where() for e in firsts if (e.rank, e.module, e.phase) != (first.rank, first.module, first.phase)]
     return {
         "run": run,
         "ranks": sorted(int(r) for r in sources),
         "sources": sources,
         "notes": notes,
-        "nonfinite_records": len(ordered),
+        "warnings": [w for s in summaries for w in s.warnings],
+        "nonfinite_records": sum(s.records for s in summaries),
         "first": first.where() if first else None,
         "first_record": ({**first.where(), "op": first.op, "value": _json_value(first.value), "rule": first.rule,
                           "family": first.family} if first else None),
@@ -151,6 +146,7 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
              "sources: " + "; ".join(f"rank {r}: {', '.join(s) or 'nothing readable'}"
                                      for r, s in result["sources"].items())]
     lines += [f"note: {n}" for n in result["notes"]]
+    lines += [f"warning: {w}" for w in result["warnings"]]
     first = result["first_record"]
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")

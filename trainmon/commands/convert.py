@@ -22,6 +22,8 @@ def register(subparsers) -> None:
                                         "directory (holding <time>-rank<R>-<uuid>/)")
         parser.add_argument("out", help="output directory")
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="write into a non-empty output directory, replacing its rank_<R> directories")
         parser.set_defaults(handler=run, conversion=name)
 
 
@@ -35,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
     source = _COMMANDS[args.conversion][1]
     try:
         if args.conversion == "csv2db":
-            steps = conversions.csv_to_db(args.src, args.out, progress=progress)
+            steps = conversions.csv_to_db(args.src, args.out, progress=progress, overwrite=args.overwrite)
         else:
-            steps = conversions.to_tensorboard(args.src, args.out, source=source, progress=progress)
+            steps = conversions.to_tensorboard(args.src, args.out, source=source, progress=progress,
+                                               overwrite=args.overwrite)
     except (OSError, ValueError, sqlite3.Error) as err:
         print(f"trainmon {args.conversion}: {err}", file=sys.stderr)
         return 2

@@ -6,7 +6,6 @@ import json
 import sys
 
 from trainmon.anomaly.nan_analyze import analyze, format_report
-from trainmon.anomaly.run_inputs import InputError
 
 
 def register(subparsers) -> None:
@@ -15,16 +14,13 @@ def register(subparsers) -> None:
     parser.add_argument("dir", help="a run directory (holding rank_<R>/), the output root (latest run), or an "
                                     "msprobe dump directory (step<N>/rank<R>/dump.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = analyze(args.dir)
-    except InputError as err:
-        print(f"trainmon nan-analyze: {err}", file=sys.stderr)
-        return 2
+    result = analyze(args.dir, progress=not args.quiet)  # cli.main reports an InputError
     text = json.dumps(result, indent=1) if args.json else format_report(result)
     if args.output:
         try:

@@ -5,7 +5,8 @@ import argparse
 import sqlite3
 import sys
 
-from trainmon.reader import open_run
+from trainmon.commands.arguments import non_negative_int
+from trainmon.read import open_run
 
 
 def parse_steps(text: str):
@@ -25,12 +26,12 @@ def register(subparsers) -> None:
     parser.add_argument("--tag", help="only tags containing this text, e.g. 'layers.0.mlp' or '/rank0/post_grad'")
     parser.add_argument("--step", type=parse_steps, help="a step (7) or an inclusive range (10:20)")
     parser.add_argument("--family", help="only this family, e.g. actv, grad_reduced, exp_avg")
-    parser.add_argument("--rank", type=int, action="append", help="only this rank (repeatable)")
+    parser.add_argument("--rank", type=non_negative_int, action="append", help="only this rank (repeatable)")
     parser.add_argument("--ops", help="comma-separated figures to show (default: all)")
     parser.add_argument("--scalars", action="store_true", help="show the training scalars (loss, lr, ...) instead")
     parser.add_argument("--source", choices=("auto", "db", "csv"), default="auto",
                         help="read monitor.db or the CSV files (default: the database when present)")
-    parser.add_argument("--max-rows", type=int, default=200, help="rows printed at most (default 200; 0: all)")
+    parser.add_argument("--max-rows", type=non_negative_int, default=200, help="rows printed at most (default 200; 0: all)")
     parser.set_defaults(handler=run)
 
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if table.empty:
         print("no matching records")
         return 1
-    shown = table if args.max_rows <= 0 else table.head(args.max_rows)
+    shown = table if args.max_rows == 0 else table.head(args.max_rows)
     print(shown.to_string(index=False))
     if len(shown) < len(table):
         print(f"... {len(table) - len(shown)} more rows (--max-rows 0 shows all)")

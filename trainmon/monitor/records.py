@@ -6,7 +6,9 @@ from typing import Optional
 
 import numpy as np
 
-N_FIELDS = 8  # see stats.FIELDS
+# A record's fields, in their order (stats computes them: over the finite elements; see its docstring).
+FIELDS = ("count", "nans", "infs", "zeros", "sum", "sumsq", "min", "max")
+N_FIELDS = len(FIELDS)
 
 # Families, in the order msprobe writes them. The value is the CSV file prefix.
 ACTV = "actv"
@@ -75,7 +77,7 @@ class RecordKey:
 class StepBatch:
     """Everything one rank collected in one step.
 
-    `values` (float64 [len(keys), N_FIELDS] mergeable records, see stats.FIELDS) and the tensor-valued
+    `values` (float64 [len(keys), N_FIELDS] mergeable records, see FIELDS) and the tensor-valued
     `scalars` become readable after `wait()`, which only the writer thread calls: on an accelerator the
     copy to the host may still be in flight when the batch is queued.
     """

@@ -31,8 +31,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-FIELDS = ("count", "nans", "infs", "zeros", "sum", "sumsq", "min", "max")
-N_FIELDS = 8
+from trainmon.monitor.records import FIELDS, N_FIELDS  # the record's definition (re-exported)
+
 OPS = ("min", "max", "norm", "mean", "zeros", "nans", "infs")
 _ALWAYS = frozenset(("count", "nans", "infs"))
 _OP_FIELDS = {"min": ("min",), "max": ("max",), "norm": ("sumsq",), "mean": ("sum",),

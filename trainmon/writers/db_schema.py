@@ -1,20 +1,23 @@
 """The SQLite schema of `rank_<R>/monitor.db` (documented in the README, "Database schema").
 
 NaN in a REAL column: SQLite turns a bound NaN into NULL. So a record keeps `nan_fields`, a bit mask
-over FIELDS (bit i set: field i was NaN and is stored as NULL), and a scalar keeps `is_nan`. A NULL
-without its bit means "not recorded" (CSV conversions lack some fields). +-Inf is stored as REAL.
+over FIELDS (bit i set: field i was NaN and is stored as NULL), and a scalar or an anomaly keeps
+`is_nan`. A NULL without its bit means "not recorded" (CSV conversions lack some fields). +-Inf is
+stored as REAL. Writers and the read layer both encode and decode through the functions here.
 """
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from typing import Any, Optional
 
 import numpy as np
 
+from trainmon.monitor.records import FIELDS  # the record's fields, in their order
 DB_NAME = "monitor.db"  # in each rank directory
 SCHEMA_VERSION = 1
-FIELDS = ("count", "nans", "infs", "zeros", "sum", "sumsq", "min", "max")  # stats.FIELDS, in its order
+
 _BITS = 1 << np.arange(len(FIELDS), dtype=np.int64)
 
 SCHEMA = f"""
@@ -42,6 +45,8 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_tag_step ON records (tag_id, step);
 CREATE INDEX IF NOT EXISTS records_step_tag ON records (step, tag_id);
+-- the post-mortem reads only the non-finite records: a partial index holds just those
+CREATE INDEX IF NOT EXISTS records_nonfinite ON records (step, call_index) WHERE nans > 0 OR infs > 0;
 CREATE TABLE IF NOT EXISTS scalars (
     name   TEXT NOT NULL,
     step   INTEGER NOT NULL,
@@ -57,6 +62,21 @@ CREATE TABLE IF NOT EXISTS batches (     -- one row per committed step batch
 );
 CREATE INDEX IF NOT EXISTS batches_step ON batches (step);
 """
+
+# The rows of anomalies.jsonl, when `format` has `db` (the anomaly processor writes them).
+ANOMALY_COLUMNS = ("rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_index", "module", "phase",
+                   "tensor", "op", "value", "rule", "family", "first")
+ANOMALY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS anomalies (
+    rank INTEGER NOT NULL, step INTEGER NOT NULL, micro_step INTEGER, pp_stage INTEGER NOT NULL,
+    vpp_stage INTEGER NOT NULL, call_index INTEGER, module TEXT NOT NULL, phase TEXT NOT NULL,
+    tensor TEXT NOT NULL, op TEXT NOT NULL, value REAL, rule TEXT NOT NULL, family TEXT NOT NULL,
+    first INTEGER NOT NULL, is_nan INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS anomalies_order ON anomalies (step, micro_step, rank, call_index);
+"""
+# The condition of the partial index `records_nonfinite`; a query must spell it the same to use it.
+NONFINITE_RECORD = "nans > 0 OR infs > 0"
 
 INSERT_RECORD = (f"INSERT INTO records (tag_id, step, micro_step, call_index, pp_stage, "
                  f"{', '.join(repr(f) for f in FIELDS)}, nan_fields) VALUES ({', '.join('?' * (len(FIELDS) + 6))})")
@@ -109,3 +129,20 @@ def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> 
     rows = values.astype(object)
     rows[missing] = None
     return rows.tolist(), masks
+
+
+def encode_real(value: float) -> tuple[Optional[float], int]:
+    """(value for a REAL column, is_nan) of one float: NaN is stored as NULL with is_nan 1."""
+    nan = math.isnan(value)
+    return (None if nan else value), int(nan)
+
+
+def decode_real(value: Optional[float], is_nan: int) -> float:
+    """Inverse of `encode_real`."""
+    return math.nan if is_nan else value
+
+
+def decode_fields(stored: list) -> list[float]:
+    """The record fields of one row as floats: NULL (a NaN field, or one not recorded) is NaN; the row's
+    `nan_fields` tells the two apart."""
+    return [math.nan if value is None else value for value in stored]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sqlite3
 import time
 from pathlib import Path
@@ -86,9 +85,7 @@ class MonitorDb:
 
 
 def _scalar_row(name: str, step: int, value) -> tuple:
-    value = float(value)
-    nan = math.isnan(value)  # SQLite would turn a NaN into NULL: say so in is_nan
-    return name, step, None if nan else value, int(nan)
+    return (name, step, *db_schema.encode_real(float(value)))
 
 
 class DbSink(Sink):

@@ -9,11 +9,12 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-from trainmon.rank_readers import open_rank
-from trainmon.run_files import find_rank_dirs
+from trainmon.read.layout import find_run
+from trainmon.read.rank_records import open_rank
 from trainmon.writers.tags import split_tag, tag_for
 
 Steps = Union[None, int, range, slice, Sequence[int]]
@@ -55,14 +56,23 @@ class Run:
     `infs` fields) tell them apart.
 
     Args:
-        path: a run directory (holding `rank_<R>/`), one rank directory, or msprobe's output root
-            (holding `<time>-rank<R>-<uuid>/`).
+        path: a run directory (holding `rank_<R>/`), one rank directory, msprobe's output root
+            (holding `<time>-rank<R>-<uuid>/`), or an output root (its latest run, with a warning).
         source: "auto" (database if present), "db" or "csv".
     """
 
     def __init__(self, path: Union[str, Path], source: str = "auto"):
-        self.path = Path(path)
-        self._readers = {d.rank: open_rank(d, source) for d in find_rank_dirs(path)}
+        found = find_run(path)
+        if found.note:
+            warnings.warn(found.note, stacklevel=3)
+        self.path = found.path
+        self._readers = {}
+        try:
+            for rank_dir in found.ranks:
+                self._readers[rank_dir.rank] = open_rank(rank_dir, source)
+        except Exception:
+            self.close()
+            raise
 
     @property
     def ranks(self) -> list[int]:
@@ -159,7 +169,6 @@ def open_run(path: Union[str, Path], source: str = "auto") -> Run:
     """Opens a run's output for reading; see `Run`.
 
     Raises:
-        FileNotFoundError: `path` does not exist.
-        ValueError: `path` holds no monitor output, or several runs.
+        InputError: `path` does not exist, holds no monitor output, or a source cannot be read.
     """
     return Run(path, source)

@@ -1,0 +1,62 @@
+"""What the post-mortem keeps of one rank: enough for the report, not every record.
+
+The report needs the earliest record, the first appearance of each (rank, module, phase), the count of
+records, and the collectives' records (cross_rank traces the origin through them). A rank's summary
+holds exactly that, so ranks are summarised in parallel processes and merged by the ordering key, and
+memory stays bounded by the report, not by the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.ordering import order_key
+from trainmon.monitor.records import COMM
+from trainmon.read.evidence import rank_evidence, record_identity
+from trainmon.read.layout import RankDir
+
+
+@dataclass
+class RankSummary:
+    """One rank's part of the report."""
+
+    rank: int
+    records: int = 0  # distinct non-finite records
+    firsts: list[AnomalyEvent] = field(default_factory=list)  # first of each (module, phase), key order
+    comm: list[AnomalyEvent] = field(default_factory=list)  # the collectives' non-finite records
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    without_inputs: bool = False  # ran with cc_distribution on and cc_pre_hook off
+
+
+def summarize(rank: int, events: Iterable[AnomalyEvent]) -> RankSummary:
+    """The summary of one rank's non-finite events (any order; a record read twice counts once, the
+    copy with a call index kept)."""
+    chosen: dict[tuple, AnomalyEvent] = {}
+    for event in sorted(events, key=order_key):
+        ident = record_identity(event)
+        kept = chosen.get(ident)
+        if kept is None or (kept.call_index is None and event.call_index is not None):
+            chosen[ident] = event
+    out = RankSummary(rank, records=len(chosen))
+    seen = set()
+    for event in sorted(chosen.values(), key=order_key):
+        if event.family == COMM:
+            out.comm.append(event)
+        if (event.module, event.phase) not in seen:
+            seen.add((event.module, event.phase))
+            out.firsts.append(event)
+    return out
+
+
+def summarize_rank_dir(rank_dir: RankDir) -> RankSummary:
+    """Reads one rank's evidence and summarises it (run in a worker process for many ranks)."""
+    metadata = rank_dir.metadata()
+    evidence = rank_evidence(rank_dir, metadata)
+    out = summarize(rank_dir.rank, evidence.events)
+    out.sources, out.notes, out.warnings = evidence.sources, evidence.notes, evidence.warnings
+    cc = metadata.get("config", {}).get("cc_distribution", {})
+    out.without_inputs = bool(cc.get("enable") and not cc.get("cc_pre_hook"))
+    return out

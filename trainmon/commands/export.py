@@ -1,0 +1,33 @@
+"""`trainmon export RUN OUT [--format parquet]`: every record of a run as a Hive-partitioned Parquet dataset."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainmon import conversions, export
+from trainmon.read.layout import find_run
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("export", help="write a run's records as a Parquet dataset", description=__doc__)
+    parser.add_argument("src", help="run directory (holding rank_<R>/), a rank directory, or msprobe's output")
+    parser.add_argument("out", help="output directory (family=<family>/rank=<rank>/part-0.parquet)")
+    parser.add_argument("--format", choices=("parquet",), default="parquet", help="the dataset's format")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty output directory, replacing its family=<family> directories")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        export.check_pyarrow()
+    except ImportError as err:
+        print(f"trainmon export: {err}", file=sys.stderr)
+        return 2
+    conversions.prepare_output(find_run(args.src).path, Path(args.out), args.overwrite,
+                               export.PARTITION_DIR)  # cli.main reports an InputError
+    records = export.export(args.src, args.out, progress=not args.quiet)
+    print(f"trainmon export: {records} records written to {args.out}")
+    return 0

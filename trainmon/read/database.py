@@ -1,0 +1,202 @@
+"""Reading one rank's `monitor.db`, strictly read-only.
+
+A database whose job has ended and checkpointed has no `-wal` file: it is opened `immutable`, so SQLite
+creates no `-wal`/`-shm` beside it and takes no lock. A database with a `-wal` belongs to a running job
+(or one that was killed): it is opened `mode=ro`, which reads every committed transaction from the WAL
+and ignores one that never committed; its `-wal`/`-shm` files are the job's own.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Iterator, Optional
+from urllib.parse import quote
+
+import numpy as np
+
+from trainmon.anomaly.events import AnomalyEvent, phase_of, split_name
+from trainmon.monitor import stats
+from trainmon.read.errors import InputError
+from trainmon.writers import db_schema
+from trainmon.writers.db_schema import FIELDS
+
+RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_max
+_NEEDED_TABLES = ("meta", "tags", "records", "batches")
+
+
+def open_db(path: Path) -> sqlite3.Connection:
+    """A read-only connection to a monitor database, checked to have trainmon's tables.
+
+    Raises:
+        InputError: not a database, or an empty or schema-less one (naming the file).
+    """
+    immutable = "&immutable=1" if not Path(f"{path}-wal").exists() else ""
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro{immutable}", uri=True)
+    except sqlite3.Error as err:
+        raise _db_error(path, err) from None
+    try:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as err:
+        conn.close()
+        raise _db_error(path, err) from None
+    missing = [t for t in _NEEDED_TABLES if t not in tables]
+    if missing:
+        conn.close()
+        what = "an empty database" if not tables else f"a database without the table(s) {', '.join(missing)}"
+        raise InputError.at(path, f"{what}: not a trainmon monitor database (a conversion that failed leaves "
+                                  "one); delete it or write it again")
+    return conn
+
+
+def _db_error(path: Path, err: sqlite3.Error) -> InputError:
+    return InputError.at(path, f"cannot read the monitor database ({err}); it may be corrupt or not a trainmon "
+                               f"database (check with: sqlite3 {path} 'PRAGMA integrity_check')")
+
+
+class DbRankReader:
+    """Records of one `monitor.db`, with the figures (`ops`) derived from the stored fields.
+
+    Raises (all methods):
+        InputError: the database cannot be read (naming the file).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.conn = open_db(path)
+        self.meta = self._guard(lambda: db_schema.read_meta(self.conn))
+        self.ops = list(self.meta.get("ops", []))
+
+    def _guard(self, read):
+        try:
+            return read()
+        except sqlite3.Error as err:
+            raise _db_error(self.path, err) from None
+
+    def rows(self, family: Optional[str], first: Optional[int], last: Optional[int]) -> Iterator[tuple[int, list]]:
+        """(step, rows) in step order; each row has the stored fields (`raw_<field>`, NaN when NULL),
+        `nan_fields` and the derived ops (None where the op has no value, e.g. the min of a tensor
+        without finite elements)."""
+        where, args = _step_filter("r.step", first, last)
+        if family is not None:
+            where.append("t.family = ?")
+            args.append(family)
+        fields = ", ".join(f'r."{f}"' for f in FIELDS)
+        query = (f"SELECT t.family, t.name, t.vpp_stage, r.micro_step, r.step, r.call_index, r.pp_stage, t.shape, "
+                 f"t.dtype, r.nan_fields, {fields} FROM records r JOIN tags t ON t.id = r.tag_id "
+                 f"{'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY r.step, r.call_index")
+        names = ("family", "name", "vpp_stage", "micro_step", "step", "call_index", "pp_stage", "shape", "dtype",
+                 "nan_fields") + FIELDS
+        step, rows = None, []
+        try:
+            for values in self.conn.execute(query, args):
+                row = dict(zip(names, values))
+                if row["step"] != step and rows:
+                    yield step, rows
+                    rows = []
+                step = row["step"]
+                rows.append(self._with_ops(row))
+        except sqlite3.Error as err:
+            raise _db_error(self.path, err) from None
+        if rows:
+            yield step, rows
+
+    def _with_ops(self, row: dict) -> dict:
+        stored = db_schema.decode_fields([row.pop(f) for f in FIELDS])
+        row.update({RAW_PREFIX + f: value for f, value in zip(FIELDS, stored)})  # min, max, nans... are ops too
+        row["shape"] = json.loads(row["shape"])
+        record = np.array(stored, dtype=np.float64)
+        # NaN and Inf counts that were not recorded (CSV conversions) count as none; see db_schema.
+        record[1:3] = np.nan_to_num(record[1:3], nan=0.0)
+        figures = stats.derive_ops(record, self.ops)
+        if not row["nan_fields"]:
+            # no field is NaN, so a NaN figure comes from fields that were not recorded: it has no value
+            figures = {op: None if v is not None and v != v else v for op, v in figures.items()}
+        row.update(figures)
+        return row
+
+    def steps(self) -> set[int]:
+        """The steps whose batch was committed."""
+        return self._guard(lambda: {s for (s,) in self.conn.execute("SELECT DISTINCT step FROM batches")})
+
+    def step_count(self) -> int:
+        return len(self.steps())
+
+    def scalars(self, name: Optional[str], first: Optional[int], last: Optional[int]) -> list[dict]:
+        where, args = _step_filter("step", first, last)
+        if name is not None:
+            where.append("name = ?")
+            args.append(name)
+        query = (f"SELECT name, step, value, is_nan FROM scalars {'WHERE ' + ' AND '.join(where) if where else ''} "
+                 "ORDER BY step, rowid")
+        rows = self._guard(lambda: self.conn.execute(query, args).fetchall())
+        return [{"name": n, "step": s, "value": db_schema.decode_real(v, is_nan)} for n, s, v, is_nan in rows]
+
+    def nonfinite_events(self, rank: int) -> list[AnomalyEvent]:
+        """The non-finite anomalies (from the anomalies table) and then the non-finite records of the
+        database, each as an AnomalyEvent."""
+        return self._guard(lambda: self._anomalies(True) + self._nonfinite_records(rank))
+
+    def _nonfinite_records(self, rank: int) -> list[AnomalyEvent]:
+        query = ("SELECT t.family, t.name, t.vpp_stage, r.step, r.micro_step, r.call_index, r.pp_stage, r.nans, "
+                 f"r.infs FROM records r JOIN tags t ON t.id = r.tag_id WHERE {db_schema.NONFINITE_RECORD} "
+                 "ORDER BY r.step, r.call_index")
+        events = []
+        for family, name, vpp, step, micro, call, pp, nans, infs in self.conn.execute(query):
+            op, value = ("nans", nans) if nans else ("infs", infs)
+            events.append(record_event(rank, step, micro, pp, vpp, call, family, name, op, value))
+        return events
+
+    def has_anomalies(self) -> bool:
+        """Whether the database has the anomalies table (the run's anomaly processor wrote into it)."""
+        return self._guard(lambda: self.conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'anomalies'").fetchone() is not None)
+
+    def _anomalies(self, nonfinite_only: bool, first: Optional[int] = None, last: Optional[int] = None,
+                   enough: Optional[int] = None) -> list[AnomalyEvent]:
+        if not self.has_anomalies():
+            return []
+        columns = db_schema.ANOMALY_COLUMNS
+        where, args = _step_filter("step", first, last)
+        query = (f"SELECT {', '.join(columns)}, is_nan FROM anomalies {'WHERE ' + ' AND '.join(where) if where else ''} "
+                 "ORDER BY step, rowid")
+        events: list[AnomalyEvent] = []
+        for row in self.conn.execute(query, args):
+            fields = dict(zip(columns, row))
+            if enough is not None and len(events) >= enough and fields["step"] != events[-1].step:
+                break  # the ordering key starts with the step: later steps cannot be among the earliest
+            fields["value"] = db_schema.decode_real(fields["value"], row[-1])
+            fields["first"] = bool(fields["first"])
+            event = AnomalyEvent(**fields)
+            if event.nonfinite or not nonfinite_only:
+                events.append(event)
+        return events
+
+    def anomalies(self, first: Optional[int] = None, last: Optional[int] = None,
+                  enough: Optional[int] = None) -> list[AnomalyEvent]:
+        """Rows of the anomalies table in step order (none without the table), within steps first..last;
+        with `enough`, reading stops at the end of the step that brought that many."""
+        return self._guard(lambda: self._anomalies(False, first, last, enough))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def record_event(rank, step, micro, pp, vpp, call, family, name, op, value) -> AnomalyEvent:
+    """The AnomalyEvent of a non-finite record (rule "record")."""
+    module, tensor = split_name(family, name)
+    return AnomalyEvent(rank=rank, step=step, micro_step=micro, pp_stage=pp, vpp_stage=vpp, call_index=call,
+                        module=module, phase=phase_of(family), tensor=tensor, op=op, value=float(value),
+                        rule="record", family=family)
+
+
+def _step_filter(column: str, first: Optional[int], last: Optional[int]) -> tuple[list[str], list]:
+    where, args = [], []
+    if first is not None:
+        where.append(f"{column} >= ?")
+        args.append(first)
+    if last is not None:
+        where.append(f"{column} <= ?")
+        args.append(last)
+    return where, args

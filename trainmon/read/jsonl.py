@@ -1,0 +1,49 @@
+"""Reading `anomalies.jsonl`: every whole record; a last line cut short by a crash is dropped with a warning."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from trainmon.anomaly.events import AnomalyEvent
+from trainmon.read.errors import InputError
+
+Warn = Callable[[str], None]
+# The step of a line as AnomalyEvent.to_json writes it: read without parsing the line, so that lines of
+# steps another source holds cost a regex, not a JSON parse and an event. A line it does not match is parsed.
+_STEP = re.compile(rb'"step": (\d+),')
+
+
+def read_jsonl(path: Path, warn: Optional[Warn] = None,
+               skip_step: Optional[Callable[[int], bool]] = None) -> Iterator[AnomalyEvent]:
+    """The anomalies of one file, in file order.
+
+    A last line without its newline that does not parse is what a killed writer leaves: it is dropped
+    and `warn` is told (naming the file). Any other bad line is an error.
+
+    Args:
+        path: the anomalies.jsonl file.
+        warn: receives the warning about a cut-short last line.
+        skip_step: records of the steps it returns True for are not built (another source holds them).
+
+    Raises:
+        InputError: a line that is not an anomaly record (named by file and line).
+    """
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            if skip_step is not None and raw.endswith(b"\n"):
+                step = _STEP.search(raw)
+                if step is not None and skip_step(int(step[1])):
+                    continue
+            try:
+                yield AnomalyEvent.from_json(json.loads(raw))
+            except (ValueError, TypeError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+                if not raw.endswith(b"\n") and not fh.peek(1):
+                    if warn is not None:
+                        warn(f"{path}, line {number}: the last line is cut short (the writer was stopped); "
+                             f"read up to the last whole record")
+                    return
+                raise InputError.at(path, f"not an anomaly record: {err}", number) from None

@@ -1,0 +1,141 @@
+"""Where a run's files are: run discovery, rank directories, the files of a rank.
+
+trainmon writes `<run>/rank_<R>/`; msprobe writes `<Mon DD_HH-MM-SS>-rank<R>-<uuid8>/` under its output
+root. Both hold `<family>_<first>-<last>.csv` files with the same columns; trainmon's also hold
+`monitor.db`, `anomalies.jsonl` and `run.json`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from trainmon.anomaly.processor import ANOMALIES_FILE
+from trainmon.monitor.records import FAMILIES
+from trainmon.read.errors import InputError
+from trainmon.writers.db_schema import DB_NAME
+
+RUN_JSON = "run.json"
+RANK_DIR = re.compile(r"^rank_(\d+)$|-rank(\d+)-")  # trainmon's and msprobe's rank directories
+_FAMILY_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
+
+
+@dataclass(frozen=True)
+class FamilyFile:
+    """One `<family>_<first>-<last>.csv` file: the records of one family over a range of steps."""
+
+    family: str
+    first: int
+    last: int
+    path: Path
+
+    def overlaps(self, first: Optional[int], last: Optional[int]) -> bool:
+        return (first is None or self.last >= first) and (last is None or self.first <= last)
+
+
+@dataclass(frozen=True)
+class RankDir:
+    """One rank's directory and the sources it holds."""
+
+    rank: int
+    path: Path
+
+    @property
+    def db(self) -> Optional[Path]:
+        path = self.path / DB_NAME
+        return path if path.is_file() else None
+
+    @property
+    def jsonl(self) -> Optional[Path]:
+        path = self.path / ANOMALIES_FILE
+        return path if path.is_file() else None
+
+    def family_files(self, family: Optional[str] = None) -> list[FamilyFile]:
+        """The CSV files of one family (or all), ordered by first step, then family."""
+        files = []
+        for path in self.path.glob("*.csv"):
+            match = _FAMILY_FILE.match(path.name)
+            if match and match["family"] in FAMILIES and family in (None, match["family"]):
+                files.append(FamilyFile(match["family"], int(match["first"]), int(match["last"]), path))
+        return sorted(files, key=lambda f: (f.first, f.family))
+
+    def metadata(self) -> dict:
+        """The rank's `run.json` ({} when it has none).
+
+        Raises:
+            InputError: run.json is there but is not a JSON object.
+        """
+        path = self.path / RUN_JSON
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise InputError.at(path, f"not a readable {RUN_JSON} ({err})") from None
+        if not isinstance(data, dict):
+            raise InputError.at(path, f"not a {RUN_JSON} (expected a JSON object)")
+        return data
+
+
+@dataclass(frozen=True)
+class RunDirs:
+    """A run found on disk: its directory, its ranks, and a note on how it was chosen (or None)."""
+
+    path: Path
+    ranks: list[RankDir]
+    note: Optional[str] = None
+
+
+def find_run(path: str | Path) -> RunDirs:
+    """The run at `path`: a run directory, one rank directory, msprobe's output root (holding
+    `*-rank<R>-*` directories), or an output root holding runs (the latest is taken, with a note).
+
+    Raises:
+        InputError: `path` is missing, holds no monitor output, or two directories claim one rank.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise InputError.at(root, "no such directory; pass a run directory ($MONITOR_OUTPUT_DIR/<run>), the "
+                                  "output root, or msprobe's output directory", None)
+    ranks = _rank_dirs(root)
+    if ranks:
+        return RunDirs(root, ranks)
+    if _has_output(root):
+        return RunDirs(root, [RankDir(_rank_from_metadata(root), root)])
+    runs = sorted((child for child in root.iterdir() if child.is_dir() and _rank_dirs(child)),
+                  key=lambda child: (child.stat().st_mtime, child.name))
+    if not runs:
+        raise InputError.at(root, "no rank_<R> directories here or one level below, and no monitor output "
+                                  "(monitor.db, <family>_<a>-<b>.csv); pass a run directory "
+                                  "($MONITOR_OUTPUT_DIR/<run>), the output root, or an msprobe dump directory "
+                                  "(step<N>/rank<R>/dump.json)")
+    note = None if len(runs) == 1 else (f"{len(runs)} runs under {root}; reading the latest, {runs[-1].name} "
+                                        f"(pass its directory to choose another)")
+    return RunDirs(runs[-1], _rank_dirs(runs[-1]), note)
+
+
+def _rank_dirs(root: Path) -> list[RankDir]:
+    ranks: dict[int, Path] = {}
+    for child in root.iterdir():
+        match = RANK_DIR.search(child.name)
+        if not match or not child.is_dir() or not _has_output(child):
+            continue
+        rank = int(match[1] if match[1] is not None else match[2])
+        if rank in ranks:
+            raise InputError.at(root, f"{ranks[rank]} and {child} both hold rank {rank}; this directory mixes "
+                                      "several runs, give one run's directory")
+        ranks[rank] = child
+    return [RankDir(rank, ranks[rank]) for rank in sorted(ranks)]
+
+
+def _has_output(d: Path) -> bool:
+    rank = RankDir(0, d)
+    return rank.db is not None or rank.jsonl is not None or bool(rank.family_files())
+
+
+def _rank_from_metadata(d: Path) -> int:
+    """The rank of a directory whose name does not say it (a rank directory given on its own)."""
+    rank = RankDir(0, d).metadata().get("rank", 0)
+    return rank if isinstance(rank, int) else 0

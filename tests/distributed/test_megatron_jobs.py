@@ -2,7 +2,6 @@
 DistributedOptimizer shards are those of the gathered full tensors."""
 import json
 import os
-from pathlib import Path
 
 import pandas as pd
 import pytest

@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from overhead import TIERS as BASE_TIERS
-from overhead import tier_config
+from overhead import attach_monitor, tier_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
@@ -97,22 +97,14 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
     """A parameter-free chain of `calls` modules behind one Linear, trained with the tier's hooks (child side)."""
     import torch
 
-    from trainmon import TrainerMon
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), *[torch.nn.GELU() for _ in range(calls)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     out_dir = tempfile.mkdtemp(prefix="trainmon_micro_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    monitor = None
-    config = tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS)
-    if config is not None:
-        path = os.path.join(out_dir, "config.json")
-        with open(path, "w") as f:
-            json.dump(config, f)
-        monitor = TrainerMon(path)
-        monitor.set_monitor(model, optimizer=optimizer)
+    monitor = attach_monitor(tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS), out_dir,
+                             model, optimizer)
     if shim:
         sys.path.insert(0, SCRIPTS)
         from cpu_shims import CudaToCpuMode

@@ -48,6 +48,18 @@ def tier_config(tier: str, formats: list[str], extra: dict | None = None, interl
     return {"targets": {}, "ops": OPS, "format": formats, **(keys or {}), **(extra or {}), "step_interval": interleave}
 
 
+def attach_monitor(config: dict | None, out_dir: str, model, optimizer):
+    """A TrainerMon with `config` (written to `out_dir`) on `model` and `optimizer`; None when config is None."""
+    from trainmon import TrainerMon
+
+    if config is None:
+        return None
+    path = os.path.join(out_dir, "config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return TrainerMon(path).set_monitor(model, optimizer=optimizer)
+
+
 def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict, interleave: int = 1) -> dict:
     """Trains in this process and returns the medians (the child side).
 
@@ -56,7 +68,6 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     """
     import torch
 
-    from trainmon import TrainerMon
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
 
     torch.set_num_threads(1)
@@ -64,16 +75,9 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     model = TinyGPT(vocab=1024, hidden=256, layers=4, heads=4, seq=128)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    monitor = None
     out_dir = tempfile.mkdtemp(prefix="trainmon_bench_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    config = tier_config(tier, formats, extra, interleave)
-    if config is not None:
-        path = os.path.join(out_dir, "config.json")
-        with open(path, "w") as f:
-            json.dump(config, f)
-        monitor = TrainerMon(path)
-        monitor.set_monitor(model, optimizer=optimizer)
+    monitor = attach_monitor(tier_config(tier, formats, extra, interleave), out_dir, model, optimizer)
     sink_cpu = time_sinks(monitor) if monitor is not None else {}
     cpu, wall, train_cpu = [], [], []
     for _ in range(warmup + steps * interleave):

@@ -34,12 +34,12 @@ from trainmon.monitor.config_keys import (
     STAT_OPS,
     WRITER_POLICIES,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
-    check_formats, check_int, check_list, check_number, check_opt_bool, check_rule_args, check_str, check_targets,
+    check_formats, check_int, check_list, check_number, check_opt_bool, check_opt_str, check_rule_args, check_str, check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
 )
 
 __all__ = [
-    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigError", "ConfigNotHonouredWarning",
+    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError", "ConfigNotHonouredWarning",
     "MonitorConfig", "RuleConfig", "TargetSpec", "load_config", "parse_target_spec",
 ]
 
@@ -133,6 +133,31 @@ class AlertConfig:
         _validate_fields(self)
 
 
+@dataclass(kw_only=True, slots=True)
+class ConfigCheckConfig:
+    """trainmon: a config-check pack of this job (see README, `trainmon config-check`)."""
+
+    _PATH: ClassVar[str] = "config_check"
+    enable: bool = _field(check_bool, default=False)
+    """At set_monitor, record the weights, random generators, environment and packages, then the inputs of
+    the first `batches` micro-steps, into `<output>/rank_<R>.zip`."""
+    output: str | None = _field(check_opt_str, default=None)
+    """Directory of the packs; None: `config_check/` in the run directory."""
+    batches: int = _field(check_int(0, 1_000_000), default=1)
+    """Training micro-steps whose root-module inputs are recorded."""
+    scripts: list[str] = _field(check_list(check_str, "paths of shell scripts"), factory=list)
+    """Launch scripts whose hyperparameters (`--lr 1e-4`, `LR=1e-4`) go into the pack."""
+    yamls: list[str] = _field(check_list(check_str, "paths of YAML files"), factory=list)
+    """YAML configs whose hyperparameters go into the pack."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        for key in ("scripts", "yamls"):  # a missing file is the user's error: say so before training
+            for i, path in enumerate(getattr(self, key)):
+                if not os.path.isfile(path):
+                    raise ConfigError("is not a file", key=f"{key}[{i}]", value=path, allowed="an existing file")
+
+
 def _check_ops(value: Any, key: str) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
@@ -218,6 +243,8 @@ class MonitorConfig:
     """Shorten module and parameter names (msprobe's squash_param_name)."""
     alert: AlertConfig = _field(_section(AlertConfig), factory=AlertConfig)
     """Online anomaly rules (see AlertConfig)."""
+    config_check: ConfigCheckConfig = _field(_section(ConfigCheckConfig), factory=ConfigCheckConfig)
+    """trainmon: record a config-check pack at set-up (see ConfigCheckConfig)."""
     append_output: list[str] = _field(check_append_output, factory=list)
     """Resume: [start, end] bounds of earlier run names (`run-YYYYmmdd-HHMMSS`); the latest existing run whose
     name sorts between them is appended to. [] starts a new run."""

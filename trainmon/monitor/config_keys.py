@@ -223,6 +223,10 @@ def check_str(value: Any, key: str) -> str:
     return value
 
 
+def check_opt_str(value: Any, key: str) -> str | None:
+    return None if value is None else check_str(value, key)
+
+
 def check_mapping(value: Any, key: str) -> dict:
     if not isinstance(value, Mapping):
         raise ConfigError("must be a JSON object", key=key, value=value, allowed="an object {...}")

@@ -83,6 +83,7 @@ class TrainerMon:
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
+        self._config_capture = None
 
     # ----------------------------------------------------------------------------------- set-up
     def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
@@ -139,6 +140,8 @@ class TrainerMon:
             logger.error("trainmon: cannot write to the output directory %s (%s); training continues, file "
                          "outputs are disabled", self.output_dir, err)
 
+        if self.config.config_check.enable:
+            self._config_capture = _start_config_capture(self.config, self._chunks, self.output_dir.parent)
         collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage(),
                                   batch_bytes=self.config.stats_batch_mb << 20)
         self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
@@ -378,6 +381,9 @@ class TrainerMon:
             # An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes.
             self._sentinel.close_step()
         self._remove()
+        if self._config_capture is not None:
+            self._config_capture.close()  # a job with fewer micro-steps than `batches` still gets its pack
+            self._config_capture = None
         if self._writer is not None and not self._writer.closed:
             self._ship_evaluation()
         if self._state is not None and not self._state.collector.empty:
@@ -429,6 +435,21 @@ _WHAT_HOOKS_COLLECT = {
     StackRecorder: "call stacks (stack_info)",
     StepGate: "the alert action",
 }
+
+
+def _start_config_capture(config: MonitorConfig, chunks: list, run_dir):
+    """The config-check capture of `config_check` (imported only when it is on), or None when it failed:
+    a pack that cannot be made never stops training or monitoring."""
+    from trainmon.config_check import capture
+
+    cc = config.config_check
+    try:
+        return capture(chunks, scripts=cc.scripts, yamls=cc.yamls, output=cc.output or run_dir / "config_check",
+                       batches=cc.batches)
+    except Exception as err:
+        logger.error("trainmon: config_check capture failed (%s: %s); no pack is written, training continues",
+                     type(err).__name__, err)
+        return None
 
 
 def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:

@@ -3,6 +3,7 @@ every tensor is stored with its global shape, so each is read whole, one at a ti
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,7 +48,9 @@ class DistCheckpoint:
         meta = self._tensors[name]
         out = {name: torch.empty(meta.size, dtype=meta.properties.dtype)}
         try:
-            dcp.load(out, storage_reader=_Reader(self.path), no_dist=True)
+            with warnings.catch_warnings():  # reading in one process is the intent, not a fallback
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(out, storage_reader=_Reader(self.path), no_dist=True)
         except Exception as err:  # torch wraps a storage failure in CheckpointException
             raise InputError.at(self.path, f"cannot read tensor {name!r} ({str(err).strip()[:300]})") from None
         return out[name]

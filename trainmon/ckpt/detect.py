@@ -1,7 +1,6 @@
 """Which reader a checkpoint path needs."""
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 from trainmon.ckpt.dcp import METADATA, DistCheckpoint
@@ -33,6 +32,6 @@ def open_checkpoint(path: str | Path) -> Source:
         return SafetensorsFiles(path)
     with open(path, "rb") as f:
         head = f.read(8)
-    if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # torch.save: a zip, or a legacy pickle stream
+    if not head.startswith((b"PK", b"\x80")):  # torch.save: a zip (maybe cut short), or a legacy pickle stream
         raise InputError.at(path, "not a checkpoint file (neither a torch.save file nor safetensors)")
     return TorchFile(path)

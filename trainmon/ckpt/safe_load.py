@@ -81,8 +81,11 @@ class RestrictedUnpickler(pickle.Unpickler):
         super().__init__(data)
         self.prefixes = prefixes
 
+    _PLAIN = (("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"))
+
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(self.prefixes) or (module, name) in (("torch", "Size"), ("collections", "OrderedDict")) \
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if module.startswith(self.prefixes) or (module, name) in self._PLAIN or (
+                module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"class {module}.{name} is not loaded for safety")

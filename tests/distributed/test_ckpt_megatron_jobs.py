@@ -1,0 +1,92 @@
+"""ckpt-compare on Megatron-Core legacy checkpoints saved by real TP2xPP2 and TP1xPP2 jobs (CPU shims, gloo):
+shards merge into the full parameters the jobs gathered themselves, under global layer numbers."""
+import json
+
+import pytest
+import torch
+
+from launch import torchrun
+from trainmon.cli import main as cli_main
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """TP2xPP2 saving at iterations 0 and 2, and TP1xPP2 from the same seed saving at iteration 0."""
+    root = tmp_path_factory.mktemp("megatron_ckpt")
+    torchrun("job_megatron_ckpt.py", 4, ["--out", str(root / "tp2"), "--tp", "2", "--pp", "2", "--save-at", "0,2"],
+             root / "monitor")
+    torchrun("job_megatron_ckpt.py", 2, ["--out", str(root / "tp1"), "--tp", "1", "--pp", "2", "--save-at", "0"],
+             root / "monitor")
+    return root
+
+
+def truth(job_dir, iteration):
+    """The full parameters the job gathered, from both pipeline stages."""
+    merged = {}
+    for stage in (0, 1):
+        merged.update(torch.load(job_dir / "truth" / f"iter_{iteration:07d}.pp{stage}.pt"))
+    return merged
+
+
+def ckpt_compare(capsys, tmp_path, a, b, *options):
+    out = tmp_path / "result.json"
+    assert cli_main(["ckpt-compare", str(a), str(b), "-o", str(out), *options]) == 0
+    printed = capsys.readouterr().out
+    return json.loads(out.read_text()), printed
+
+
+def test_with_itself_latest_iteration(jobs, capsys, tmp_path):
+    result, printed = ckpt_compare(capsys, tmp_path, jobs / "tp2" / "legacy", jobs / "tp2" / "legacy")
+    assert result["a"]["format"] == "megatron-legacy"
+    assert result["a"]["read"].endswith("iter_0000002")  # latest_checkpointed_iteration.txt
+    names = set(truth(jobs / "tp2", 2))
+    assert set(result["parameters"]) == names and "decoder.layers.3.mlp.linear_fc2.weight" in names
+    assert result["summary"]["identical"] == len(names) and result["summary"]["differ"] == 0
+    assert all(p["cosine"] == 1.0 and p["l2"] == 0.0 for p in result["parameters"].values())
+    assert f"{len(names)} parameters compared: {len(names)} identical" in printed
+
+
+def test_two_iterations_match_torch_on_the_gathered_parameters(jobs, capsys, tmp_path):
+    legacy = jobs / "tp2" / "legacy"
+    result, _ = ckpt_compare(capsys, tmp_path, legacy / "iter_0000000", legacy / "iter_0000002")
+    first, last = truth(jobs / "tp2", 0), truth(jobs / "tp2", 2)
+    assert result["summary"]["differ"] == len(first)
+    for name, p in result["parameters"].items():
+        a, b = first[name].double(), last[name].double()
+        assert p["shape_a"] == list(a.shape) and p["numel"] == a.numel()
+        assert p["l2"] == pytest.approx(float((a - b).norm()), rel=1e-9) and p["l2"] > 0
+        assert p["max_abs_diff"] == pytest.approx(float((a - b).abs().max()), rel=1e-9)
+        norms = float(a.norm() * b.norm())
+        if norms:
+            assert p["cosine"] == pytest.approx(float((a * b).sum()) / norms, rel=1e-9)
+
+
+def test_tp2_and_tp1_of_the_same_weights_are_identical(jobs, capsys, tmp_path):
+    result, _ = ckpt_compare(capsys, tmp_path, jobs / "tp2" / "legacy" / "iter_0000000", jobs / "tp1" / "legacy")
+    assert result["summary"]["differ"] == 0 and result["summary"]["only_in_a"] == 0
+    assert result["summary"]["identical"] == len(truth(jobs / "tp1", 0))
+
+
+def test_a_mapping_file_renames_a_side(jobs, capsys, tmp_path):
+    """A's layer 3 is compared as B's layer 0: same shapes, other values; the names left over are listed."""
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({r"decoder\.layers\.3\.(.*)": r"decoder.layers.0.\1",
+                                   r"decoder\.layers\.0\.(.*)": r"decoder.layers.3.\1"}))
+    legacy = jobs / "tp2" / "legacy" / "iter_0000000"
+    result, _ = ckpt_compare(capsys, tmp_path, legacy, legacy, "--map", str(mapping))
+    swapped = result["parameters"]["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert swapped["name_a"] == "decoder.layers.3.mlp.linear_fc1.weight" and not swapped["identical"]
+    assert result["parameters"]["decoder.layers.1.mlp.linear_fc1.weight"]["identical"]
+
+
+def test_a_truncated_shard_is_named(jobs, capsys, tmp_path):
+    import shutil
+    copy = tmp_path / "iter"
+    shutil.copytree(jobs / "tp2" / "legacy" / "iter_0000000", copy)
+    shard = copy / "mp_rank_01_001" / "model_optim_rng.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert cli_main(["ckpt-compare", str(copy), str(jobs / "tp1" / "legacy")]) == 2
+    err = capsys.readouterr().err
+    assert str(shard) in err and "Traceback" not in err

@@ -13,11 +13,12 @@ pytest.importorskip("megatron.core")
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """TP2xPP2 saving at iterations 0 and 2, and TP1xPP2 from the same seed saving at iteration 0."""
+    """TP2xPP2 saving at iterations 0 and 2, and TP1xPP2 from the same seed saving at iteration 0, also as a
+    dist checkpoint."""
     root = tmp_path_factory.mktemp("megatron_ckpt")
     torchrun("job_megatron_ckpt.py", 4, ["--out", str(root / "tp2"), "--tp", "2", "--pp", "2", "--save-at", "0,2"],
              root / "monitor")
-    torchrun("job_megatron_ckpt.py", 2, ["--out", str(root / "tp1"), "--tp", "1", "--pp", "2", "--save-at", "0"],
+    torchrun("job_megatron_ckpt.py", 2, ["--out", str(root / "tp1"), "--tp", "1", "--pp", "2", "--save-at", "0", "--dist"],
              root / "monitor")
     return root
 
@@ -79,6 +80,19 @@ def test_a_mapping_file_renames_a_side(jobs, capsys, tmp_path):
     swapped = result["parameters"]["decoder.layers.0.mlp.linear_fc1.weight"]
     assert swapped["name_a"] == "decoder.layers.3.mlp.linear_fc1.weight" and not swapped["identical"]
     assert result["parameters"]["decoder.layers.1.mlp.linear_fc1.weight"]["identical"]
+
+
+def test_dist_checkpoint_of_the_same_weights_is_identical(jobs, capsys, tmp_path):
+    """Megatron's dist checkpoint stacks every layer's parameter and names the local spec's layer norms as the
+    fused layout does: a mapping file bridges the names."""
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({r"(.*)\.input_layernorm\.(weight|bias)": r"\1.self_attention.linear_qkv.layer_norm_\2",
+                                   r"(.*)\.pre_mlp_layernorm\.(weight|bias)": r"\1.mlp.linear_fc1.layer_norm_\2"}))
+    result, _ = ckpt_compare(capsys, tmp_path, jobs / "tp2" / "legacy" / "iter_0000000",
+                             jobs / "tp1" / "dist" / "iter_0000000", "--map", str(mapping))
+    assert result["b"]["format"] == "torch.distributed.checkpoint"
+    assert result["summary"] == {"compared": len(truth(jobs / "tp2", 0)), "identical": result["summary"]["compared"],
+                                 "differ": 0, "only_in_a": 0, "only_in_b": 0}
 
 
 def test_a_truncated_shard_is_named(jobs, capsys, tmp_path):

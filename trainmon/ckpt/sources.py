@@ -72,7 +72,11 @@ class SafetensorsFiles:
     kind = "safetensors"
 
     def __init__(self, path: Path):
-        from safetensors import SafetensorError, safe_open
+        try:
+            from safetensors import SafetensorError, safe_open
+        except ImportError:
+            raise InputError.at(path, "reading safetensors needs the safetensors package (pip install "
+                                      "safetensors)") from None
         self.path = path
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         self._where: dict[str, Path] = {}

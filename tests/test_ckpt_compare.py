@@ -86,3 +86,57 @@ def test_a_directory_that_is_no_checkpoint_and_a_bad_mapping_are_named(tmp_path,
     assert cli_main(["ckpt-compare", str(tmp_path / "good.pt"), str(tmp_path / "good.pt"), "--map",
                      str(tmp_path / "map.json")]) == 2
     assert str(tmp_path / "map.json") in capsys.readouterr().err
+
+
+def test_megatron_legacy_shards_merge_with_vpp_and_swiglu(tmp_path):
+    """Full tensors cut as Megatron cuts them (TP2, PP2, 2 virtual chunks of one layer, swiglu: each fc1 shard
+    is [its gate part; its up part]) and saved in the legacy layout merge back to exactly those tensors."""
+    import argparse
+    torch.manual_seed(0)
+    layer = lambda: {"input_layernorm.weight": torch.randn(4), "self_attention.linear_qkv.weight": torch.randn(12, 4),
+                     "self_attention.linear_proj.weight": torch.randn(4, 8), "mlp.linear_fc1.weight": torch.randn(16, 4)}
+    full = {f"decoder.layers.{g}.{k}": v for g in range(4) for k, v in layer().items()}
+    full["embedding.word_embeddings.weight"] = torch.randn(10, 4)
+    full["output_layer.weight"] = torch.randn(10, 4)
+    torch.save(full, tmp_path / "full.pt")
+
+    def shard(name, tensor, tp):
+        if name.endswith("linear_fc1.weight"):
+            gate, up = tensor.chunk(2)
+            return torch.cat([gate.chunk(2)[tp], up.chunk(2)[tp]])
+        if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+            return tensor.chunk(2, dim=0)[tp]
+        if name.endswith("linear_proj.weight"):
+            return tensor.chunk(2, dim=1)[tp]
+        return tensor
+
+    iteration = tmp_path / "ckpt" / "iter_0000005"
+    for tp in (0, 1):
+        for pp in (0, 1):
+            state = {"args": argparse.Namespace(swiglu=True, params_dtype=torch.float32), "iteration": 5}
+            for chunk in (0, 1):
+                g = 2 * chunk + pp  # Megatron's interleaved order: chunk-major, then stage
+                model = {f"decoder.layers.0.{k}": shard(k, full[f"decoder.layers.{g}.{k}"], tp) for k in layer()}
+                if (chunk, pp) == (0, 0):
+                    model["embedding.word_embeddings.weight"] = shard("word_embeddings.weight",
+                                                                      full["embedding.word_embeddings.weight"], tp)
+                if (chunk, pp) == (1, 1):
+                    model["output_layer.weight"] = shard("output_layer.weight", full["output_layer.weight"], tp)
+                model["decoder.layers.0.mlp.linear_fc1._extra_state"] = None
+                state[f"model{chunk}"] = model
+            (iteration / f"mp_rank_{tp:02d}_{pp:03d}").mkdir(parents=True)
+            torch.save(state, iteration / f"mp_rank_{tp:02d}_{pp:03d}" / "model_optim_rng.pt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5")
+    result = compare_checkpoints(tmp_path / "ckpt", tmp_path / "full.pt")
+    assert result["a"]["format"] == "megatron-legacy"
+    assert result["summary"] == {"compared": len(full), "identical": len(full), "differ": 0, "only_in_a": 0,
+                                 "only_in_b": 0}
+
+
+def test_a_latest_file_naming_a_missing_iteration_is_named(tmp_path, capsys):
+    (tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"model": state()}, tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7")
+    assert cli_main(["ckpt-compare", str(tmp_path / "ckpt"), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "latest_checkpointed_iteration.txt" in err and "iter_0000007" in err

@@ -7,6 +7,8 @@ holds the whole state dict in memory (its format keeps every parameter in one fl
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -51,7 +53,8 @@ class DeepSpeedCheckpoint:
         if any(self.path.glob("*optim_states.pt")):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             try:
-                with mock.patch.object(torch, "load", _safe_torch_load):
+                # DeepSpeed reports its progress on stdout, which is the command's result
+                with mock.patch.object(torch, "load", _safe_torch_load), contextlib.redirect_stdout(sys.stderr):
                     state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
             except (ValueError, KeyError, AssertionError, FileNotFoundError) as err:
                 if isinstance(err, InputError):

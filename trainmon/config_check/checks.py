@@ -27,7 +27,7 @@ def _keyed_rows(rows: list[dict], key: Callable[[dict], str]) -> dict[str, dict]
 def _entries(check: str, members: dict) -> Optional[dict[str, tuple[Any, dict]]]:
     """{key: (compared value, row of details)} of one check in one pack; None when the pack lacks it."""
     if check == "hyperparameters":
-        values = members.get("hyperparameters", {}).get("compared") if "hyperparameters" in members else None
+        values = members["hyperparameters"]["compared"] if check in members else None
     elif check in ("weights", "dataset"):
         if check not in members:
             return None

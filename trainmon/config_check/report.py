@@ -26,7 +26,8 @@ def print_summary(results: list[CheckResult], out: TextIO) -> None:
         if r.differences:
             out.write(f"\n{r.name}: first differences (rank, key: A -> B)\n")
             for d in r.differences[:SHOWN_DIFFERENCES]:
-                out.write(f"  {d['rank']}, {d['key']}: {_short(d['a'])} -> {_short(d['b'])}\n")
+                rank = "-" if d["rank"] is None else d["rank"]  # a pack captured outside a job
+                out.write(f"  {rank}, {d['key']}: {_short(d['a'])} -> {_short(d['b'])}\n")
             if len(r.differences) > SHOWN_DIFFERENCES:
                 out.write(f"  ... {len(r.differences) - SHOWN_DIFFERENCES} more\n")
 

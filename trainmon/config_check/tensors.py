@@ -26,6 +26,7 @@ def digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
     """One row per tensor: name, dtype, shape, sha256 and DIGEST_OPS from the statistic engine."""
     rows = []
     for name, tensor in named:
+        tensor = _local(tensor)
         row = {"name": name, "dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape),
                "sha256": tensor_hash(tensor)}
         if tensor.is_floating_point() and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16,
@@ -38,6 +39,14 @@ def digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
                        max=float(as_float.max()), nans=0.0, infs=0.0)
         rows.append(row)
     return rows
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements: a DTensor's local shard, a ZeRO-3 parameter's partition (its `data` is empty
+    between steps)."""
+    if hasattr(tensor, "to_local"):
+        return tensor.to_local()
+    return getattr(tensor, "ds_tensor", tensor)
 
 
 def flat_tensors(value: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:

@@ -52,8 +52,8 @@ def test_a_mapping_file_renames_a_side(tmp_path, capsys):
     torch.save(state(), tmp_path / "b.pt")
     (tmp_path / "map.json").write_text(json.dumps({r"model\.(.*)": r"\1"}))
     out = tmp_path / "r.json"
-    assert cli_main(["ckpt-compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--map", str(tmp_path / "map.json"),
-                     "-o", str(out)]) == 0
+    assert cli_main(["ckpt-compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"),
+                     "--map", str(tmp_path / "map.json"), "-o", str(out)]) == 0
     assert json.loads(out.read_text())["summary"]["identical"] == 4
     assert "4 parameters compared: 4 identical" in capsys.readouterr().out
 
@@ -94,7 +94,8 @@ def test_megatron_legacy_shards_merge_with_vpp_and_swiglu(tmp_path):
     import argparse
     torch.manual_seed(0)
     layer = lambda: {"input_layernorm.weight": torch.randn(4), "self_attention.linear_qkv.weight": torch.randn(12, 4),
-                     "self_attention.linear_proj.weight": torch.randn(4, 8), "mlp.linear_fc1.weight": torch.randn(16, 4)}
+                     "self_attention.linear_proj.weight": torch.randn(4, 8),
+                     "mlp.linear_fc1.weight": torch.randn(16, 4)}
     full = {f"decoder.layers.{g}.{k}": v for g in range(4) for k, v in layer().items()}
     full["embedding.word_embeddings.weight"] = torch.randn(10, 4)
     full["output_layer.weight"] = torch.randn(10, 4)

@@ -130,7 +130,8 @@ def test_in_process_capture_records_training_micro_steps_only(tmp_path):
     with zipfile.ZipFile(run_capture(tmp_path, "a")) as pack:
         dataset = json.loads(pack.read("dataset.json"))
         weights = json.loads(pack.read("weights.json"))
-    assert [(r["micro_step"], r["name"], r["shape"]) for r in dataset] == [(0, "input.0", [3, 4]), (1, "input.0", [3, 4])]
+    assert [(r["micro_step"], r["name"], r["shape"]) for r in dataset] == [(0, "input.0", [3, 4]),
+                                                                          (1, "input.0", [3, 4])]
     assert [w["name"] for w in weights] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert weights[0]["norm"] == pytest.approx(float(tiny_model(0)[0].weight.detach().norm()), rel=1e-6)
 

@@ -18,8 +18,8 @@ def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_ckpt")
     torchrun("job_megatron_ckpt.py", 4, ["--out", str(root / "tp2"), "--tp", "2", "--pp", "2", "--save-at", "0,2"],
              root / "monitor")
-    torchrun("job_megatron_ckpt.py", 2, ["--out", str(root / "tp1"), "--tp", "1", "--pp", "2", "--save-at", "0", "--dist"],
-             root / "monitor")
+    torchrun("job_megatron_ckpt.py", 2,
+             ["--out", str(root / "tp1"), "--tp", "1", "--pp", "2", "--save-at", "0", "--dist"], root / "monitor")
     return root
 
 
@@ -86,8 +86,9 @@ def test_dist_checkpoint_of_the_same_weights_is_identical(jobs, capsys, tmp_path
     """Megatron's dist checkpoint stacks every layer's parameter and names the local spec's layer norms as the
     fused layout does: a mapping file bridges the names."""
     mapping = tmp_path / "map.json"
-    mapping.write_text(json.dumps({r"(.*)\.input_layernorm\.(weight|bias)": r"\1.self_attention.linear_qkv.layer_norm_\2",
-                                   r"(.*)\.pre_mlp_layernorm\.(weight|bias)": r"\1.mlp.linear_fc1.layer_norm_\2"}))
+    mapping.write_text(json.dumps({
+        r"(.*)\.input_layernorm\.(weight|bias)": r"\1.self_attention.linear_qkv.layer_norm_\2",
+        r"(.*)\.pre_mlp_layernorm\.(weight|bias)": r"\1.mlp.linear_fc1.layer_norm_\2"}))
     result, _ = ckpt_compare(capsys, tmp_path, jobs / "tp2" / "legacy" / "iter_0000000",
                              jobs / "tp1" / "dist" / "iter_0000000", "--map", str(mapping))
     assert result["b"]["format"] == "torch.distributed.checkpoint"

@@ -87,7 +87,8 @@ def test_a_changed_package_version_fails_the_package_check_alone(jobs, capsys, t
                 new.writestr(item, data)
     status, failed, result, _ = compare(capsys, jobs["reference"] / "pack", edited, tmp_path / "out")
     assert status == 1 and failed == {"packages"}
-    assert [(d["rank"], d["key"], d["b"]) for d in result["checks"]["packages"]["differences"]] == [(1, "torch", "0.0.1")]
+    differences = result["checks"]["packages"]["differences"]
+    assert [(d["rank"], d["key"], d["b"]) for d in differences] == [(1, "torch", "0.0.1")]
 
 
 def test_secrets_never_reach_a_pack(jobs):
@@ -108,8 +109,9 @@ def ckpt_compare(capsys, tmp_path, a, b):
 def test_ckpt_compare_with_itself(jobs, capsys, tmp_path):
     result = ckpt_compare(capsys, tmp_path, jobs["reference"] / "ckpt", jobs["reference"] / "ckpt")
     assert result["a"]["format"] == "deepspeed" and result["a"]["read"].endswith("global_step2")  # from `latest`
-    assert result["summary"] == {"compared": len(list(TinyLM().parameters())), "identical": result["summary"]["compared"],
-                                 "differ": 0, "only_in_a": 0, "only_in_b": 0}
+    parameters = len(list(TinyLM().parameters()))
+    assert result["summary"] == {"compared": parameters, "identical": parameters, "differ": 0, "only_in_a": 0,
+                                 "only_in_b": 0}
     assert all(p["cosine"] == 1.0 and p["l2"] == 0.0 for p in result["parameters"].values())
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from trainmon.ckpt.compare import compare_checkpoints
 from trainmon.ckpt.names import load_mapping
@@ -45,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if differing:
         print(f"\n{'parameter':<60}{'l2':>12}{'cosine':>12}{'max|diff|':>12}  shape")
         for name, p in differing[:SHOWN]:
+            shape = str(p["shape_a"]) if p["shape_a"] == p["shape_b"] else f"{p['shape_a']} vs {p['shape_b']}"
             print(f"{name:<60}{_figure(p.get('l2')):>12}{_figure(p.get('cosine')):>12}"
-                  f"{_figure(p.get('max_abs_diff')):>12}  {p['shape_a']}{'' if p['shape_a'] == p['shape_b'] else ' vs ' + str(p['shape_b'])}")
+                  f"{_figure(p.get('max_abs_diff')):>12}  {shape}")
         if len(differing) > SHOWN:
             print(f"... {len(differing) - SHOWN} more in the JSON output")
     for side in ("a", "b"):

@@ -2,6 +2,7 @@
 random generators and the first input batches of every micro-step (from the root module's forward inputs)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from pathlib import Path
@@ -67,7 +68,9 @@ class ConfigCapture:
         self._seen = [0] * len(chunks)
         self._handles = [chunk.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                          for i, chunk in enumerate(chunks)] if batches else []
-        if not self._handles:
+        if self._handles:
+            atexit.register(self.close)  # a job that ends before `batches` micro-steps still gets its pack
+        else:
             self.close()
 
     def _hook(self, index: int):
@@ -90,6 +93,7 @@ class ConfigCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        atexit.unregister(self.close)
         if not self.written:
             write_pack(self.path, self.rank, self.world_size, self.members)
             self.written = True
@@ -107,7 +111,8 @@ def capture(model=None, args: Any = None, scripts: Iterable = (), yamls: Iterabl
         args: argparse Namespace, Megatron `args` or a mapping of hyperparameters.
         scripts: shell launch scripts to parse for hyperparameters (`--lr 1e-4`, `LR=1e-4`).
         yamls: YAML configs to parse for hyperparameters.
-        output: a directory (each rank writes `rank_<R>.zip` there) or, in a single process, a `.zip` file.
+        output: a directory (each rank writes `rank_<R>.zip` there) or, in a single process, a `.zip` file
+            (in a distributed job `pack.zip` stands for the directory `pack/`).
         batches: training micro-steps whose inputs are recorded (0: none).
 
     Returns:
@@ -115,7 +120,10 @@ def capture(model=None, args: Any = None, scripts: Iterable = (), yamls: Iterabl
     """
     rank, world_size = _process_rank()
     output = Path(output)
-    path = output if rank is None and output.suffix == ".zip" else rank_file(output, rank or 0)
+    if output.suffix == ".zip" and rank is None:
+        path = output
+    else:
+        path = rank_file(output.with_suffix("") if output.suffix == ".zip" else output, rank or 0)
     members = {**static_members(args, scripts, yamls), "random": random_states()}
     chunks: list = []
     if model is not None:

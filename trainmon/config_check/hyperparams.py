@@ -33,7 +33,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "adam_beta1": ("beta1",),
     "adam_beta2": ("beta2",),
     "adam_eps": ("adam_epsilon", "eps"),
-    "seed": ("random_seed", "data_seed"),
+    "seed": ("random_seed",),
     "seq_length": ("max_seq_length", "max_position_embeddings", "seq_len", "seq", "block_size"),
     "tensor_model_parallel_size": ("tp", "tensor_parallel_size", "tp_size"),
     "pipeline_model_parallel_size": ("pp", "pipeline_parallel_size", "pp_size"),

@@ -23,7 +23,7 @@ torchrun --nproc_per_node 8 pretrain_gpt.py \\
 """
 YAML = """
 optimizer:
-  learning_rate: 1.0e-4
+  learning_rate: 1e-4
   weight_decay: 0.1
 per_device_train_batch_size: 4
 bf16: true

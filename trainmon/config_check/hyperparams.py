@@ -157,7 +157,8 @@ def from_yaml(path: str | Path) -> dict[str, Any]:
         raise InputError.at(path, f"not a readable YAML file ({err})") from None
     if not isinstance(tree, Mapping):
         raise InputError.at(path, "a YAML config must be a mapping of names to values")
-    return normalise(dict(_flatten(tree)))
+    # YAML 1.1 reads `1e-4` (no dot) as text; a script's `--lr 1e-4` is a number: read both as numbers
+    return normalise({name: _value(v) if isinstance(v, str) else v for name, v in _flatten(tree)})
 
 
 def from_args(args: Any) -> dict[str, Any]:

@@ -6,7 +6,8 @@ At each iteration of --save-at it writes, under DIR/legacy, Megatron-LM's legacy
 (`iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt` with the pickled `args`, numpy RNG state, iteration, and
 `latest_checkpointed_iteration.txt`), under DIR/dist/iter_XXXXXXX a `megatron.core.dist_checkpointing`
 (torch_dist) directory, and `DIR/truth/iter_XXXXXXX.pp<P>.pt`: the stage's full parameters (TP shards
-all-gathered along each parameter's own partition_dim) under global layer numbers.
+all-gathered along each parameter's own partition_dim) under global layer numbers. With --capture, a
+config-check pack of every rank in DIR/pack.
 """
 import argparse
 import os
@@ -38,6 +39,7 @@ def main() -> None:  # a function: dist-checkpointing's writer starts a process 
     own.add_argument("--out", required=True)
     own.add_argument("--save-at", default="0,2", help="iterations to save at (0: before training)")
     own.add_argument("--dist", action="store_true", help="also save dist checkpoints")
+    own.add_argument("--capture", action="store_true", help="config-check capture into DIR/pack (1 micro-step)")
     known, rest = own.parse_known_args()
     args = train_megatron.parse_args(rest + ["--steps", "2", "--config", "none"])
     torch.set_num_threads(1)
@@ -83,6 +85,9 @@ def main() -> None:  # a function: dist-checkpointing's writer starts a process 
                 f.write(str(iteration))
         dist.barrier()
 
+    if known.capture:
+        import trainmon.config_check
+        trainmon.config_check.capture(chunks, args=megatron_args, output=os.path.join(known.out, "pack"), batches=1)
     save_at = {int(i) for i in known.save_at.split(",")}
     data = train_megatron.batches(args)
     for iteration in range(args.steps + 1):

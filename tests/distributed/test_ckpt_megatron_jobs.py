@@ -16,7 +16,8 @@ def jobs(tmp_path_factory):
     """TP2xPP2 saving at iterations 0 and 2, and TP1xPP2 from the same seed saving at iteration 0, also as a
     dist checkpoint."""
     root = tmp_path_factory.mktemp("megatron_ckpt")
-    torchrun("job_megatron_ckpt.py", 4, ["--out", str(root / "tp2"), "--tp", "2", "--pp", "2", "--save-at", "0,2"],
+    torchrun("job_megatron_ckpt.py", 4, ["--out", str(root / "tp2"), "--tp", "2", "--pp", "2", "--save-at", "0,2",
+                                          "--capture"],
              root / "monitor")
     torchrun("job_megatron_ckpt.py", 2,
              ["--out", str(root / "tp1"), "--tp", "1", "--pp", "2", "--save-at", "0", "--dist"], root / "monitor")
@@ -105,3 +106,23 @@ def test_a_truncated_shard_is_named(jobs, capsys, tmp_path):
     assert cli_main(["ckpt-compare", str(copy), str(jobs / "tp1" / "legacy")]) == 2
     err = capsys.readouterr().err
     assert str(shard) in err and "Traceback" not in err
+
+
+def test_config_check_capture_of_megatron_args_and_chunks(jobs, capsys, tmp_path):
+    """Megatron's `args` and every rank's weight shards and first micro-batch go into the pack; the pack of a job
+    compared with itself passes; a missing pack is named."""
+    import zipfile
+    pack = jobs / "tp2" / "pack"
+    assert sorted(p.name for p in pack.iterdir()) == [f"rank_{r}.zip" for r in range(4)]
+    with zipfile.ZipFile(pack / "rank_3.zip") as z:
+        hyper = json.loads(z.read("hyperparameters.json"))["compared"]
+        weights = json.loads(z.read("weights.json"))
+        dataset = json.loads(z.read("dataset.json"))
+    assert hyper["tensor_model_parallel_size"] == 2 and hyper["lr"] == 1e-3 and hyper["params_dtype"] == "torch.float32"
+    assert any(w["name"].endswith("decoder.layers.0.mlp.linear_fc1.weight") and w["shape"] == [128, 64]
+               for w in weights)  # a TP shard of fc1 (256 x 64 in full)
+    assert {row["micro_step"] for row in dataset} == {0} and any(row["name"] == "input.0" for row in dataset)
+    assert cli_main(["config-check", "compare", str(pack), str(pack)]) == 0
+    capsys.readouterr()
+    assert cli_main(["config-check", "compare", str(pack), str(tmp_path / "missing")]) == 2
+    assert str(tmp_path / "missing") in capsys.readouterr().err

@@ -22,21 +22,15 @@ DEFAULT_OUTPUT = "config_check"
 def hyperparameter_member(args: Any = None, scripts: Iterable = (), yamls: Iterable = ()) -> dict:
     """{"compared": ..., "ignored": ..., "sources": ...}: args first, then scripts, then YAML files (the first
     source that names a setting wins)."""
+    parsed = [("args", hyperparams.from_args(args))] if args is not None else []
+    parsed += [(str(path), hyperparams.from_script(path)) for path in scripts]
+    parsed += [(str(path), hyperparams.from_yaml(path)) for path in yamls]
     values: dict[str, Any] = {}
-    sources = []
-    if args is not None:
-        values.update(hyperparams.from_args(args))
-        sources.append("args")
-    for path in scripts:
-        for name, value in hyperparams.from_script(path).items():
+    for _, found in parsed:
+        for name, value in found.items():
             values.setdefault(name, value)
-        sources.append(str(path))
-    for path in yamls:
-        for name, value in hyperparams.from_yaml(path).items():
-            values.setdefault(name, value)
-        sources.append(str(path))
     compared, ignored = hyperparams.split_ignored(values)
-    return {"compared": compared, "ignored": ignored, "sources": sources}
+    return {"compared": compared, "ignored": ignored, "sources": [source for source, _ in parsed]}
 
 
 def static_members(args: Any = None, scripts: Iterable = (), yamls: Iterable = ()) -> dict[str, Any]:

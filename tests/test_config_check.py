@@ -168,3 +168,11 @@ def test_the_monitor_config_key_writes_a_pack(tmp_path, output_dir, write_config
     pack = monitor.output_dir.parent / "config_check" / "rank_0.zip"
     with zipfile.ZipFile(pack) as z:
         assert {"weights.json", "dataset.json", "random.json", "environment.json"} <= set(z.namelist())
+
+
+def test_an_unreadable_script_line_is_named(tmp_path, capsys):
+    script = tmp_path / "train.sh"
+    script.write_text('LR=1\n\npython train.py \\\n    --lr $LR \\\n    --name "no closing quote\n')
+    assert cli_main(["config-check", "capture", "--script", str(script), "-o", str(tmp_path / "p.zip")]) == 2
+    err = capsys.readouterr().err
+    assert f"{script}, line 3" in err and "Traceback" not in err and not (tmp_path / "p.zip").exists()

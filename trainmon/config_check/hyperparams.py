@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import math
 import re
 import shlex
 from pathlib import Path
@@ -72,9 +73,10 @@ def _value(text: str) -> Any:
         return lowered == "true"
     for kind in (int, float):
         try:
-            return kind(text)
+            number = kind(text)
         except ValueError:
-            pass
+            continue
+        return number if math.isfinite(number) else text  # "nan" never equals itself: keep the text
     return text
 
 
@@ -104,6 +106,22 @@ def normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _logical_lines(text: str) -> Iterable[tuple[int, str]]:
+    """(first line number, text) of each command, continuation lines (`\\` at the end) joined, comments cut."""
+    start, parts = 1, []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not parts:
+            start = number
+        line = line.split("#", 1)[0]
+        if line.rstrip().endswith("\\"):
+            parts.append(line.rstrip()[:-1])
+            continue
+        yield start, " ".join(parts + [line]).strip()
+        parts = []
+    if parts:
+        yield start, " ".join(parts).strip()
+
+
 def from_script(path: str | Path) -> dict[str, Any]:
     """Hyperparameters of a shell launch script: `--lr 1e-4`, `--lr=1e-4`, `--fp16`, `LR=1e-4`."""
     path = Path(path)
@@ -113,8 +131,7 @@ def from_script(path: str | Path) -> dict[str, Any]:
         raise InputError.at(path, f"cannot read the script ({err})") from None
     raw: dict[str, Any] = {}
     variables: dict[str, str] = {}
-    for number, line in enumerate(text.replace("\\\n", " ").splitlines(), 1):
-        line = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#!") else ""
+    for number, line in _logical_lines(text):
         try:
             words = shlex.split(line)
         except ValueError as err:

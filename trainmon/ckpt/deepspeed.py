@@ -56,10 +56,11 @@ class DeepSpeedCheckpoint:
                 # DeepSpeed reports its progress on stdout, which is the command's result
                 with mock.patch.object(torch, "load", _safe_torch_load), contextlib.redirect_stdout(sys.stderr):
                     state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-            except (ValueError, KeyError, AssertionError, FileNotFoundError) as err:
-                if isinstance(err, InputError):
-                    raise
-                raise InputError.at(self.path, f"DeepSpeed cannot read this checkpoint ({err})") from None
+            except InputError:
+                raise
+            except Exception as err:  # DeepSpeed's reader fails in its own ways on a damaged checkpoint
+                raise InputError.at(self.path, f"DeepSpeed cannot read this checkpoint ({type(err).__name__}: "
+                                               f"{err})") from None
         else:  # no ZeRO partitions (ZeRO-0): the model state file holds the whole module
             model_file = sorted(self.path.glob(MODEL_STATES))[0]
             loaded = safe_load.load(model_file)

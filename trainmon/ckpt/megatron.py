@@ -102,7 +102,12 @@ class MegatronLegacy:
         return list(self._where)
 
     def tensor(self, name: str) -> torch.Tensor:
-        shards = [model[key] for model, key in self._where[name]]
+        try:
+            return self._merge(name, [model[key] for model, key in self._where[name]])
+        except (KeyError, RuntimeError) as err:  # a shard without the parameter, or of another shape
+            raise InputError.at(self.path, f"the TP shards of {name!r} do not merge ({err})") from None
+
+    def _merge(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         if self.tp == 1:
             return shards[0]
         if name.endswith(ROW_PARALLEL):

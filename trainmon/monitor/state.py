@@ -66,10 +66,10 @@ class HookState:
         The first failure of an item is logged with its context; the item is then skipped. With
         `strict` (tests) the exception propagates.
 
-        The hook runs with torch-function handling off: a hook only reads tensors on their own device,
-        and an active `TorchFunctionMode` (a `torch.device` context, a device-mapping shim) would
-        otherwise see every attribute read and small op of every hook, several per hooked call.
-        Tensor subclasses still dispatch through `__torch_dispatch__`.
+        Under an active `TorchFunctionMode` (a `torch.device` context, a device-mapping shim) the hook
+        runs with torch-function handling off: a hook only reads tensors on their own device, and the
+        mode would otherwise see every attribute read and small op of every hook, several per hooked
+        call. Tensor subclasses still dispatch through `__torch_dispatch__`.
         """
 
         @functools.wraps(fn)
@@ -77,6 +77,8 @@ class HookState:
             if item in self._failed:
                 return None
             try:
+                if not torch._C._is_torch_function_mode_enabled():
+                    return fn(*args, **kwargs)
                 with torch._C.DisableTorchFunction():
                     return fn(*args, **kwargs)
             except Exception:

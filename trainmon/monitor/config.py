@@ -31,10 +31,11 @@ from typing import Any, ClassVar
 
 from trainmon.monitor.config_keys import (
     ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
-    STAT_OPS,
+    SAT_DTYPES, STAT_OPS,
     WRITER_POLICIES,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
-    check_formats, check_int, check_list, check_number, check_opt_bool, check_rule_args, check_str, check_targets,
+    check_formats, check_int, check_list, check_number, check_opt_bool, check_optional, check_rule_args, check_str,
+    check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
 )
 
@@ -196,6 +197,12 @@ class MonitorConfig:
     One string is taken as a one-item list."""
     eps: float = _field(check_number(0.0), default=1e-8)
     """Threshold of the `zeros` op: |x| < eps counts as zero."""
+    sat_threshold: float | None = _field(check_optional(check_number(0.0)), default=None)
+    """trainmon: the `sat` op counts finite |x| >= this; null: the largest finite value of each tensor's dtype
+    (65504 for fp16)."""
+    sat_dtype: str | None = _field(check_optional(check_choice(SAT_DTYPES)), default=None)
+    """trainmon: without `sat_threshold`, count wider tensors (fp32) against this dtype's largest finite value
+    ("float16" or "bfloat16"): would they overflow in half precision?"""
     ndigits: int = _field(check_int(1, MAX_NDIGITS), default=6)
     """Significant digits written to CSV (msprobe: decimal places; same default, 6)."""
     start_step: int = _field(check_int(0), default=0)

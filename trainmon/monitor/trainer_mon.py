@@ -141,6 +141,7 @@ class TrainerMon:
 
         collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage(),
                                   batch_bytes=self.config.stats_batch_mb << 20)
+        collector.fields = record_fields(self.config)
         self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
         self._writer = self._start_writer()
         if dynamic_enabled():
@@ -200,6 +201,7 @@ class TrainerMon:
         if config.eval_xy_distribution and config.xy_distribution and writes:
             self._eval_collector = StepCollector(config.eps, config.ops, self.rank, self._adapter.pp_stage(),
                                                  batch_bytes=config.stats_batch_mb << 20)
+            self._eval_collector.fields = record_fields(config)
         if config.xy_distribution and writes:  # activations are never merged across ranks
             modules = watched_modules(self._chunks, config)
             for watched in modules:
@@ -439,3 +441,9 @@ def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
         if running and group is not None:
             out[name] = group_coordinates(group)
     return out
+
+
+def record_fields(config: MonitorConfig) -> stats.FieldSet:
+    """The record fields `config.ops` need, with the saturation limit of the `sat` op."""
+    sat_dtype = getattr(torch, config.sat_dtype) if config.sat_dtype else None
+    return stats.fields_for_ops(config.ops, config.sat_threshold, sat_dtype)

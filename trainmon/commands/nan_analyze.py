@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from trainmon.anomaly import overflow
+from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.nan_analyze import analyze, format_report
 
 
@@ -21,7 +24,11 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = analyze(args.dir, progress=not args.quiet)  # cli.main reports an InputError
-    text = json.dumps(result, indent=1) if args.json else format_report(result)
+    result["overflow"] = _overflow(args.dir, result)
+    text = json.dumps(result, indent=1, default=str) if args.json else format_report(result)
+    if result["overflow"] and not args.json:
+        text += "\noverflow analysis (saturated or non-finite, up to the first non-finite step):\n" + "\n".join(
+            "  " + line for line in overflow.format_report(result["overflow"]).splitlines()[1:])
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as fh:
@@ -32,3 +39,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def _overflow(path: str, result: dict):
+    """The overflow classification of a trainmon run up to its first non-finite step (None for msprobe
+    dumps, and for a clean run, which it would have to read whole)."""
+    if result["first"] is None or read_dump(Path(path)):
+        return None
+    return overflow.analyze(path, (None, result["first"]["step"]))

@@ -20,6 +20,7 @@ from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_REC
 from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
+from trainmon.monitor.loss_scale import LossScaleWatch
 from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
@@ -80,6 +81,7 @@ class TrainerMon:
         self._grad_acc_steps = 1
         self._anomalies: Optional[AnomalyProcessor] = None
         self._sentinel: Optional[NanSentinel] = None
+        self._loss_scale: Optional[LossScaleWatch] = None
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
@@ -229,6 +231,8 @@ class TrainerMon:
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step,
             before_update=before_update))
         self._hooks.append(ForwardPasses(state, self._chunks))
+        self._loss_scale = LossScaleWatch(self.log_scalar, self._optimizer)
+        self._hooks.append(self._loss_scale)
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
@@ -289,6 +293,7 @@ class TrainerMon:
         self._hooks.clear()
         self._stacks = None
         self._sentinel = None
+        self._loss_scale = None
         self._comm = None
 
     # ------------------------------------------------------------------------------ step cycle
@@ -298,6 +303,8 @@ class TrainerMon:
         collected = state.collecting
         if collected:
             self._schedule.mark_collected()
+        if self._loss_scale is not None:
+            self._loss_scale.step_finished()
         if self._sentinel is not None:
             self._sentinel.close_step()
         self._ship_evaluation()

@@ -17,10 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from trainmon.read.errors import InputError
-
-INDEX_FILE = "index.json"
-TENSOR_FILE = "tensors.safetensors"
-DUMPS_DIR = "dumps"
+from trainmon.writers.tensor_dump_sink import DUMPS_DIR, INDEX_FILE, TENSOR_FILE
 _STEP = re.compile(r"^step(\d+)$")
 _RANK = re.compile(r"^(?:rank_?(\d*)|proc\d+)$")
 _MS_ENTRY = re.compile(r"^(?P<module>.+)\.(?P<phase>forward|backward)(?:\.(?P<n>\d+))?$")

@@ -134,6 +134,36 @@ class AlertConfig:
         _validate_fields(self)
 
 
+def _check_modules(value: Any, key: str) -> Any:
+    if value == "all":
+        return value
+    return check_list(check_str, "module names")(value, key)
+
+
+@dataclass(kw_only=True, slots=True)
+class DumpConfig:
+    """trainmon's `dump`: module inputs, outputs and grads of chosen steps and ranks, saved with safetensors
+    (`rank_<R>/dumps/step<S>/`), with an index of call order, shapes, dtypes, statistic records and stacks."""
+
+    _PATH: ClassVar[str] = "dump"
+    steps: list[int] = _field(check_list(check_int(0), "step numbers"), factory=list)
+    """The steps to dump (at least one)."""
+    ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
+    """Ranks that dump; empty means all."""
+    modules: Any = _field(_check_modules, default="all")
+    """"all", or module names: each named module and the modules inside it."""
+    max_mb_per_step: int = _field(check_int(1, 1_000_000), default=64)
+    """Cap per rank and step; tensors beyond it are not stored, and the index lists them."""
+    backward: bool = _field(check_bool, default=True)
+    """Also the grads of module outputs and inputs, in backward."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if not self.steps:
+            raise ConfigError("must list at least one step to dump", key="steps", value=self.steps,
+                              allowed="a list of step numbers", closest=[0])
+
+
 def _check_ops(value: Any, key: str) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
@@ -242,6 +272,8 @@ class MonitorConfig:
     wait is recorded) and "drop" skips the step's output (counted); both are reported in run.json."""
     writer_queue_size: int = _field(check_int(1, 100_000), default=64)
     """trainmon: step batches the writer queues before `writer_policy` applies."""
+    dump: DumpConfig | None = _field(check_optional(_section(DumpConfig)), default=None)
+    """trainmon: tensor dumps of chosen steps (see DumpConfig); null: none."""
     stats_batch_mb: int = _field(check_int(0, 1_000_000), default=32)
     """trainmon: activations are held until this many MB are pending, then reduced in one batch
     (far cheaper than one reduction per hook); 0 reduces each hook's tensors at once."""

@@ -21,6 +21,7 @@ from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
 from trainmon.monitor.loss_scale import LossScaleWatch
+from trainmon.monitor.tensor_dump import TensorDump
 from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
@@ -38,6 +39,7 @@ from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
+from trainmon.writers.tensor_dump_sink import TensorDumpSink
 
 logger = logging.getLogger("trainmon")
 
@@ -82,6 +84,7 @@ class TrainerMon:
         self._anomalies: Optional[AnomalyProcessor] = None
         self._sentinel: Optional[NanSentinel] = None
         self._loss_scale: Optional[LossScaleWatch] = None
+        self._dump_sink: Optional[TensorDumpSink] = None
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
@@ -161,7 +164,9 @@ class TrainerMon:
                               step_count_per_record=cfg.step_count_per_record,
                               per_micro_families=frozenset(per_micro), metadata=self._metadata)
         self._anomalies = processor_for(cfg)
-        sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []))
+        self._dump_sink = TensorDumpSink() if cfg.dump is not None else None
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []) +
+                              ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
         ops = tuple(cfg.ops)
 
@@ -233,6 +238,9 @@ class TrainerMon:
         self._hooks.append(ForwardPasses(state, self._chunks))
         self._loss_scale = LossScaleWatch(self.log_scalar, self._optimizer)
         self._hooks.append(self._loss_scale)
+        if config.dump is not None and self._dump_sink is not None:
+            self._hooks.append(TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks,
+                                          self.rank, lambda: self.step, self._dump_sink.add))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
@@ -268,6 +276,16 @@ class TrainerMon:
                 continue
             installed.append(hooks)
         self._hooks = installed
+
+    def _dump_modules(self, chosen) -> list:
+        """(name, module) of the modules `dump.modules` chooses: "all", or names with what is inside them."""
+        out = []
+        for vpp, chunk in enumerate(self._chunks):
+            for name, module in chunk.named_modules():
+                name = self._adapter.rename(vpp, name)
+                if chosen == "all" or any(name == m or name.startswith(m + ".") for m in chosen):
+                    out.append((name, module))
+        return out
 
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""

@@ -21,12 +21,14 @@ def test_sat_equals_a_direct_count(dtype):
     x[0, :4] = torch.finfo(dtype).max
     x[1, :2] = float("inf")
     x[2, :2] = float("nan")
-    for sat_dtype, threshold in ((None, None), (torch.float16, None), (None, 1e3)):
-        fields = stats.fields_for_ops(["sat", "norm"], threshold, sat_dtype)
-        limit = fields.sat_limit(dtype)
-        expected = int((x.isfinite() & (x.abs() >= limit)).sum())
-        got = stats.tensor_records([x, x.t()], 1e-8, fields)[:, stats.FIELDS.index("sat")]
-        assert got.tolist() == [expected, expected], (dtype, sat_dtype, threshold)
+    small = torch.ones(5, dtype=dtype)  # on CPU, with min and max known, no pass counts it
+    for ops in (["sat", "norm"], ["sat", "min", "max"]):
+        for sat_dtype, threshold in ((None, None), (torch.float16, None), (None, 1e3)):
+            fields = stats.fields_for_ops(ops, threshold, sat_dtype)
+            limit = fields.sat_limit(dtype)
+            expected = int((x.isfinite() & (x.abs() >= limit)).sum())
+            got = stats.tensor_records([x, small, x.t()], 1e-8, fields)[:, stats.FIELDS.index("sat")]
+            assert got.tolist() == [expected, 0, expected], (dtype, ops, sat_dtype, threshold)
     assert stats.fields_for_ops(["sat"], sat_dtype=torch.float16).sat_limit(torch.float32) == FP16_MAX
 
 
@@ -112,7 +114,7 @@ def test_inf_in_the_data_is_inherited_from_the_data(tmp_path, monkeypatch, capsy
         ("", "input", "inherited", "data", 1)
     assert "data" in first["next"]
     # nan-analyze's report carries the same classification
-    assert main(["nan-analyze", str(path), "--quiet", "--json"]) == 0
+    assert main(["nan-analyze", str(path), "--quiet", "--json", "--overflow"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["overflow"]["modules"][0]["origin"] == "data"
 

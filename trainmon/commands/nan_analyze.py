@@ -18,13 +18,17 @@ def register(subparsers) -> None:
                                     "msprobe dump directory (step<N>/rank<R>/dump.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--overflow", action="store_true",
+                        help="also classify the first saturated or non-finite module (computed here, inherited, "
+                             "internal), as `trainmon overflow` does; reads the records up to the first non-finite "
+                             "step once more")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the output to FILE instead of stdout")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     result = analyze(args.dir, progress=not args.quiet)  # cli.main reports an InputError
-    result["overflow"] = _overflow(args.dir, result)
+    result["overflow"] = _overflow(args.dir, result) if args.overflow else None
     text = json.dumps(result, indent=1, default=str) if args.json else format_report(result)
     if result["overflow"] and not args.json:
         text += "\noverflow analysis (saturated or non-finite, up to the first non-finite step):\n" + "\n".join(

@@ -10,6 +10,7 @@ which waits for the copies, computes each tensor's statistic record and writes t
 """
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -68,6 +69,15 @@ class StepCapture:
             event.synchronize()
         self.events.clear()
         return self
+
+
+_TORCH_CALL = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _call_stack() -> list[str]:
+    """The frames of the current module call, without torch's module-call machinery and the hook's own."""
+    frames = traceback.extract_stack()[:-2]
+    return traceback.format_list([f for f in frames if not f.filename.endswith(_TORCH_CALL)])
 
 
 def _floating(value, prefix: str):
@@ -146,7 +156,7 @@ class TensorDump:
         def pre_hook(module, args) -> None:
             capture = self._current()
             if capture is not None and name not in capture.stacks:
-                capture.stacks[name] = traceback.format_stack()[:-1]
+                capture.stacks[name] = _call_stack()
         return pre_hook
 
     def _hook(self, name: str):

@@ -21,7 +21,6 @@ from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
 from trainmon.monitor.loss_scale import LossScaleWatch
-from trainmon.monitor.tensor_dump import TensorDump
 from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
@@ -34,6 +33,7 @@ from trainmon.monitor.sentinel import NanSentinel, nan_sentinel
 from trainmon.monitor.selection import watched_modules, watched_params
 from trainmon.monitor.state import HookState
 from trainmon.monitor.structure import StackRecorder, module_structure
+from trainmon.monitor.tensor_dump import TensorDump
 from trainmon.writers.api_sink import ApiSink
 from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 import torch
 
 from trainmon import TrainerMon
@@ -15,12 +16,12 @@ CONFIG = {"xy_distribution": True, "wg_distribution": True, "ops": ["norm", "min
           "format": ["db"]}
 
 
-def train(tmp_path, monkeypatch, name, steps=3, before_step=None, dtype=torch.float32, prepare=None):
+def train(tmp_path, monkeypatch, name, steps=3, before_step=None, dtype=torch.float32, prepare=None, fmt=("db",)):
     """A monitored run of the tiny model in `tmp_path/name`; `before_step(model, step)` runs before each forward."""
     out = tmp_path / name
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
     config = tmp_path / f"{name}.json"
-    config.write_text(json.dumps({**CONFIG, "strict": True}))
+    config.write_text(json.dumps({**CONFIG, "format": list(fmt), "strict": True}))
     model = make_model().to(dtype)
     if prepare is not None:
         prepare(model)
@@ -52,13 +53,14 @@ def test_same_seed_runs_compare_equal(tmp_path, monkeypatch, capsys):
     assert summary["verdicts"]["equal"] == summary["records"]
 
 
-def test_perturbed_weights_are_named_at_that_module_step_and_forward(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("fmt", [("db",), ("csv",)])
+def test_perturbed_weights_are_named_at_that_module_step_and_forward(tmp_path, monkeypatch, capsys, fmt):
     def perturb(model, step):
         if step == 1:
             with torch.no_grad():
                 model.layers[1].mlp[0].weight.mul_(1.5)
 
-    a, b = train(tmp_path, monkeypatch, "a"), train(tmp_path, monkeypatch, "b", before_step=perturb)
+    a, b = train(tmp_path, monkeypatch, "a", fmt=fmt), train(tmp_path, monkeypatch, "b", before_step=perturb, fmt=fmt)
     out = tmp_path / "result.csv"
     code, summary = compare(capsys, a, b, "-o", out)
     assert code == 0

@@ -21,7 +21,7 @@ from trainmon.read.errors import InputError
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
 
-RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_max
+RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_sat
 _NEEDED_TABLES = ("meta", "tags", "records", "batches")
 
 

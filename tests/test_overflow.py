@@ -132,3 +132,47 @@ def test_a_skipped_grad_scaler_step_is_recorded(tmp_path, monkeypatch, capsys):
     assert last["loss_scale"] < 2.0 ** 127
     scale = overflow(capsys, path)["loss_scale"]
     assert scale["skipped"] >= 1 and scale["updates"] == 3 and 0 < scale["rate"] <= 1
+
+
+class HugeGrad(torch.autograd.Function):
+    """Identity forward; a backward that overflows fp16."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e30
+
+
+class Internal(nn.Module):
+    def forward(self, x):
+        return HugeGrad.apply(x)
+
+
+def test_clean_forward_and_bad_grads_are_internal(tmp_path, monkeypatch, capsys):
+    model = Net().half()
+    model.after = Internal()
+    path = run(tmp_path, monkeypatch, lambda model, step: None, steps=1, model=model)
+    first = overflow(capsys, path)["modules"][0]
+    assert first["class"] == "internal" and first["phase"] == "backward" and "fp32" in first["next"]
+
+
+def test_a_deepspeed_style_loss_scaler_is_read_at_each_step(tmp_path, monkeypatch):
+    model = Net().float()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer.cur_scale, optimizer.overflow = 1024.0, False  # what DeepSpeed's fp16 optimizer exposes
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"format": ["db"], "strict": True}))
+    monitor = TrainerMon(str(config)).set_monitor(model, optimizer)
+    for step in range(2):
+        optimizer.overflow = step == 1
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+    monitor.stop()
+    with open_run(next((tmp_path / "out").iterdir())) as monitor_run:
+        scalars = monitor_run.scalars()
+    by_name = scalars.groupby("name")["value"].last()
+    assert by_name["loss_scale"] == 1024.0 and by_name["amp_skipped_steps"] == 1 and by_name["amp_updates"] == 2

@@ -88,3 +88,12 @@ def test_dumps_with_different_ranks_and_a_run_against_a_dump_are_clear_errors(tm
     (tmp_path / "run" / "rank_0" / "actv_0-0.csv").write_text("vpp_stage,name,step,micro_step,norm\n")
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "run")]) == 2
     assert "not a tensor dump" in capsys.readouterr().err
+
+
+def test_a_corrupt_dump_index_is_named(tmp_path, capsys):
+    for side in ("a", "b"):
+        (tmp_path / side / "step0").mkdir(parents=True)
+        (tmp_path / side / "step0" / "index.json").write_text('{"rank": 0, "step": 0, "tensors": [{"call": 0}]}')
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "a" / "step0" / "index.json") in err and "Traceback" not in err

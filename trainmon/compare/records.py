@@ -101,7 +101,7 @@ def _rows(run: Run, rank: int, steps, rename: Optional[NameMap]) -> dict:
     for _, rows in run.iter_steps(rank, steps=steps):
         for row in rows:
             name = rename(row["name"]) if rename else row["name"]
-            key = (row["family"], name, row["step"], row["micro_step"], rank)
+            key = (row["family"], name, row["step"], row.get("micro_step"), rank)
             out.setdefault(key, row)  # a duplicate name (same tensor twice) keeps its first record
     return out
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from trainmon.monitor.schema import FIELDS, N_FIELDS  # the record's fields, defined once (re-exported)
+from trainmon.monitor.schema import FIELDS, N_FIELDS  # noqa: F401  (re-exported: the fields, defined once)
 
 # Families, in the order msprobe writes them. The value is the CSV file prefix.
 ACTV = "actv"

@@ -100,16 +100,19 @@ class TensorDump:
         rank: this process's rank.
         step_of: the current monitor step.
         deliver: takes a finished StepCapture (the writer's dump sink).
+        guard: `(item, hook) -> hook` that turns an exception in a hook into "this item is off"
+            (HookState.guarded): monitoring never takes training down.
     """
 
     def __init__(self, config, modules: list, roots: list, rank: int, step_of: Callable[[], int],
-                 deliver: Callable[[StepCapture], None]):
+                 deliver: Callable[[StepCapture], None], guard: Callable[[str, Callable], Callable]):
         self.config = config
         self.modules = modules
         self.roots = roots
         self.rank = rank
         self.step_of = step_of
         self.deliver = deliver
+        self.guard = guard
         self.enabled = not config.ranks or rank in config.ranks
         self._steps = frozenset(config.steps)
         self._handles: list = []
@@ -120,10 +123,11 @@ class TensorDump:
         if not self.enabled:
             return
         for root in self.roots:
-            self._handles.append(root.register_forward_pre_hook(self._root_pre_hook))
+            self._handles.append(root.register_forward_pre_hook(self.guard("tensor dump", self._root_pre_hook)))
         for name, module in self.modules:
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+            item = f"tensor dump of {name or '(root)'}"
+            self._handles.append(module.register_forward_pre_hook(self.guard(item, self._pre_hook(name))))
+            self._handles.append(module.register_forward_hook(self.guard(item, self._hook(name))))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -172,7 +176,8 @@ class TensorDump:
             if self.config.backward and torch.is_grad_enabled():
                 for role, tensor in list(_floating(tuple(args), "input")) + list(_floating(output, "output")):
                     if tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(name, f"grad_{role}", micro))
+                        tensor.register_hook(self.guard(f"tensor dump of {name or '(root)'}",
+                                                        self._grad_hook(name, f"grad_{role}", micro)))
         return hook
 
     def _grad_hook(self, name: str, role: str, micro: int):

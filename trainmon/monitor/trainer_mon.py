@@ -240,7 +240,7 @@ class TrainerMon:
         self._hooks.append(self._loss_scale)
         if config.dump is not None and self._dump_sink is not None:
             self._hooks.append(TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks,
-                                          self.rank, lambda: self.step, self._dump_sink.add))
+                                          self.rank, lambda: self.step, self._dump_sink.add, state.guarded))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,

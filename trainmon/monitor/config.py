@@ -223,7 +223,8 @@ class MonitorConfig:
     cc_distribution: CCConfig = _field(_section(CCConfig), factory=CCConfig)
     """Collective-communication statistics (see CCConfig)."""
     ops: list[str] = _field(_check_ops, factory=lambda: ["norm"])
-    """Statistics per tensor, from min, max, norm, mean, zeros (fraction with |x| < eps), nans, infs.
+    """Statistics per tensor, from min, max, norm, mean, zeros (fraction with |x| < eps), nans, infs, sat
+    (elements at or beyond the saturation limit, see `sat_threshold`).
     One string is taken as a one-item list."""
     eps: float = _field(check_number(0.0), default=1e-8)
     """Threshold of the `zeros` op: |x| < eps counts as zero."""

@@ -159,16 +159,42 @@ def test_clean_forward_and_bad_grads_are_internal(tmp_path, monkeypatch, capsys)
     assert first["class"] == "internal" and first["phase"] == "backward" and "fp32" in first["next"]
 
 
-def test_a_deepspeed_style_loss_scaler_is_read_at_each_step(tmp_path, monkeypatch):
+class MegatronScaler:
+    def __init__(self):
+        self.scale = torch.tensor(1024.0)
+
+
+class MegatronLikeOptimizer:
+    """The attributes trainmon reads of Megatron's mixed-precision optimizer, around a torch optimizer
+    (whose own `found_inf` attribute would mean something else to it)."""
+
+    def __init__(self, inner):
+        self.inner, self.param_groups, self.state = inner, inner.param_groups, inner.state
+        self.grad_scaler, self.found_inf = MegatronScaler(), torch.tensor(0.0)
+
+    def step(self):
+        self.inner.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron"])
+def test_a_framework_loss_scaler_is_read_at_each_step(tmp_path, monkeypatch, framework):
     model = Net().float()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    optimizer.cur_scale, optimizer.overflow = 1024.0, False  # what DeepSpeed's fp16 optimizer exposes
+    if framework == "deepspeed":  # what DeepSpeed's fp16 optimizer exposes
+        optimizer.cur_scale, optimizer.overflow = 1024.0, False
+    else:
+        optimizer = MegatronLikeOptimizer(optimizer)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"format": ["db"], "strict": True}))
     monitor = TrainerMon(str(config)).set_monitor(model, optimizer)
     for step in range(2):
         optimizer.overflow = step == 1
+        if framework == "megatron":
+            optimizer.found_inf = torch.tensor(float(step == 1))
         model(torch.ones(2, 8)).sum().backward()
         optimizer.step()
     monitor.stop()

@@ -7,8 +7,9 @@ records them as a rate instead of leaving them silent. Scalars (names in trainmo
 - torch.amp `GradScaler` (also `torch.cuda.amp`'s): `update()` is wrapped while monitoring; it reads the
   inf checks `step()` already made, as device tensors (no host synchronisation of its own). A skipped
   update applies no optimizer step, so its scalars land in the next monitor step; the totals stay exact.
-- DeepSpeed's fp16 optimizer (`cur_scale`, `overflow`) and Megatron's (`grad_scaler.scale`) are read at
-  the end of each monitor step when the optimizer given to `set_monitor` has them.
+- DeepSpeed's fp16 optimizer (`cur_scale`, `overflow`) and Megatron's (`grad_scaler.scale`, `found_inf`)
+  are read at the end of each monitor step when the optimizer given to `set_monitor` has them (both call
+  their optimizer's `step()` on a skipped update too, so every update is a monitor step).
 """
 from __future__ import annotations
 
@@ -84,7 +85,11 @@ class LossScaleWatch:
         opt = self._optimizer
         grad_scaler = getattr(opt, "grad_scaler", None)                # Megatron
         if grad_scaler is not None and getattr(grad_scaler, "scale", None) is not None:
-            self._log(LOSS_SCALE, grad_scaler.scale.detach().clone())
+            found_inf = getattr(opt, "found_inf", None)  # set by the step's unscale-and-check
+            if isinstance(found_inf, torch.Tensor):
+                self._count(grad_scaler.scale.detach().clone(), found_inf.detach().reshape(()).gt(0).float())
+            else:
+                self._log(LOSS_SCALE, grad_scaler.scale.detach().clone())
             return
         scale = getattr(opt, "cur_scale", None)                        # DeepSpeed fp16
         if scale is None and getattr(opt, "loss_scaler", None) is not None:

@@ -6,9 +6,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-# A record's fields, in their order (stats computes them: over the finite elements; see its docstring).
-FIELDS = ("count", "nans", "infs", "zeros", "sum", "sumsq", "min", "max")
-N_FIELDS = len(FIELDS)
+from trainmon.monitor.schema import FIELDS, N_FIELDS  # noqa: F401  (re-exported: the fields, defined once)
 
 # Families, in the order msprobe writes them. The value is the CSV file prefix.
 ACTV = "actv"

@@ -21,6 +21,8 @@ COMMAND_MODULES = (
     "trainmon.commands.nan_analyze",
     "trainmon.commands.anomalies",
     "trainmon.commands.export",
+    "trainmon.commands.compare",
+    "trainmon.commands.overflow",
     "trainmon.commands.config_check",
     "trainmon.commands.ckpt_compare",
 )

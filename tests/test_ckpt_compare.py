@@ -48,9 +48,9 @@ def test_distances_shapes_and_names_in_one_side(tmp_path):
 
 
 def test_a_mapping_file_renames_a_side(tmp_path, capsys):
-    torch.save({f"model.{k}": v for k, v in state().items()}, tmp_path / "a.pt")
-    torch.save(state(), tmp_path / "b.pt")
-    (tmp_path / "map.json").write_text(json.dumps({r"model\.(.*)": r"\1"}))
+    torch.save(state(), tmp_path / "a.pt")
+    torch.save({f"model.{k}": v for k, v in state().items()}, tmp_path / "b.pt")
+    (tmp_path / "map.json").write_text(json.dumps({r"model\.(.*)": r"\1"}))  # B's names in A's terms
     out = tmp_path / "r.json"
     assert cli_main(["ckpt-compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"),
                      "--map", str(tmp_path / "map.json"), "-o", str(out)]) == 0

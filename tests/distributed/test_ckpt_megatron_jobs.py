@@ -61,8 +61,7 @@ def test_two_iterations_match_torch_on_the_gathered_parameters(jobs, capsys, tmp
         assert p["l2"] == pytest.approx(float((a - b).norm()), rel=1e-9) and p["l2"] > 0
         assert p["max_abs_diff"] == pytest.approx(float((a - b).abs().max()), rel=1e-9)
         norms = float(a.norm() * b.norm())
-        if norms:
-            assert p["cosine"] == pytest.approx(float((a * b).sum()) / norms, rel=1e-9)
+        assert p["cosine"] == (pytest.approx(float((a * b).sum()) / norms, rel=1e-9) if norms else 0.0)
 
 
 def test_tp2_and_tp1_of_the_same_weights_are_identical(jobs, capsys, tmp_path):
@@ -72,14 +71,14 @@ def test_tp2_and_tp1_of_the_same_weights_are_identical(jobs, capsys, tmp_path):
 
 
 def test_a_mapping_file_renames_a_side(jobs, capsys, tmp_path):
-    """A's layer 3 is compared as B's layer 0: same shapes, other values; the names left over are listed."""
+    """B's layer 3 is compared as A's layer 0 and the other way round: same shapes, other values."""
     mapping = tmp_path / "map.json"
     mapping.write_text(json.dumps({r"decoder\.layers\.3\.(.*)": r"decoder.layers.0.\1",
                                    r"decoder\.layers\.0\.(.*)": r"decoder.layers.3.\1"}))
     legacy = jobs / "tp2" / "legacy" / "iter_0000000"
     result, _ = ckpt_compare(capsys, tmp_path, legacy, legacy, "--map", str(mapping))
     swapped = result["parameters"]["decoder.layers.0.mlp.linear_fc1.weight"]
-    assert swapped["name_a"] == "decoder.layers.3.mlp.linear_fc1.weight" and not swapped["identical"]
+    assert swapped["name_b"] == "decoder.layers.3.mlp.linear_fc1.weight" and not swapped["identical"]
     assert result["parameters"]["decoder.layers.1.mlp.linear_fc1.weight"]["identical"]
 
 
@@ -88,8 +87,8 @@ def test_dist_checkpoint_of_the_same_weights_is_identical(jobs, capsys, tmp_path
     fused layout does: a mapping file bridges the names."""
     mapping = tmp_path / "map.json"
     mapping.write_text(json.dumps({
-        r"(.*)\.input_layernorm\.(weight|bias)": r"\1.self_attention.linear_qkv.layer_norm_\2",
-        r"(.*)\.pre_mlp_layernorm\.(weight|bias)": r"\1.mlp.linear_fc1.layer_norm_\2"}))
+        r"(.*)\.self_attention\.linear_qkv\.layer_norm_(weight|bias)": r"\1.input_layernorm.\2",
+        r"(.*)\.mlp\.linear_fc1\.layer_norm_(weight|bias)": r"\1.pre_mlp_layernorm.\2"}))
     result, _ = ckpt_compare(capsys, tmp_path, jobs / "tp2" / "legacy" / "iter_0000000",
                              jobs / "tp1" / "dist" / "iter_0000000", "--map", str(mapping))
     assert result["b"]["format"] == "torch.distributed.checkpoint"

@@ -128,8 +128,8 @@ def test_ckpt_compare_of_two_iterations_matches_torch(jobs, capsys, tmp_path):
         assert p["l2"] > 0
         assert p["max_abs_diff"] == pytest.approx(float((a - b).abs().max()), rel=1e-9)
         norms = float(a.norm() * b.norm())
-        if norms == 0:  # a bias that starts at zero: no direction to compare
-            assert p["cosine"] is None
+        if norms == 0:  # a bias that starts at zero: no direction in common (trainmon compare's convention)
+            assert p["cosine"] == 0.0
         else:
             assert p["cosine"] == pytest.approx(float((a * b).sum()) / norms, rel=1e-9)
         assert p["numel"] == a.numel() and p["shape_a"] == list(a.shape)

@@ -1,4 +1,5 @@
-"""Name mapping across layouts: a JSON file of {regular expression: replacement} applied to side A's names."""
+"""Name mapping across layouts: a JSON file of {regular expression: replacement} that renames B's names in A's
+terms (the direction of `trainmon compare --map`, whose plain dotted prefixes it extends to patterns)."""
 from __future__ import annotations
 
 import json

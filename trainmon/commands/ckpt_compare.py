@@ -18,7 +18,8 @@ def register(subparsers) -> None:
     parser.add_argument("a", help="checkpoint A: a directory or file")
     parser.add_argument("b", help="checkpoint B")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the full result as JSON to FILE")
-    parser.add_argument("--map", metavar="FILE", help='JSON {"regex": "replacement"} renaming A\'s parameters to B\'s')
+    parser.add_argument("--map", metavar="FILE",
+                        help='JSON {"<regex on B\'s names>": "<name in A>"}: renames B\'s parameters in A\'s terms')
     parser.set_defaults(handler=run)
 
 

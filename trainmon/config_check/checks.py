@@ -78,7 +78,7 @@ def run_checks(pairs: list[tuple[Any, Pack, Pack]]) -> list[CheckResult]:
         recorded = [_compare_pair(check, rank, a, b, result) for rank, a, b in pairs]
         if not all(recorded):
             result.status, result.differences = SKIP, []
-            result.note = "not recorded in both packs (a capture without the model has no weights, dataset)"
+            result.note = "not recorded in both packs (a command-line capture has no weights, data or generators)"
         elif result.differences:
             result.status = FAIL
         results.append(result)

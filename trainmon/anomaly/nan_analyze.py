@@ -133,7 +133,8 @@ def _json_value(value: float):
     return value if value == value and abs(value) != float("inf") else str(value)
 
 
-def _place(where: dict) -> str:
+def describe_place(where: dict) -> str:
+    """One place (a `where()` dict) as the report writes it: rank, step, micro-step, module, phase, tensor."""
     micro = "" if where["micro_step"] is None else f" micro-step {where['micro_step']}"
     call = "" if where["call_index"] is None else f" (call {where['call_index']})"
     return (f"rank {where['rank']} step {where['step']}{micro}: {where['module'] or '<root>'} "
@@ -151,13 +152,13 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")
         return "\n".join(lines)
-    lines.append(f"first non-finite tensor: {_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
+    lines.append(f"first non-finite tensor: {describe_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
     if came_with_input_batch(first):
         lines.append(f"  {INPUT_BATCH_ORIGIN}")
     if result["ties"]:
         lines.append("also non-finite at the same step, micro-step, phase and pipeline stage (order across ranks "
                      "unknown; records of collectives, cc_distribution, would decide):")
-        lines += [f"  {_place(t)}" for t in result["ties"]]
+        lines += [f"  {describe_place(t)}" for t in result["ties"]]
     cross = result["cross_rank"]
     if cross is not None:
         lines.append("spread across ranks through collectives:")
@@ -166,7 +167,7 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     chain = result["chain"]
     lines.append(f"then reached {len(chain)} more module/phase place(s), in order:" if chain
                  else "it reached no other module")
-    lines += [f"  {i}. {_place(c)}" for i, c in enumerate(chain[:chain_lines], 1)]
+    lines += [f"  {i}. {describe_place(c)}" for i, c in enumerate(chain[:chain_lines], 1)]
     if len(chain) > chain_lines:
         lines.append(f"  ... {len(chain) - chain_lines} more (all of them with --json)")
     lines.append(f"{result['nonfinite_records']} non-finite record(s) in all")

@@ -37,6 +37,7 @@ from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
+from trainmon.watch.spawn import spawn_watch
 
 logger = logging.getLogger("trainmon")
 
@@ -83,6 +84,7 @@ class TrainerMon:
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
+        self.watch_process = None  # `trainmon watch`, when the `watch` key has global rank 0 start it
 
     # ----------------------------------------------------------------------------------- set-up
     def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
@@ -149,6 +151,10 @@ class TrainerMon:
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
         self._sigterm.install()
+        global_rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 0
+        if self.config.watch.enable and global_rank == 0:
+            self.watch_process = spawn_watch(self.output_dir.parent, self.config.watch)
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config

@@ -148,6 +148,19 @@ class DbRankReader:
             events.append(record_event(rank, step, micro, pp, vpp, call, family, name, op, value))
         return events
 
+    def first_anomalous_step(self, after: int) -> Optional[int]:
+        """The first step after `after` holding a non-finite record or a row of the anomalies table (None:
+        none yet). Reads the partial index of non-finite records, so it stays cheap on long runs."""
+        def read() -> Optional[int]:
+            found = [s for (s,) in self.conn.execute(
+                f"SELECT step FROM records WHERE ({db_schema.NONFINITE_RECORD}) AND step > ? ORDER BY step, "
+                "call_index LIMIT 1", (after,))]
+            if self.has_anomalies():
+                found += [s for (s,) in self.conn.execute("SELECT MIN(step) FROM anomalies WHERE step > ?", (after,))
+                          if s is not None]
+            return min(found) if found else None
+        return self._guard(read)
+
     def has_anomalies(self) -> bool:
         """Whether the database has the anomalies table (the run's anomaly processor wrote into it)."""
         return self._guard(lambda: self.conn.execute(

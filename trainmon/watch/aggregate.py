@@ -24,13 +24,14 @@ STATS = ("min", "median", "max")
 MAX_RANK = "max_rank"
 SCALARS = "scalars"
 GRAD_NORM = "grad_norm"  # the global grad norm: a logged scalar of that name, else computed from the records
-_LAYER = re.compile(r"^(.*?\blayers?\.\d+)")
+_LAYER = re.compile(r"^((?:[^.]+\.)*?[^.]+\.\d+)(?:\.|$)")  # up to the first numbered component
 
 Key = tuple  # (family, name, vpp_stage, op)
 
 
 def layer_of(name: str) -> str:
-    """The layer group of a tensor name: `...layers.<i>` when it has one, else its first component."""
+    """The layer group of a tensor name: up to its first numbered component (`decoder.layers.3`,
+    `blocks.0`), else its first component (`head`, `emb`)."""
     found = _LAYER.match(name)
     if found:
         return found[1]

@@ -116,12 +116,13 @@ class RunWatcher:
             if message:
                 logger.warning("trainmon watch: %s: %s", self.run.name, message)
         active = [f for f in self.followers.values() if f.active]
+        alerts = self.alerts.poll(active)  # first: an alert must not wait for a long export
         done = [f.complete_through for f in active]
         if active and None not in done:
             if self._refill:
                 self._refill_history()
             self._export(self.exported + 1, min(done), active)
-        alerts = self.alerts.poll(active)
+        alerts += self.alerts.poll(active)  # what the export found in ranks without a database
         self._save()
         return alerts
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
@@ -37,8 +37,10 @@ from trainmon.read.parallel import map_ranks
 INPUTS_KEY = "cc_distribution.cc_pre_hook"
 
 
-def _summaries(path: Path, progress: bool) -> tuple[str, dict, list[str], list[RankSummary]]:
-    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run."""
+def _summaries(path: Path, progress: bool, ranks: Optional[Collection[int]] = None
+               ) -> tuple[str, dict, list[str], list[RankSummary]]:
+    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run
+    (only `ranks` of a trainmon run, when given)."""
     dump = read_dump(path)
     if dump:
         by_rank: dict[int, list[AnomalyEvent]] = {}
@@ -47,12 +49,13 @@ def _summaries(path: Path, progress: bool) -> tuple[str, dict, list[str], list[R
         summaries = [summarize(rank, events) for rank, events in sorted(by_rank.items())]
         return dump.run, dump.sources, list(dump.notes), summaries
     run = find_run(path)
-    summaries = map_ranks(summarize_rank_dir, run.ranks, progress, "nan-analyze")
+    rank_dirs = [r for r in run.ranks if ranks is None or r.rank in ranks]
+    summaries = map_ranks(summarize_rank_dir, rank_dirs, progress, "nan-analyze")
     notes = ([run.note] if run.note else []) + [n for s in summaries for n in s.notes]
     return str(run.path), {str(s.rank): s.sources for s in summaries}, notes, summaries
 
 
-def analyze(path: str | Path, progress: bool = False) -> dict:
+def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection[int]] = None) -> dict:
     """Analyses a run directory (or the latest run under an output root, or an msprobe dump directory).
 
     Ranks are summarised in parallel processes (`rank_summary`) and their first appearances merged by
@@ -61,6 +64,7 @@ def analyze(path: str | Path, progress: bool = False) -> dict:
     Args:
         path: the run.
         progress: show a progress bar over the ranks on stderr.
+        ranks: only these ranks of a trainmon run (the daemon leaves out ranks it cannot read).
 
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
@@ -73,7 +77,7 @@ def analyze(path: str | Path, progress: bool = False) -> dict:
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    run, sources, notes, summaries = _summaries(Path(path), progress)
+    run, sources, notes, summaries = _summaries(Path(path), progress, ranks)
     # every rank's first appearances, in key order: each rank's list is sorted, so a merge is enough
     firsts = list(heapq.merge(*(s.firsts for s in summaries), key=order_key))
     first: Optional[AnomalyEvent] = firsts[0] if firsts else None

@@ -76,7 +76,7 @@ class AlertTracker:
         if alert is None:
             return []
         reported = [f.rank for f in followers if f.complete_through is not None and f.complete_through >= alert["step"]]
-        waiting = [f.rank for f in followers if f.active and f.rank not in reported]
+        waiting = [f.rank for f in followers if not f.stalled and f.rank not in reported]
         alert["ranks_reported"], alert["ranks_waiting"] = reported, waiting
         self.final = not waiting
         alert["final"] = self.final
@@ -93,7 +93,8 @@ class AlertTracker:
         return [alert]
 
     def _attribute(self, followers: Sequence[RankFollower]) -> Optional[dict]:
-        result = analyze(self.run)
+        readable = [f.rank for f in followers if f.error is None]
+        result = analyze(self.run, ranks=readable)
         base = {"run": str(self.run), "detected_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if result["first"] is not None:
             cross = result["cross_rank"]

@@ -93,11 +93,6 @@ class RankFollower:
             return None
         return self.latest if self.finished else self.latest - 1
 
-    @property
-    def active(self) -> bool:
-        """Whether the export waits for this rank (not unreadable, not stalled)."""
-        return self.error is None and not self.stalled
-
     def rows(self, first: int, last: int) -> Iterator[tuple[int, list]]:
         """(step, rows) of steps first..last, through the read layer; the reader is closed at the end."""
         reader = self.open()

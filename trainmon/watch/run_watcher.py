@@ -115,16 +115,25 @@ class RunWatcher:
                 message = follower.check_stall(self.options.stall_after)
             if message:
                 logger.warning("trainmon watch: %s: %s", self.run.name, message)
-        active = [f for f in self.followers.values() if f.active]
-        alerts = self.alerts.poll(active)  # first: an alert must not wait for a long export
-        done = [f.complete_through for f in active]
-        if active and None not in done:
+        readable = [f for f in self.followers.values() if f.error is None]
+        alerts = self.alerts.poll(readable)  # first: an alert must not wait for a long export
+        last = self._frontier(readable)
+        if last is not None and last > self.exported:
             if self._refill:
                 self._refill_history()
-            self._export(self.exported + 1, min(done), active)
-        alerts += self.alerts.poll(active)  # what the export found in ranks without a database
+            self._export(self.exported + 1, last, readable)
+        alerts += self.alerts.poll(readable)  # what the export found in ranks without a database
         self._save()
         return alerts
+
+    @staticmethod
+    def _frontier(readable: list[RankFollower]) -> Optional[int]:
+        """The last step to export: one that every rank still writing has completed. A stalled rank is not
+        waited for (its steps so far are read); when every rank has stalled, all they committed is exported."""
+        writing = [f.complete_through for f in readable if not f.stalled]
+        if writing:
+            return None if None in writing else min(writing)
+        return max((f.complete_through for f in readable if f.complete_through is not None), default=None)
 
     @property
     def done(self) -> bool:
@@ -165,7 +174,7 @@ class RunWatcher:
     def _refill_history(self) -> None:
         self._refill = False
         first = max(0, self.exported - self.options.window + 1)
-        figures = self._figures(first, self.exported, [f for f in self.followers.values() if f.active])
+        figures = self._figures(first, self.exported, [f for f in self.followers.values() if f.error is None])
         for step in sorted(figures):
             self.history.add(figures[step])
 

@@ -6,7 +6,8 @@
 `once`: wall and CPU time, peak memory of `trainmon watch RUN --once` (heatmaps drawn once, at the end).
 `live`: N writer processes commit generate_run.py's 66 records per step to their monitor.db every
 `--step-seconds`; the daemon follows them. Reported: its lag behind the newest committed step (in
-steps and in intervals, sampled every 0.1 s), and its CPU time per exported step.
+steps and in intervals, sampled every 0.1 s), its CPU time per step while it follows them (its main
+process), and its CPU time in all (start, export, heatmaps drawn in its worker process, the last round).
 """
 from __future__ import annotations
 
@@ -108,14 +109,19 @@ def live(args) -> dict:
             continue
         lags.append(newest - exported)
     pending.get()
+    pool.close()
+    pool.join()
     cpu_end = _cpu_s(daemon.pid)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     daemon.wait(timeout=600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the daemon's whole life, its painter process too
     steady = lags[len(lags) // 5:]  # after the first fifth: the daemon has caught up with its start
     step_lag = sorted(steady)
     return {"ranks": args.ranks, "steps": args.steps, "step_s": args.step_seconds, "interval_s": args.interval,
             "lag_steps_median": step_lag[len(step_lag) // 2], "lag_steps_max": step_lag[-1],
             "lag_intervals_max": round(step_lag[-1] * args.step_seconds / args.interval, 2),
-            "daemon_cpu_ms_per_step": round(1000 * (cpu_end - cpu_start) / args.steps, 1)}
+            "daemon_cpu_ms_per_step": round(1000 * (cpu_end - cpu_start) / args.steps, 1),
+            "daemon_total_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)}
 
 
 def main() -> int:

@@ -3,7 +3,9 @@ alerts, and the state that lets a restarted daemon go on where this one stopped.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import sqlite3
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -94,6 +96,10 @@ class RunWatcher:
         self.history = History(options.op, options.window)
         self.followers: dict[int, RankFollower] = {}
         self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
+        self._painter: Optional[ProcessPoolExecutor] = None  # draws the heatmaps beside the export
+        self._drawing: Optional[tuple[int, Future]] = None  # (step, pictures being drawn)
+        # a draw that an earlier daemon started and never wrote (killed): drawn again after the restart
+        self._redraw: Optional[int] = state.get("drawing")
 
     # ------------------------------------------------------------------------------- following
     def _discover(self) -> None:
@@ -121,8 +127,12 @@ class RunWatcher:
         if last is not None and last > self.exported:
             if self._refill:
                 self._refill_history()
+            if self._redraw is not None:
+                self.draw(self._redraw)
+                self._redraw = None
             self._export(self.exported + 1, last, readable)
         alerts += self.alerts.poll(readable)  # what the export found in ranks without a database
+        self._collect_pictures(wait=False)
         self._save()
         return alerts
 
@@ -179,10 +189,29 @@ class RunWatcher:
             self.history.add(figures[step])
 
     # ------------------------------------------------------------------------------- heatmaps
-    def draw(self, step: int) -> None:
-        """Draws every heatmap of the window, into TensorBoard at `step` and into `heatmaps/*.png`."""
+    def draw(self, step: int, wait: bool = False) -> None:
+        """Draws every heatmap of the window as of `step`, in a worker process so that the export goes on
+        meanwhile (matplotlib takes about 0.5 s a picture); the pictures are written when they are ready,
+        into TensorBoard at `step` and into `heatmaps/*.png`. A redraw due while one is running waits for it.
+
+        Args:
+            wait: wait for the pictures (at exit).
+        """
+        self._collect_pictures(wait=True)
         alert = self.alerts.current
-        drawn = pictures(self.history, alert["first"] if alert else None)
+        if self._painter is None:
+            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                                  else None)
+            self._painter = ProcessPoolExecutor(1, mp_context=context)
+        self._drawing = (step, self._painter.submit(pictures, self.history, alert["first"] if alert else None))
+        self._collect_pictures(wait=wait)
+
+    def _collect_pictures(self, wait: bool) -> None:
+        if self._drawing is None or not (wait or self._drawing[1].done()):
+            return
+        step, future = self._drawing
+        self._drawing = None
+        drawn = future.result()
         if not drawn:
             return
         folder = self.logdir / HEATMAP_DIR
@@ -197,13 +226,17 @@ class RunWatcher:
     # ---------------------------------------------------------------------------------- state
     def _save(self) -> None:
         save_state(self.logdir, {"run": str(self.run), "exported": self.exported, "drawn_at": self.drawn_at,
+                                 "drawing": self._drawing[0] if self._drawing else self._redraw,
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
                                  "layout": sorted(list(k) for k in self.layout_keys),
                                  "scalar_names": sorted(self.scalar_names)})
 
     def finish(self) -> None:
         """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes."""
+        self._collect_pictures(wait=True)
         if self.exported >= 0 and self.drawn_at != self.exported:
-            self.draw(self.exported)
+            self.draw(self.exported, wait=True)
+        if self._painter is not None:
+            self._painter.shutdown()
         self._save()
         self.events.close()

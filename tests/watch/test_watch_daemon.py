@@ -7,14 +7,9 @@ import time
 
 import pytest
 
-from runs import LiveRank, generate, read_events, terminate, wait_for, watch, watch_once
+from runs import LiveRank, read_events, terminate, wait_for, watch, watch_once
 
-STEPS, INF_STEP = 60, 40
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    return generate(tmp_path_factory.mktemp("finished") / "run-a", ranks=3, steps=STEPS, inf_step=INF_STEP)
+from conftest import INF_STEP, STEPS
 
 
 def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_run, tmp_path):

@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
     figures = read_figures(followers, first, last)
     for step in sorted(figures):
         history.add(figures[step])
+    families = sorted(history.rows) + [s for s in RANK_SERIES if any(s in c for _, c in history.rank_columns)]
+    if args.family not in families:
+        print(f"trainmon plot: no {args.family!r} with op {args.op!r} in {run_dirs.path}; available: "
+              f"{', '.join(families) or 'none'}", file=sys.stderr)
+        return 2
     kind = args.kind or ("rank_x_step" if args.family in RANK_SERIES else "module_x_step")
     wanted = f"{args.family}_{kind}"
     drawn = {p.name: p for p in pictures(history, analyze(run_dirs.path)["first"], families=[args.family])}

@@ -63,14 +63,16 @@ def _writer(job) -> None:
     (rank_dir / "run.json").write_text(json.dumps({"rank": rank, "pp_stage": 0}))
     ops = ["min", "max", "norm", "mean", "nans", "infs"]
     db = MonitorDb(rank_dir / db_schema.DB_NAME)
-    db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": ops, "fields": list(db_schema.FIELDS)})
+    db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": ops,
+                 "fields": list(db_schema.FIELDS)})
     keys = _keys(world)
     n = float(np.prod(SHAPE))
+    base = {"count": n, "sumsq": n, "min": -1.0, "max": 1.0}
     rng = np.random.default_rng(rank)
     start = time.monotonic()
     for step in range(steps):
-        values = np.tile([n, 0, 0, 0, 0.0, n, -1.0, 1.0], (len(keys), 1))
-        values[:, 4] = rng.normal(size=len(keys))
+        values = np.tile([base.get(f, 0.0) for f in db_schema.FIELDS], (len(keys), 1))
+        values[:, db_schema.FIELDS.index("sum")] = rng.normal(size=len(keys))
         db.add_step(step, 0, keys, values, {"loss": 1.0})
         (rank_dir / "committed").write_text(str(step))
         time.sleep(max(0.0, start + (step + 1) * pause - time.monotonic()))

@@ -6,7 +6,6 @@ from test_trainer_mon import OpCounter
 from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.monitor import collector
-from trainmon.monitor import sentinel as sentinel_module
 
 
 def sentinel_run(write_config, steps, counter=None, grad_acc_steps=2, **config):
@@ -48,8 +47,7 @@ def test_no_host_sync_and_one_transfer_per_step(output_dir, write_config, monkey
     assert watched.counts.get("to another device", 0) == plain.counts.get("to another device", 0)
 
 
-def test_every_module_param_and_update_is_probed(output_dir, write_config, monkeypatch):
-    monkeypatch.setattr(sentinel_module, "_INITIAL_SLOTS", 8)  # forces the buffer to overflow and grow
+def test_every_module_param_and_update_is_probed(output_dir, write_config):
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = TrainerMon(write_config(**SENTINEL_ONLY))

@@ -15,7 +15,7 @@ from trainmon.monitor.stats import (FIELDS, N_FIELDS, OPS, derive_ops, fields_fo
 ALL = frozenset(FIELDS)
 NAN, INF = math.nan, math.inf
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
-COUNT_FIELDS = ("count", "nans", "infs", "zeros", "min", "max")   # must match exactly
+COUNT_FIELDS = ("count", "nans", "infs", "zeros", "min", "max", "sat")   # must match exactly
 
 
 def reference(x: torch.Tensor, eps: float) -> dict:
@@ -26,6 +26,7 @@ def reference(x: torch.Tensor, eps: float) -> dict:
     return {"count": f.numel(), "nans": int(torch.isnan(d).sum()), "infs": int(torch.isinf(d).sum()),
             "zeros": int((f.abs() < eps).sum()), "sum": float(f.sum()), "sumsq": float((f * f).sum()),
             "min": float(f.min()) if f.numel() else INF, "max": float(f.max()) if f.numel() else -INF,
+            "sat": int((f.abs() >= torch.finfo(x.dtype).max).sum()),  # default limit: the dtype's largest
             "abssum": float(f.abs().sum())}
 
 
@@ -182,7 +183,7 @@ def test_merged_chunks_equal_whole(dtype, parts):
 
 def test_merge_identities_and_shapes():
     e = merge_records(torch.zeros(0, N_FIELDS, dtype=torch.float64))
-    assert e.tolist() == [0, 0, 0, 0, 0, 0, INF, -INF]
+    assert e.tolist() == [0, 0, 0, 0, 0, 0, INF, -INF, 0]
     a = tensor_records([torch.zeros(0), torch.tensor([1.0, -2.0])], 1e-8, ALL)
     assert merge_records(a).tolist() == a[1].tolist()
     with pytest.raises(ValueError):
@@ -204,7 +205,8 @@ def test_derive_ops():
 def test_derive_empty_and_all_nonfinite():
     rows = tensor_records([torch.zeros(0), torch.tensor([NAN, INF])], 1e-8, ALL)
     d0 = derive_ops(rows[0].tolist(), OPS)
-    assert d0 == {"min": None, "max": None, "norm": 0.0, "mean": None, "zeros": None, "nans": 0.0, "infs": 0.0}
+    assert d0 == {"min": None, "max": None, "norm": 0.0, "mean": None, "zeros": None, "nans": 0.0, "infs": 0.0,
+                  "sat": 0.0}
     d1 = derive_ops(rows[1].tolist(), OPS)
     assert d1["mean"] is None and d1["min"] is None and d1["zeros"] == 0.0 and d1["nans"] == 1.0
 

@@ -508,3 +508,28 @@ def test_no_hook_is_left_on_parameters_a_module_returns(output_dir, write_config
     assert per_step.nunique() == 1 and len(per_step) == 30, per_step.value_counts()
     assert _live_tensor_hooks(model) == 0
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_input_grad_of_a_module_that_modifies_its_input_in_place(output_dir, write_config):
+    """The ReLU (inplace) overwrites the tensor it is given: its input grad is still the grad its backward
+    computed for that input."""
+    torch.manual_seed(0)
+    model = InPlaceRelu()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS))
+    monitor.set_monitor(model, optimizer=optimizer)
+    expected = []
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        # the same computation, not through the modules (their hooks would record it)
+        h = torch.nn.functional.linear(x, model.lin.weight, model.lin.bias)
+        y = torch.nn.functional.linear(torch.relu(h), model.out.weight, model.out.bias).sum()
+        expected.append(torch.autograd.grad(y, h)[0])
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.stop()
+    grads = read_family(monitor.output_dir, "actv_grad")
+    for step in range(3):
+        row = grads[(grads.step == step) & (grads.name == "relu.input")].iloc[0]
+        assert row["norm"] == pytest.approx(float(expected[step].norm()), rel=1e-5) and row["norm"] > 0

@@ -86,7 +86,7 @@ def test_nan_fields_are_marked_and_inf_is_real(tmp_path):
     db = MonitorDb(tmp_path / "monitor.db")
     key = RecordKey("exp_avg", "w", 0, None, 0, (2,), "torch.float32")
     # a record whose sum overflowed to NaN, and one without finite elements (min +inf, max -inf)
-    values = np.array([[2, 0, 0, 0, np.nan, np.inf, -1.0, 1.0], [0, 2, 0, 0, 0.0, 0.0, np.inf, -np.inf]])
+    values = np.array([[2, 0, 0, 0, np.nan, np.inf, -1.0, 1.0, 0], [0, 2, 0, 0, 0.0, 0.0, np.inf, -np.inf, 0]])
     db.add_step(0, 0, [key, key], values, {})
     db.close()
     with sqlite3.connect(tmp_path / "monitor.db") as conn:

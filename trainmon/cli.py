@@ -23,6 +23,10 @@ COMMAND_MODULES = (
     "trainmon.commands.export",
     "trainmon.commands.watch",
     "trainmon.commands.plot",
+    "trainmon.commands.compare",
+    "trainmon.commands.overflow",
+    "trainmon.commands.config_check",
+    "trainmon.commands.ckpt_compare",
 )
 
 

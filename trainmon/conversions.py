@@ -136,7 +136,7 @@ def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress
 
 
 def fields_from_figures(rows: list[dict], ops: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The 8 record fields (db_schema.FIELDS) rebuilt from CSV figures, and which of them are known."""
+    """The record fields (db_schema.FIELDS) rebuilt from CSV figures, and which of them are known."""
     values = np.full((len(rows), len(db_schema.FIELDS)), np.nan)
     recorded = np.zeros(values.shape, dtype=bool)
     for i, row in enumerate(rows):
@@ -156,6 +156,7 @@ def fields_from_figures(rows: list[dict], ops: list[str]) -> tuple[np.ndarray, n
             # a tensor without finite elements has an empty min/max: the record's identities
             "min": (math.inf if no_finite else None) if fig.get("min") is None else fig["min"],
             "max": (-math.inf if no_finite else None) if fig.get("max") is None else fig["max"],
+            "sat": fig.get("sat"),
         }
         for j, name in enumerate(db_schema.FIELDS):
             if known[name] is not None:

@@ -3,7 +3,7 @@ one machine (DuckDB, pandas, Spark).
 
 Layout: `<out>/family=<family>/rank=<rank>/part-0.parquet`. Columns: step, micro_step, vpp_stage,
 pp_stage, call_index, name, module, phase, tensor, shape, dtype, the record's fields `raw_count` ...
-`raw_max` (from a database) and the figures (`norm`, `min`, ...), `nonfinite` (the record held a NaN or
+`raw_sat` (from a database) and the figures (`norm`, `min`, ...), `nonfinite` (the record held a NaN or
 an Inf), and the ordering key as `order_*` columns: sorting by them and then rank is the order
 `nan-analyze` uses. NaN and ±Inf values are kept; a value the source lacks is null.
 """

@@ -44,7 +44,8 @@ class LiveRank:
         self.rank = rank
 
     def write(self, step: int) -> None:
-        values = np.tile([16.0, 0, 0, 0, 1.0, 4.0 * (1 + self.rank) + step, -1.0, 1.0], (len(KEYS), 1))
+        fields = {"count": 16.0, "sum": 1.0, "sumsq": 4.0 * (1 + self.rank) + step, "min": -1.0, "max": 1.0}
+        values = np.tile([fields.get(f, 0.0) for f in db_schema.FIELDS], (len(KEYS), 1))
         self.db.add_step(step, 0, KEYS, values, {"loss": 1.0 / (1 + step)})
 
     def close(self) -> None:

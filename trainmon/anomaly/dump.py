@@ -30,14 +30,38 @@ class DumpRequest:
     described: dict = field(default_factory=dict)  # name -> {shape, dtype, stored_elements, nans, infs}
 
 
+def host_copy(tensor: torch.Tensor, keep: int, non_blocking: bool = True) -> torch.Tensor:
+    """A host copy of the first `keep` elements of `tensor` (its own shape when all are kept, else flat).
+
+    On an accelerator with `non_blocking` the copy goes into pinned memory without blocking the
+    training thread; whoever reads it first waits for an event recorded after it
+    (`accelerator.copy_done_event`).
+    """
+    flat = tensor.detach().reshape(-1)
+    part = flat[:keep]
+    if part.device.type == "cpu" or not non_blocking:
+        host = part.to("cpu", copy=True)  # the training thread may change the tensor in place later
+    else:
+        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+        host.copy_(part, non_blocking=True)
+    return host.reshape(tensor.shape) if keep == flat.numel() else host
+
+
+def save_tensors(path: Path, tensors: dict) -> None:
+    """Writes host tensors to one safetensors file."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
+
+
 def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
     """Copies `tensors` to the host into `request`, each within an equal share of `max_bytes`."""
     share = max_bytes // max(1, len(tensors))
     for name, tensor in tensors:
         flat = tensor.detach().reshape(-1)
         keep = min(flat.numel(), max(1, share // max(1, flat.element_size())))
-        host = flat[:keep].to("cpu", copy=True)
-        request.tensors[name] = host.reshape(tensor.shape) if keep == flat.numel() else host
+        host = host_copy(tensor, keep, non_blocking=False)  # read below, on this thread
+        request.tensors[name] = host
         floating = host.is_floating_point()
         request.described[name] = {
             "shape": list(tensor.shape), "dtype": str(tensor.dtype), "stored_elements": keep,
@@ -49,12 +73,10 @@ def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_b
 
 def write_dump(rank_dir: Path, request: DumpRequest) -> Path:
     """Writes `<rank_dir>/anomaly_dumps/step<S>_micro<M>_<module>.safetensors` and its `.json`."""
-    from safetensors.torch import save_file
-
     directory = rank_dir / DUMP_DIR
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"step{request.step}_micro{request.micro_step}_{request.module or 'root'}"
-    save_file({name: t.contiguous() for name, t in request.tensors.items()}, str(directory / f"{stem}.safetensors"))
+    save_tensors(directory / f"{stem}.safetensors", request.tensors)
     description = {"rank": request.rank, "step": request.step, "micro_step": request.micro_step,
                    "module": request.module, "phase": request.phase, "tensors": request.described,
                    "file": f"{stem}.safetensors"}

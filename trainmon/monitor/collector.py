@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -22,8 +21,8 @@ class StepCollector:
     cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
     small enough to be reduced while still in the last-level cache, and held tensors keep the
     allocator from reusing their memory for the rest of the step, so larger batches cost more. A
-    tensor object seen twice in a step (a module's output is the next module's input) is reduced once;
-    only activations get that reuse (see `record`).
+    tensor object recorded twice within a batch (a module's output is the next module's input) is
+    reduced once; only activations get that reuse (see `record`).
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
     its later values. So the first time a name is recorded it is reduced at once, and its tensor is
@@ -52,12 +51,11 @@ class StepCollector:
         self._scalars: dict[str, object] = {}
         self._flag_keys: list[RecordKey] = []
         self._flags: list[torch.Tensor] = []
-        self._seen: dict[int, tuple] = {}
+        self._seen: dict[int, tuple] = {}  # id -> (tensor, version, pending slot or record row), until the next batch
         self._call_index = 0
         self._pending_keys: list[RecordKey] = []
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
-        self._pending_tensors: list[torch.Tensor] = []
-        self._pending_versions: list[int] = []
+        self._pending_tensors: list[tuple[torch.Tensor, int]] = []  # (tensor, version when recorded)
         self._pending_bytes = 0
         self._trial: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, version) on first sight
 
@@ -77,7 +75,7 @@ class StepCollector:
 
         With `defer` (activations and their grads, which frameworks change in place by ordinary ops,
         which bump `_version`) the tensors may be held until the pending batch is reduced, and a tensor
-        object already recorded with `defer` this step and unchanged since (same version) reuses that
+        object recorded with `defer` since the last batch and unchanged since (same version) reuses that
         record instead of being read again.
         """
         if not tensors:
@@ -85,31 +83,28 @@ class StepCollector:
         if not defer:
             self._reduce_now(list(zip(keys, tensors)))
             return
-        fresh = []
+        now = []
         for key, tensor in zip(keys, tensors):
-            cached = self._seen.get(id(tensor))
-            if cached is not None and cached[0]() is tensor and cached[1] == tensor._version:
-                self._reuse(key, cached[2])
-            else:
-                fresh.append((key, tensor))
-        now = [(key, tensor) for key, tensor in fresh if key.name not in self._deferrable_names]
-        if now:
-            rows = self._reduce_now(now)
-            for i, (key, tensor) in enumerate(now):
-                self._remember(tensor, rows[i:i + 1])
-                if key.name not in self._eager_names:
-                    self._trial.append((key.name, tensor, tensor._version))
-                    self._pending_bytes += tensor.numel() * tensor.element_size()
-        for key, tensor in fresh:
-            if key.name not in self._deferrable_names:
+            version = tensor._version
+            seen = self._seen.get(id(tensor))
+            if seen is not None and seen[1] == version:
+                self._reuse(key, seen[2])
                 continue
-            slot = len(self._pending_tensors)
-            self._pending_tensors.append(tensor)
-            self._pending_versions.append(tensor._version)
-            self._pending_keys.append(key)
-            self._pending_slots.append(slot)
-            self._remember(tensor, slot)
             self._pending_bytes += tensor.numel() * tensor.element_size()
+            if key.name in self._deferrable_names:
+                slot = len(self._pending_tensors)
+                self._pending_tensors.append((tensor, version))
+                self._pending_keys.append(key)
+                self._pending_slots.append(slot)
+                self._seen[id(tensor)] = (tensor, version, slot)
+            else:
+                now.append((key, tensor, version))
+        if now:
+            rows = self._reduce_now([(key, tensor) for key, tensor, _ in now])
+            for i, (key, tensor, version) in enumerate(now):
+                self._seen[id(tensor)] = (tensor, version, rows[i:i + 1])
+                if key.name not in self._eager_names:
+                    self._trial.append((key.name, tensor, version))
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
 
@@ -117,10 +112,6 @@ class StepCollector:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
         self._add([k for k, _ in items], rows)
         return rows
-
-    def _remember(self, tensor: torch.Tensor, source) -> None:
-        """Lets a deferred tensor's later records this step share `source`: its pending slot or its row."""
-        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, source)
 
     def _reuse(self, key: RecordKey, source) -> None:
         if isinstance(source, int):  # still pending: share its slot
@@ -130,26 +121,26 @@ class StepCollector:
             self._add([key], source)
 
     def flush_pending(self) -> None:
-        """Reduces every pending tensor in one batch."""
+        """Reduces every pending tensor in one batch, and lets go of the tensors held since the last one.
+
+        Records are shared only between two batches (`_seen` holds its tensors, so an `id` cannot be
+        reused while it is there): a tensor recorded again after a batch is read again.
+        """
         self._end_trial()
+        self._seen.clear()
+        self._pending_bytes = 0
         if not self._pending_keys:
-            self._pending_bytes = 0
             return
-        tensors, keys, slots = self._pending_tensors, self._pending_keys, self._pending_slots
-        modified = {slot for slot, (t, v) in enumerate(zip(tensors, self._pending_versions)) if t._version != v}
-        rows = stats.tensor_records(tensors, self.eps, self.fields)
-        for slot, tensor in enumerate(tensors):
-            if slot not in modified:
-                self._remember(tensor, rows[slot:slot + 1])
+        pending, keys, slots = self._pending_tensors, self._pending_keys, self._pending_slots
+        self._pending_keys, self._pending_slots, self._pending_tensors = [], [], []
+        modified = {slot for slot, (t, version) in enumerate(pending) if t._version != version}
+        rows = stats.tensor_records([t for t, _ in pending], self.eps, self.fields)
         kept = [i for i, slot in enumerate(slots) if slot not in modified]
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])
         if kept:
             index = torch.tensor([slots[i] for i in kept], device=rows.device)
             self._add([keys[i] for i in kept], rows.index_select(0, index))
-        self._pending_keys, self._pending_slots = [], []
-        self._pending_tensors, self._pending_versions = [], []
-        self._pending_bytes = 0
 
     def _end_trial(self) -> None:
         """Sorts the names first seen since the last batch into those reduced at once and the deferrable."""

@@ -31,16 +31,18 @@ from typing import Any, ClassVar
 
 from trainmon.monitor.config_keys import (
     ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
-    STAT_OPS,
+    SAT_DTYPES, STAT_OPS,
     WRITER_POLICIES,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
-    check_formats, check_int, check_list, check_number, check_opt_bool, check_rule_args, check_str, check_targets,
+    check_formats, check_int, check_list, check_number, check_opt_bool, check_optional, check_rule_args, check_str,
+    check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
 )
 
 __all__ = [
-    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigError", "ConfigNotHonouredWarning",
-    "MonitorConfig", "RuleConfig", "TargetSpec", "WatchConfig", "load_config", "parse_target_spec",
+    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError",
+    "ConfigNotHonouredWarning", "MonitorConfig", "RuleConfig", "TargetSpec", "WatchConfig", "load_config",
+    "parse_target_spec",
 ]
 
 
@@ -158,6 +160,61 @@ class WatchConfig:
         _validate_fields(self)
 
 
+def _check_modules(value: Any, key: str) -> Any:
+    if value == "all":
+        return value
+    return check_list(check_str, "module names")(value, key)
+
+
+@dataclass(kw_only=True, slots=True)
+class DumpConfig:
+    """trainmon's `dump`: module inputs, outputs and grads of chosen steps and ranks, saved with safetensors
+    (`rank_<R>/dumps/step<S>/`), with an index of call order, shapes, dtypes, statistic records and stacks."""
+
+    _PATH: ClassVar[str] = "dump"
+    steps: list[int] = _field(check_list(check_int(0), "step numbers"), factory=list)
+    """The steps to dump (at least one)."""
+    ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
+    """Ranks that dump; empty means all."""
+    modules: Any = _field(_check_modules, default="all")
+    """"all", or module names: each named module and the modules inside it."""
+    max_mb_per_step: int = _field(check_int(1, 1_000_000), default=64)
+    """Cap per rank and step; tensors beyond it are not stored, and the index lists them."""
+    backward: bool = _field(check_bool, default=True)
+    """Also the grads of module outputs and inputs, in backward."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if not self.steps:
+            raise ConfigError("must list at least one step to dump", key="steps", value=self.steps,
+                              allowed="a list of step numbers", closest=[0])
+
+
+@dataclass(kw_only=True, slots=True)
+class ConfigCheckConfig:
+    """trainmon: a config-check pack of this job (see README, `trainmon config-check`)."""
+
+    _PATH: ClassVar[str] = "config_check"
+    enable: bool = _field(check_bool, default=False)
+    """At set_monitor, record the weights, random generators, environment and packages, then the inputs of
+    the first `batches` micro-steps, into `<output>/rank_<R>.zip`."""
+    output: str | None = _field(check_optional(check_str), default=None)
+    """Directory of the packs; None: `config_check/` in the run directory."""
+    batches: int = _field(check_int(0, 1_000_000), default=1)
+    """Training micro-steps whose root-module inputs are recorded."""
+    scripts: list[str] = _field(check_list(check_str, "paths of shell scripts"), factory=list)
+    """Launch scripts whose hyperparameters (`--lr 1e-4`, `LR=1e-4`) go into the pack."""
+    yamls: list[str] = _field(check_list(check_str, "paths of YAML files"), factory=list)
+    """YAML configs whose hyperparameters go into the pack."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        for key in ("scripts", "yamls"):  # a missing file is the user's error: say so before training
+            for i, path in enumerate(getattr(self, key)):
+                if not os.path.isfile(path):
+                    raise ConfigError("is not a file", key=f"{key}[{i}]", value=path, allowed="an existing file")
+
+
 def _check_ops(value: Any, key: str) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
@@ -217,10 +274,17 @@ class MonitorConfig:
     cc_distribution: CCConfig = _field(_section(CCConfig), factory=CCConfig)
     """Collective-communication statistics (see CCConfig)."""
     ops: list[str] = _field(_check_ops, factory=lambda: ["norm"])
-    """Statistics per tensor, from min, max, norm, mean, zeros (fraction with |x| < eps), nans, infs.
+    """Statistics per tensor, from min, max, norm, mean, zeros (fraction with |x| < eps), nans, infs, sat
+    (elements at or beyond the saturation limit, see `sat_threshold`).
     One string is taken as a one-item list."""
     eps: float = _field(check_number(0.0), default=1e-8)
     """Threshold of the `zeros` op: |x| < eps counts as zero."""
+    sat_threshold: float | None = _field(check_optional(check_number(0.0)), default=None)
+    """trainmon: the `sat` op counts finite |x| >= this; null: the largest finite value of each tensor's dtype
+    (65504 for fp16)."""
+    sat_dtype: str | None = _field(check_optional(check_choice(SAT_DTYPES)), default=None)
+    """trainmon: without `sat_threshold`, count wider tensors (fp32) against this dtype's largest finite value
+    ("float16" or "bfloat16"): would they overflow in half precision?"""
     ndigits: int = _field(check_int(1, MAX_NDIGITS), default=6)
     """Significant digits written to CSV (msprobe: decimal places; same default, 6)."""
     start_step: int = _field(check_int(0), default=0)
@@ -245,6 +309,8 @@ class MonitorConfig:
     """Online anomaly rules (see AlertConfig)."""
     watch: WatchConfig = _field(_section(WatchConfig), factory=WatchConfig)
     """trainmon: the monitor daemon started beside the job (see WatchConfig)."""
+    config_check: ConfigCheckConfig = _field(_section(ConfigCheckConfig), factory=ConfigCheckConfig)
+    """trainmon: record a config-check pack at set-up (see ConfigCheckConfig)."""
     append_output: list[str] = _field(check_append_output, factory=list)
     """Resume: [start, end] bounds of earlier run names (`run-YYYYmmdd-HHMMSS`); the latest existing run whose
     name sorts between them is appended to. [] starts a new run."""
@@ -262,6 +328,8 @@ class MonitorConfig:
     wait is recorded) and "drop" skips the step's output (counted); both are reported in run.json."""
     writer_queue_size: int = _field(check_int(1, 100_000), default=64)
     """trainmon: step batches the writer queues before `writer_policy` applies."""
+    dump: DumpConfig | None = _field(check_optional(_section(DumpConfig)), default=None)
+    """trainmon: tensor dumps of chosen steps (see DumpConfig); null: none."""
     stats_batch_mb: int = _field(check_int(0, 1_000_000), default=32)
     """trainmon: activations are held until this many MB are pending, then reduced in one batch
     (far cheaper than one reduction per hook); 0 reduces each hook's tensors at once."""

@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from trainmon.monitor.schema import OPS
+
 # Output formats that this version can write. Add a format here (and nowhere else) once its sink exists.
 AVAILABLE_FORMATS: tuple[str, ...] = ("csv", "api", "tensorboard", "db")
 # Formats the design names but that are not built yet: they get "not yet available", not "unknown".
@@ -24,9 +26,11 @@ PLANNED_FORMATS: tuple[str, ...] = ()
 # What the writer thread does when its queue of step batches is full (config key `writer_policy`).
 WRITER_POLICIES: tuple[str, ...] = ("block", "drop")
 
-# Statistics trainmon computes. msprobe's MonitorConst.OP_LIST is
-# ["norm", "min", "max", "zeros", "nans", "id", "mean", "shape", "dtype"]; "infs" is trainmon's own.
-STAT_OPS: tuple[str, ...] = ("min", "max", "norm", "mean", "zeros", "nans", "infs")
+# Statistics trainmon computes (the schema's op table). msprobe's MonitorConst.OP_LIST is
+# ["norm", "min", "max", "zeros", "nans", "id", "mean", "shape", "dtype"]; "infs" and "sat" are trainmon's own.
+STAT_OPS: tuple[str, ...] = OPS
+# Narrower dtypes whose largest finite value `sat` can count wider tensors against (`sat_dtype`).
+SAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 # msprobe lists these as ops, but they are not statistics: every CSV row carries them anyway.
 COLUMN_OPS: tuple[str, ...] = ("shape", "dtype")
 
@@ -196,6 +200,13 @@ def check_number(low: float) -> Check:
             raise ConfigError("is out of range", key=key, value=value, allowed=allowed)
         return float(value)
     return check
+
+
+def check_optional(check: Check) -> Check:
+    """None, or a value `check` accepts."""
+    def optional(value: Any, key: str) -> Any:
+        return None if value is None else check(value, key)
+    return optional
 
 
 def check_choice(choices: tuple[str, ...]) -> Check:

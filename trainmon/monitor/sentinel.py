@@ -3,9 +3,9 @@ updated weight, every step, whatever `targets` and the statistic switches say.
 
 A probe is the tensor's sum accumulated in fp32: it is NaN or ±Inf exactly when an element is, except
 that a finite tensor whose sum exceeds fp32's range (|sum| > 3.4e38) also trips it, which is itself a
-numerical fault. Probes are written into a preallocated device buffer, one slot per probed event in
-the order of the events (each event's `call_index` is kept in its key), and the filled part of the
-buffer joins the step's single device->host copy. Nothing is read on the host inside the hooks.
+numerical fault. Probes stay on the device, one per probed event in the order of the events (each
+event's `call_index` is kept in its key), and join the step's single device->host copy as one stacked
+tensor. Nothing is read on the host inside the hooks.
 """
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, values_at
 
-_INITIAL_SLOTS = 1024
-
-
 def probe(tensor: torch.Tensor) -> torch.Tensor:
     """fp32 sum of `tensor`: non-finite iff one of its elements is (see the module docstring)."""
     if tensor.dtype == torch.float64:
@@ -33,45 +30,30 @@ def probe(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().sum(dtype=torch.float32)
 
 
-class _ProbeBuffer:
-    """Slots for one step's probes on the device; grows between steps when a step needs more."""
+class _Probes:
+    """One step's probes: a device scalar per key, stacked into one tensor when the step's probes are read.
+
+    A list append per probe is the cheapest write: a preallocated buffer would cost an indexing op and
+    a copy per probe, where the stack costs well under a microsecond per probe once per step.
+    """
 
     def __init__(self):
         self.keys: list[RecordKey] = []
-        self._buffer: Optional[torch.Tensor] = None
-        self._overflow: list[torch.Tensor] = []
-        self._capacity = _INITIAL_SLOTS
+        self._values: list[torch.Tensor] = []
 
     def write(self, keys: list[RecordKey], tensors: list[torch.Tensor]) -> None:
-        if self._buffer is None:
-            self._buffer = torch.empty(self._capacity, dtype=torch.float32, device=tensors[0].device)
-        start = len(self.keys)
         self.keys.extend(keys)
-        if len(tensors) == 1 and start < self._buffer.numel():
-            self._buffer[start].copy_(probe(tensors[0]))  # the common case, with the fewest small ops
-            return
-        values = torch.stack([probe(t) for t in tensors])
-        fit = max(0, min(len(self.keys), self._buffer.numel()) - start)
-        if fit:
-            self._buffer[start:start + fit].copy_(values[:fit])
-        if fit < len(keys):
-            # The buffer grows at the next step; within a step the excess probes are kept aside.
-            self._overflow.append(values[fit:].to(torch.float32))
+        self._values.extend(probe(t) for t in tensors)
 
     def filled(self) -> Optional[torch.Tensor]:
-        """The probes written this step, in slot order (a device tensor), or None."""
-        if not self.keys:
+        """The probes written this step, in key order (a float32 device tensor), or None."""
+        if not self._values:
             return None
-        if not self._overflow:
-            return self._buffer[:len(self.keys)]
-        return torch.cat([self._buffer] + self._overflow)
+        return torch.stack(self._values).to(torch.float32)
 
     def reset(self) -> None:
-        if self._overflow:
-            self._capacity = int(len(self.keys) * 1.25) + 1
-            self._buffer = None
         self.keys = []
-        self._overflow = []
+        self._values = []
 
 
 class _GradConsumer:
@@ -108,7 +90,7 @@ class NanSentinel:
         self.state = state
         self.modules = modules
         self.params = params
-        self.slots = _ProbeBuffer()
+        self.probes = _Probes()
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
         self._probed: dict[int, tuple] = {}
@@ -139,7 +121,7 @@ class NanSentinel:
         self._handles.clear()
         self._consumers.clear()
         self._probed.clear()
-        self.slots.reset()
+        self.probes.reset()
 
     # ------------------------------------------------------------------------------------ hooks
     def _probe(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
@@ -149,7 +131,7 @@ class NanSentinel:
         collector = self.state.collector
         keys = [RecordKey(family, name, vpp_stage, micro, collector.next_call_index(), tuple(t.shape),
                           str(t.dtype)) for name, t in leaves]
-        self.slots.write(keys, [t for _, t in leaves])
+        self.probes.write(keys, [t for _, t in leaves])
 
     def _first_sight(self, tensor: torch.Tensor) -> bool:
         """False for a tensor object already probed unchanged this step: a container returning its last
@@ -167,7 +149,7 @@ class NanSentinel:
             if not state.training_forward or in_backward():
                 return
             if self._dump is not None:
-                self._dump.saw(name, "input", args, start=len(self.slots.keys) if name == "" else None)
+                self._dump.saw(name, "input", args, start=len(self.probes.keys) if name == "" else None)
             micro = state.forward_micro(vpp)
             inputs = floating_leaves(values_at(input_places(args, kwargs), args, kwargs), None, f"{name}.input")
             if name == "":
@@ -208,7 +190,7 @@ class NanSentinel:
             if self._dump is not None:
                 self._dump.saw(name, "output", output)
                 if name == "":
-                    self._dump.check(self.slots, state.collector.step, micro)
+                    self._dump.check(self.probes, state.collector.step, micro)
             if name == "" and torch.is_grad_enabled():
                 for leaf_name, tensor in leaves:
                     if tensor.grad_fn is not None:
@@ -243,10 +225,10 @@ class NanSentinel:
         """Probes the updated weights and hands the step's probes to the collector (training thread)."""
         for vpp in sorted({vpp for _, _, vpp in self.params}):
             self._probe(PARAM_UPDATED, [(name, p) for name, p, v in self.params if v == vpp], vpp, None)
-        filled = self.slots.filled()
+        filled = self.probes.filled()
         if filled is not None:
-            self.state.collector.add_flags(self.slots.keys, filled)
-        self.slots.reset()
+            self.state.collector.add_flags(self.probes.keys, filled)
+        self.probes.reset()
         self._consumers.clear()
         self._probed.clear()
         self._in_pass.clear()
@@ -254,11 +236,11 @@ class NanSentinel:
     @property
     def pending(self) -> bool:
         """Whether probes of the running step are waiting for `close_step`."""
-        return bool(self.slots.keys)
+        return bool(self.probes.keys)
 
     def any_nonfinite(self) -> Optional[torch.Tensor]:
         """Device bool: whether a probe of this step so far is non-finite (None when none was taken)."""
-        filled = self.slots.filled()
+        filled = self.probes.filled()
         return None if filled is None else ~torch.isfinite(filled).all()
 
 
@@ -297,16 +279,16 @@ class _ForwardDump:
         self._io.setdefault(module, []).extend(
             (f"{kind}_{i}" if len(leaves) > 1 else kind, weakref.ref(t)) for i, t in enumerate(leaves))
 
-    def check(self, slots: _ProbeBuffer, step: int, micro: int) -> None:
+    def check(self, probes: _Probes, step: int, micro: int) -> None:
         if self.done:
             return
-        filled = slots.filled()
+        filled = probes.filled()
         if filled is None or filled.numel() <= self._first_slot:
             return
         bad = ~torch.isfinite(filled[self._first_slot:])
         if not bool(bad.any()):  # the documented host read
             return
-        key = slots.keys[self._first_slot + int(bad.nonzero()[0, 0])]
+        key = probes.keys[self._first_slot + int(bad.nonzero()[0, 0])]
         if key.family != ACTV:
             return
         module = key.name.rpartition(".")[0]

@@ -1,47 +1,43 @@
 """Records of parameter pieces, merged across the ranks that hold the pieces.
 
 Each rank reduces its local pieces to mergeable records (one `tensor_records` call), puts the
-identity record where it holds nothing, and one `all_gather` of the small [n, 8] record tensor per
+identity record where it holds nothing, and one `all_gather` of the small [n, N_FIELDS] record tensor per
 call gives every rank the records of all pieces, which merge exactly to the full parameter's:
 sums for count/nans/infs/zeros/sum/sumsq, min of mins, max of maxes (stats.merge_records). Whole
 tensors are never gathered.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from trainmon.monitor import stats
+from trainmon.monitor import schema, stats
 from trainmon.monitor.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
 from trainmon.monitor.records import RecordKey
 from trainmon.monitor.state import HookState
 
-_MIN, _MAX = stats.FIELDS.index("min"), stats.FIELDS.index("max")
-
-
 def identity_record(device, dtype=torch.float64) -> torch.Tensor:
     """The record of no elements: merging it with any record leaves that record unchanged."""
-    row = torch.zeros(len(stats.FIELDS), dtype=dtype, device=device)
-    row[_MIN] = math.inf
-    row[_MAX] = -math.inf
-    return row
+    return torch.tensor(schema.IDENTITY, dtype=dtype, device=device)
 
 
 def merge_gathered(gathered: torch.Tensor) -> torch.Tensor:
-    """[ranks, n, 8] → [n, 8]: stats.merge_records over the first dimension, for all n at once."""
+    """[ranks, n, N_FIELDS] → [n, N_FIELDS]: the schema's merge rules over the first dimension, for all n
+    at once."""
     merged = gathered.sum(dim=0)
-    merged[:, _MIN] = gathered[:, :, _MIN].amin(dim=0)
-    merged[:, _MAX] = gathered[:, :, _MAX].amax(dim=0)
+    for column in schema.MIN_COLUMNS:
+        merged[:, column] = gathered[:, :, column].amin(dim=0)
+    for column in schema.MAX_COLUMNS:
+        merged[:, column] = gathered[:, :, column].amax(dim=0)
     return merged
 
 
 def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], device) -> torch.Tensor:
-    """[len(pieces), 8] records of the pieces; the identity record where a piece is None."""
+    """[len(pieces), N_FIELDS] records of the pieces; the identity record where a piece is None."""
     collector = state.collector
     present = [i for i, t in enumerate(pieces) if t is not None]
     rows = identity_record(device).expand(len(pieces), -1).clone()

@@ -5,6 +5,8 @@ import functools
 import logging
 from typing import Callable, Optional
 
+import torch
+
 from trainmon.monitor.collector import StepCollector
 
 logger = logging.getLogger("trainmon")
@@ -63,6 +65,11 @@ class HookState:
 
         The first failure of an item is logged with its context; the item is then skipped. With
         `strict` (tests) the exception propagates.
+
+        Under an active `TorchFunctionMode` (a `torch.device` context, a device-mapping shim) the hook
+        runs with torch-function handling off: a hook only reads tensors on their own device, and the
+        mode would otherwise see every attribute read and small op of every hook, several per hooked
+        call. Tensor subclasses still dispatch through `__torch_dispatch__`.
         """
 
         @functools.wraps(fn)
@@ -70,7 +77,10 @@ class HookState:
             if item in self._failed:
                 return None
             try:
-                return fn(*args, **kwargs)
+                if not torch._C._is_torch_function_mode_enabled():
+                    return fn(*args, **kwargs)
+                with torch._C.DisableTorchFunction():
+                    return fn(*args, **kwargs)
             except Exception:
                 if self.strict:
                     raise

@@ -1,10 +1,11 @@
 """Statistic engine: mergeable per-tensor records, computed on the tensors' device without a host sync.
 
-A record is a float64 row ``FIELDS`` = (count, nans, infs, zeros, sum, sumsq, min, max) over the FINITE
-elements (design §3): count = finite elements, nans/infs = non-finite ones, zeros = finite |x| < eps
+A record is a float64 row ``FIELDS`` (trainmon.monitor.schema: count, nans, infs, zeros, sum, sumsq, min,
+max, sat) over the FINITE elements (design §3): count = finite elements, nans/infs = non-finite ones, zeros = finite |x| < eps
 (compared exactly against the float64 eps >= 0; eps below a dtype's smallest normal number relies on
 subnormal arithmetic, i.e. no flush-to-zero).  Sums add, min/max combine, so chunks, micro-batches,
 shards and ranks merge exactly (:func:`merge_records`).  Empty input: count 0, min=+inf, max=-inf.
+sat = finite |x| >= the saturation limit.
 Fields not in ``fields`` (count/nans/infs are always computed) hold 0 and mean nothing; pass the same
 ``fields`` to :func:`derive_ops` to have it refuse ops that need them.  sum/sumsq accumulate in fp32 for
 16/32-bit inputs (fp64 for fp64), so e.g. sumsq of |x| > 1.8e19 overflows to inf like any fp32 norm.
@@ -27,30 +28,55 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from trainmon.monitor.records import FIELDS, N_FIELDS  # the record's definition (re-exported)
+from trainmon.monitor import schema
+from trainmon.monitor.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
 
-OPS = ("min", "max", "norm", "mean", "zeros", "nans", "infs")
-_ALWAYS = frozenset(("count", "nans", "infs"))
-_OP_FIELDS = {"min": ("min",), "max": ("max",), "norm": ("sumsq",), "mean": ("sum",),
-              "zeros": ("zeros",), "nans": (), "infs": ()}
+# The fields the packed kernels below compute together; later fields are counts with kernels of their own.
+_PACKED = 8
+_SAT = schema.INDEX["sat"]
 _ROW = 128                                   # row width of the count code (fields of 8 bits fit fp32)
 CHUNK_ELEMS = {"cpu": 1 << 19}               # per device type (measured); others: _DEFAULT_CHUNK
 _DEFAULT_CHUNK = 1 << 22
 _INF = math.inf
 
 
-def fields_for_ops(ops: Iterable[str]) -> frozenset[str]:
+class FieldSet(frozenset):
+    """The record fields to compute, and the limit the `sat` field counts against.
+
+    Args:
+        names: field names.
+        sat_threshold: count |x| >= this; None: the largest finite value of the tensor's dtype.
+        sat_dtype: without a threshold, wider tensors (fp32, fp64) count against this narrower dtype's
+            largest finite value ("would this overflow in fp16?").
+    """
+
+    def __new__(cls, names: Iterable[str] = (), sat_threshold: Optional[float] = None,
+                sat_dtype: Optional[torch.dtype] = None):
+        obj = super().__new__(cls, names)
+        obj.sat_threshold, obj.sat_dtype = sat_threshold, sat_dtype
+        return obj
+
+    def sat_limit(self, dtype: torch.dtype) -> float:
+        """The saturation limit of a tensor of `dtype`."""
+        if self.sat_threshold is not None:
+            return float(self.sat_threshold)
+        own = torch.finfo(dtype).max
+        return own if self.sat_dtype is None else min(own, torch.finfo(self.sat_dtype).max)
+
+
+def fields_for_ops(ops: Iterable[str], sat_threshold: Optional[float] = None,
+                   sat_dtype: Optional[torch.dtype] = None) -> FieldSet:
     """Record fields needed to derive ``ops`` (count, nans and infs are always included)."""
-    out = set(_ALWAYS)
+    out = set(schema.ALWAYS)
     for op in ops:
-        if op not in _OP_FIELDS:
+        if op not in schema.OP_BY_NAME:
             raise ValueError(f"unknown op {op!r}; allowed: {', '.join(OPS)}")
-        out.update(_OP_FIELDS[op])
-    return frozenset(out)
+        out.update(schema.OP_BY_NAME[op].fields)
+    return FieldSet(out, sat_threshold, sat_dtype)
 
 
 # ---- per-dtype constants, pure Python (no tensor op, so no sync even under a dispatch mode) ---------
@@ -64,6 +90,30 @@ def _from_bits(dtype: torch.dtype, b: int) -> float:
     return struct.unpack(f, struct.pack(i, b << 16 if dtype == torch.bfloat16 else b))[0]
 
 
+def _largest_below(dtype: torch.dtype, value: float) -> tuple[int, int]:
+    """(bit pattern of the largest finite dtype value < `value` (0 when none), pattern of the largest)."""
+    _, _, nbits, mbits = _FMT[dtype]
+    fmax_bits = (((1 << (nbits - 1 - mbits)) - 1) << mbits) - 1  # just below +inf
+    lo, hi = 0, fmax_bits                    # positive bit patterns are ordered like values
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _from_bits(dtype, mid) < value else (lo, mid - 1)
+    return lo, fmax_bits
+
+
+_BELOW: dict = {}
+
+
+def _sat_lambda(dtype: torch.dtype, limit: float) -> float:
+    """The largest dtype value below `limit`: |x| > it <=> |x| >= limit (+inf: no finite value is)."""
+    key = (dtype, limit)
+    if key not in _BELOW:
+        if dtype not in _FMT:
+            raise TypeError(f"tensor_records: unsupported dtype {dtype}")
+        _BELOW[key] = _from_bits(dtype, _largest_below(dtype, limit)[0])
+    return _BELOW[key]
+
+
 def _consts(dtype: torch.dtype, eps: float):
     """(lambda, P, acc dtype): lambda = largest dtype value < eps (|x| <= lambda <=> |x| < eps);
     P = power of two <= smallest dtype value >= eps, small enough that the codes (65536 P) fit the
@@ -73,12 +123,7 @@ def _consts(dtype: torch.dtype, eps: float):
     if c is None:
         if dtype not in _FMT:
             raise TypeError(f"tensor_records: unsupported dtype {dtype}")
-        _, _, nbits, mbits = _FMT[dtype]
-        fmax_bits = (((1 << (nbits - 1 - mbits)) - 1) << mbits) - 1  # just below +inf
-        lo, hi = 0, fmax_bits                    # positive bit patterns are ordered like values
-        while lo < hi:                           # largest pattern with value < eps
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if _from_bits(dtype, mid) < eps else (lo, mid - 1)
+        lo, fmax_bits = _largest_below(dtype, eps)
         lam = _from_bits(dtype, lo)
         thr = _from_bits(dtype, lo + 1) if lo < fmax_bits and eps > 0 else _INF   # eps 0: no zeros
         acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -135,9 +180,11 @@ def _meta(values, dev: torch.device) -> torch.Tensor:
 
 # ---- the engine -------------------------------------------------------------------------------------
 def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str]) -> torch.Tensor:
-    """float64 ``[len(tensors), 8]`` records on the tensors' (shared) device; see module docstring.
+    """float64 ``[len(tensors), N_FIELDS]`` records on the tensors' (shared) device; see module docstring.
 
-    Identical views (same storage, dtype, shape, strides) are computed once per call."""
+    Identical views (same storage, dtype, shape, strides) are computed once per call. ``fields`` may be
+    a `FieldSet`, which carries the saturation limit (default: each dtype's largest finite value)."""
+    sat = fields if isinstance(fields, FieldSet) else FieldSet()
     fields = frozenset(fields)
     bad = fields - set(FIELDS)
     if bad:
@@ -148,7 +195,7 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
         return torch.zeros(0, N_FIELDS, dtype=torch.float64)
     dev = tensors[0].device
     # eps == 0: nothing is |x| < 0, the zeros field is exactly 0 without a pass
-    want = tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS)
+    want = tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS[:_PACKED])
 
     seen: dict = {}                                   # view key -> unique index
     uniq: list[torch.Tensor] = []
@@ -162,6 +209,8 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
             uniq.append(t.detach())
         rowmap.append(seen[key])
     rec = _records(uniq, dev, eps, want)
+    if "sat" in fields:
+        _fill_sat(rec, uniq, dev, want, sat)
     if len(uniq) == len(tensors):
         return rec
     return rec.index_select(0, _meta(rowmap, dev))
@@ -295,20 +344,61 @@ def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tens
         col.update(zip((name for name, _ in items), stacked.unbind(0)))
     z = col["zero"]
     return torch.stack([count, nan, i, count - b if want[3] else z, col.get("sum", z), col.get("sq", z),
-                        col.get("min", z), col.get("max", z)], 1)
+                        col.get("min", z), col.get("max", z)] + [z] * (N_FIELDS - _PACKED), 1)
+
+
+def _sat_counts(uniq: list[torch.Tensor], dev: torch.device, sat: FieldSet) -> torch.Tensor:
+    """float64 [len(uniq)]: finite elements with |x| >= the tensor's saturation limit.
+
+    Its own pass, only when `sat` is asked for, so the packed count code (three 8-bit fields per fp32
+    row sum) keeps its room. Branch-free: hardshrink(largest value below the limit) -> non-finite to 0
+    -> sign -> sum of squares (16-bit: an L1 norm in fp32), exact per chunk (chunks hold < 2**24 elements);
+    measured the fastest of the candidates (benchmarks/sat_cost.py)."""
+    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
+    counts = []
+    for t in uniq:
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        lam = _sat_lambda(t.dtype, sat.sat_limit(t.dtype))
+        buf = _workspace(dev, t.dtype, min(cap, max(1, t.numel())))[0]
+        parts = []
+        for xc in _chunks(t, cap):
+            w = buf.narrow(0, 0, xc.numel())
+            torch.ops.aten.hardshrink.out(xc, lam, out=w.view(xc.shape))
+            w.nan_to_num_(0.0, 0.0, 0.0).sign_()
+            parts.append(torch.dot(w, w) if t.dtype == acc else torch.linalg.vector_norm(w, 1, dtype=acc))
+        counts.append(torch.stack(parts).sum() if parts else torch.zeros((), dtype=acc, device=dev))
+    return torch.stack([c.to(torch.float64) for c in counts]) if counts else \
+        torch.zeros(0, dtype=torch.float64, device=dev)
+
+
+def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, want: tuple, sat: FieldSet) -> None:
+    """Fills the `sat` column. On CPU, where reading a value waits for no device, a tensor whose finite
+    min and max (when computed) stay inside the limit has no saturated element: only the others are
+    counted, so the usual case costs no pass at all."""
+    if dev.type == "cpu" and want[6] and want[7]:
+        limits = torch.tensor([sat.sat_limit(t.dtype) for t in uniq], dtype=torch.float64)
+        reach = (rec.select(1, 7) >= limits) | (rec.select(1, 6) <= -limits)
+        rows = reach.nonzero().flatten().tolist()
+        if rows:
+            rec[rows, _SAT] = _sat_counts([uniq[i] for i in rows], dev, sat)
+        return
+    rec.select(1, _SAT).copy_(_sat_counts(uniq, dev, sat))
 
 
 def merge_records(records: torch.Tensor) -> torch.Tensor:
-    """``[k, 8]`` -> ``[8]``: counts and sums add, min of mins, max of maxes.  Any device, no sync."""
+    """``[k, N_FIELDS]`` -> ``[N_FIELDS]`` by the schema's merge rules (counts and sums add, min of mins,
+    max of maxes).  Any device, no sync."""
     if records.dim() != 2 or records.shape[1] != N_FIELDS:
         raise ValueError(f"merge_records expects [k, {N_FIELDS}], got {tuple(records.shape)}")
     r = records.to(torch.float64)
     if r.shape[0] == 0:
-        out = torch.zeros(N_FIELDS, dtype=torch.float64, device=r.device)
-        out.narrow(0, 6, 1).fill_(_INF)
-        out.narrow(0, 7, 1).fill_(-_INF)
-        return out
-    return torch.cat((r[:, :6].sum(0), r[:, 6].amin(0, keepdim=True), r[:, 7].amax(0, keepdim=True)))
+        return torch.tensor(schema.IDENTITY, dtype=torch.float64, device=r.device)
+    out = torch.empty(N_FIELDS, dtype=torch.float64, device=r.device)
+    for columns, reduce in ((schema.SUM_COLUMNS, torch.sum), (schema.MIN_COLUMNS, torch.amin),
+                            (schema.MAX_COLUMNS, torch.amax)):
+        index = torch.tensor(columns, device=r.device)
+        out.index_copy_(0, index, reduce(r.index_select(1, index), 0))
+    return out
 
 
 def derive_ops(record, ops: Sequence[str], fields: frozenset[str] | None = None) -> dict[str, float | None]:
@@ -319,22 +409,13 @@ def derive_ops(record, ops: Sequence[str], fields: frozenset[str] | None = None)
     v = [float(x) for x in record]
     if len(v) != N_FIELDS:
         raise ValueError(f"a record has {N_FIELDS} fields, got {len(v)}")
-    count, nans, infs, zeros, s, sq, mn, mx = v
-    total = count + nans + infs
+    named = dict(zip(FIELDS, v))
     out: dict[str, float | None] = {}
-    for op in ops:
-        if op not in _OP_FIELDS:
-            raise ValueError(f"unknown op {op!r}; allowed: {', '.join(OPS)}")
-        if fields is not None and not set(_OP_FIELDS[op]) <= set(fields):
-            raise ValueError(f"op {op!r} needs record fields {_OP_FIELDS[op]} that were not computed")
-        if op == "norm":
-            out[op] = math.sqrt(sq)
-        elif op == "mean":
-            out[op] = s / count if count > 0 else None
-        elif op in ("min", "max"):
-            out[op] = (mn if op == "min" else mx) if count > 0 else None
-        elif op == "zeros":
-            out[op] = zeros / total if total > 0 else None
-        else:
-            out[op] = nans if op == "nans" else infs
+    for name in ops:
+        op = schema.OP_BY_NAME.get(name)
+        if op is None:
+            raise ValueError(f"unknown op {name!r}; allowed: {', '.join(OPS)}")
+        if fields is not None and not set(op.fields) <= set(fields):
+            raise ValueError(f"op {name!r} needs record fields {op.fields} that were not computed")
+        out[name] = op.derive(named)
     return out

@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from trainmon.monitor.schema import N_FIELDS
+
 _FAST_DTYPES = (torch.float32, torch.float64)
 # Tensors up to this size (biases, norms, small weights) are reduced together as segments of one
 # buffer: for them the cost of an op call, not of the data, dominates.
@@ -21,7 +23,8 @@ _SMALL = 1 << 12
 
 def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
                          consts: Callable, workspace: Callable, exact: Callable) -> torch.Tensor:
-    """float64 [len(uniq), 8] records of CPU tensors; `exact(tensors)` gives the branch-free records.
+    """float64 [len(uniq), N_FIELDS] records of CPU tensors, the fields of `want` filled (the packed ones,
+    the first len(want)); `exact(tensors)` gives the branch-free records.
 
     Args:
         uniq: CPU tensors, without duplicates.
@@ -33,15 +36,16 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     """
     fast = [u for u, t in enumerate(uniq) if t.dtype in _FAST_DTYPES and t.is_contiguous() and t.numel()]
     slow = sorted(set(range(len(uniq))) - set(fast))
-    rec = torch.zeros(len(uniq), 8, dtype=torch.float64)
+    rec = torch.zeros(len(uniq), N_FIELDS, dtype=torch.float64)
+    packed = len(want)
     small = [u for u in fast if uniq[u].numel() <= _SMALL]
     large = [u for u in fast if uniq[u].numel() > _SMALL]
     for dtype in _FAST_DTYPES:
         group = [u for u in small if uniq[u].dtype == dtype]
         if group:
-            rec[group] = _assume_finite_small([uniq[u] for u in group], eps, want, consts(dtype, eps)[0])
+            rec[group, :packed] = _assume_finite_small([uniq[u] for u in group], eps, want, consts(dtype, eps)[0])
     if large:
-        rec[large] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
+        rec[large, :packed] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
     if fast:
         # Finite sums and extremes mean no element was NaN or Inf (`.numpy()` reads the CPU values).
         finite = torch.isfinite(rec[fast][:, 4:8]).all(1).numpy()

@@ -14,12 +14,13 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
     A structure with several leaves names them `<prefix>_<i>` by leaf position; a single leaf keeps
     the bare prefix. Integer and bool tensors (token ids, masks) are never recorded.
     """
-    index: Optional[int] = getattr(selector, "index", None)
-    if index is not None and isinstance(obj, (tuple, list)):
-        obj = obj[index] if index < len(obj) else None
-    if isinstance(obj, torch.Tensor):
-        leaves = [obj]
-    elif type(obj) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in obj):
+    if selector is not None:
+        index: Optional[int] = getattr(selector, "index", None)
+        if index is not None and isinstance(obj, (tuple, list)):
+            obj = obj[index] if index < len(obj) else None
+    if isinstance(obj, torch.Tensor):  # the common case, in every hook call: no list to walk
+        return [(prefix, obj)] if obj.is_floating_point() else []
+    if type(obj) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in obj):
         leaves = obj  # what tree_flatten gives for a flat sequence (None is a leaf too), without its cost
     else:
         leaves = tree_flatten(obj)[0]
@@ -40,8 +41,10 @@ def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
     Constant tensors passed by keyword (attention masks, whose -inf entries are no anomaly, rotary
     tables) are left out.
     """
-    return ([(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            + [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad])
+    places = [(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if kwargs:
+        places += [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    return places
 
 
 def values_at(places: list[tuple[bool, object]], args: tuple, kwargs: dict) -> list:

@@ -20,6 +20,7 @@ from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_REC
 from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
+from trainmon.monitor.loss_scale import LossScaleWatch
 from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
@@ -32,12 +33,14 @@ from trainmon.monitor.sentinel import NanSentinel, nan_sentinel
 from trainmon.monitor.selection import watched_modules, watched_params
 from trainmon.monitor.state import HookState
 from trainmon.monitor.structure import StackRecorder, module_structure
+from trainmon.monitor.tensor_dump import TensorDump
 from trainmon.writers.api_sink import ApiSink
 from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
 from trainmon.watch.spawn import spawn_watch
+from trainmon.writers.tensor_dump_sink import TensorDumpSink
 
 logger = logging.getLogger("trainmon")
 
@@ -81,10 +84,13 @@ class TrainerMon:
         self._grad_acc_steps = 1
         self._anomalies: Optional[AnomalyProcessor] = None
         self._sentinel: Optional[NanSentinel] = None
+        self._loss_scale: Optional[LossScaleWatch] = None
+        self._dump_sink: Optional[TensorDumpSink] = None
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
         self.watch_process = None  # `trainmon watch`, when the `watch` key has global rank 0 start it
+        self._config_capture = None
 
     # ----------------------------------------------------------------------------------- set-up
     def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
@@ -141,8 +147,11 @@ class TrainerMon:
             logger.error("trainmon: cannot write to the output directory %s (%s); training continues, file "
                          "outputs are disabled", self.output_dir, err)
 
+        if self.config.config_check.enable:
+            self._config_capture = _start_config_capture(self.config, self._chunks, self.output_dir.parent)
         collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage(),
                                   batch_bytes=self.config.stats_batch_mb << 20)
+        collector.fields = record_fields(self.config)
         self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
         self._writer = self._start_writer()
         if dynamic_enabled():
@@ -164,7 +173,9 @@ class TrainerMon:
                               step_count_per_record=cfg.step_count_per_record,
                               per_micro_families=frozenset(per_micro), metadata=self._metadata)
         self._anomalies = processor_for(cfg)
-        sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []))
+        self._dump_sink = TensorDumpSink() if cfg.dump is not None else None
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []) +
+                              ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
         ops = tuple(cfg.ops)
 
@@ -206,6 +217,7 @@ class TrainerMon:
         if config.eval_xy_distribution and config.xy_distribution and writes:
             self._eval_collector = StepCollector(config.eps, config.ops, self.rank, self._adapter.pp_stage(),
                                                  batch_bytes=config.stats_batch_mb << 20)
+            self._eval_collector.fields = record_fields(config)
         if config.xy_distribution and writes:  # activations are never merged across ranks
             modules = watched_modules(self._chunks, config)
             for watched in modules:
@@ -233,6 +245,11 @@ class TrainerMon:
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step,
             before_update=before_update))
         self._hooks.append(ForwardPasses(state, self._chunks))
+        self._loss_scale = LossScaleWatch(self.log_scalar, self._optimizer)
+        self._hooks.append(self._loss_scale)
+        if config.dump is not None and self._dump_sink is not None:
+            self._hooks.append(TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks,
+                                          self.rank, lambda: self.step, self._dump_sink.add, state.guarded))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
@@ -269,6 +286,16 @@ class TrainerMon:
             installed.append(hooks)
         self._hooks = installed
 
+    def _dump_modules(self, chosen) -> list:
+        """(name, module) of the modules `dump.modules` chooses: "all", or names with what is inside them."""
+        out = []
+        for vpp, chunk in enumerate(self._chunks):
+            for name, module in chunk.named_modules():
+                name = self._adapter.rename(vpp, name)
+                if chosen == "all" or any(name == m or name.startswith(m + ".") for m in chosen):
+                    out.append((name, module))
+        return out
+
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
         return not config.module_ranks or self.rank in config.module_ranks
@@ -293,6 +320,7 @@ class TrainerMon:
         self._hooks.clear()
         self._stacks = None
         self._sentinel = None
+        self._loss_scale = None
         self._comm = None
 
     # ------------------------------------------------------------------------------ step cycle
@@ -302,6 +330,8 @@ class TrainerMon:
         collected = state.collecting
         if collected:
             self._schedule.mark_collected()
+        if self._loss_scale is not None:
+            self._loss_scale.step_finished()
         if self._sentinel is not None:
             self._sentinel.close_step()
         self._ship_evaluation()
@@ -384,6 +414,9 @@ class TrainerMon:
             # An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes.
             self._sentinel.close_step()
         self._remove()
+        if self._config_capture is not None:
+            self._config_capture.close()  # a job with fewer micro-steps than `batches` still gets its pack
+            self._config_capture = None
         if self._writer is not None and not self._writer.closed:
             self._ship_evaluation()
         if self._state is not None and not self._state.collector.empty:
@@ -437,6 +470,21 @@ _WHAT_HOOKS_COLLECT = {
 }
 
 
+def _start_config_capture(config: MonitorConfig, chunks: list, run_dir):
+    """The config-check capture of `config_check` (imported only when it is on), or None when it failed:
+    a pack that cannot be made never stops training or monitoring."""
+    from trainmon.config_check import capture
+
+    cc = config.config_check
+    try:
+        return capture(chunks, scripts=cc.scripts, yamls=cc.yamls, output=cc.output or run_dir / "config_check",
+                       batches=cc.batches)
+    except Exception as err:
+        logger.error("trainmon: config_check capture failed (%s: %s); no pack is written, training continues",
+                     type(err).__name__, err)
+        return None
+
+
 def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
     """This rank's parallel coordinates from the adapter, plus {rank, size, ranks} of groups given to set_monitor."""
     out = adapter.describe()
@@ -445,3 +493,9 @@ def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:
         if running and group is not None:
             out[name] = group_coordinates(group)
     return out
+
+
+def record_fields(config: MonitorConfig) -> stats.FieldSet:
+    """The record fields `config.ops` need, with the saturation limit of the `sat` op."""
+    sat_dtype = getattr(torch, config.sat_dtype) if config.sat_dtype else None
+    return stats.fields_for_ops(config.ops, config.sat_threshold, sat_dtype)

@@ -20,7 +20,7 @@ from trainmon.read.errors import InputError
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
 
-RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_max
+RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_sat
 _NEEDED_TABLES = ("meta", "tags", "records", "batches")
 
 
@@ -81,7 +81,9 @@ class DbRankReader:
         if family is not None:
             where.append("t.family = ?")
             args.append(family)
-        fields = ", ".join(f'r."{f}"' for f in FIELDS)
+        present = self._guard(lambda: db_schema.record_columns(self.conn))
+        # a field an older schema lacks reads as NULL: not recorded
+        fields = ", ".join(f'r."{f}"' if f in present else "NULL" for f in FIELDS)
         query = (f"SELECT t.family, t.name, t.vpp_stage, r.micro_step, r.step, r.call_index, r.pp_stage, t.shape, "
                  f"t.dtype, r.nan_fields, {fields} FROM records r JOIN tags t ON t.id = r.tag_id "
                  f"{'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY r.step, r.call_index")
@@ -106,7 +108,7 @@ class DbRankReader:
         row.update({RAW_PREFIX + f: value for f, value in zip(FIELDS, stored)})  # min, max, nans... are ops too
         row["shape"] = json.loads(row["shape"])
         # NaN and Inf counts that were not recorded (CSV conversions) count as none; see db_schema.
-        # (Plain Python: numpy's per-call overhead on an 8-value row was most of the cost of reading a run.)
+        # (Plain Python: numpy's per-call overhead on one short row was most of the cost of reading a run.)
         record = [stored[0], 0.0 if stored[1] != stored[1] else stored[1], 0.0 if stored[2] != stored[2] else stored[2],
                   *stored[3:]]
         figures = stats.derive_ops(record, self.ops)

@@ -97,7 +97,7 @@ class Run:
     def records(self, family: Optional[str] = None, tag: Optional[str] = None, steps: Steps = None,
                 ranks: Optional[Sequence[int]] = None):
         """One row per record: rank, family, tag, vpp_stage, name, micro_step, step, the ops, shape, dtype
-        (and call_index, pp_stage, nan_fields and the record's fields `raw_count` ... `raw_max` when read
+        (and call_index, pp_stage, nan_fields and the record's fields `raw_count` ... `raw_sat` when read
         from a database).
 
         Args:

@@ -16,7 +16,8 @@ import numpy as np
 
 from trainmon.monitor.records import FIELDS  # the record's fields, in their order
 DB_NAME = "monitor.db"  # in each rank directory
-SCHEMA_VERSION = 1
+# Version 2 added the `sat` column; a version 1 database gains it when a job appends to it.
+SCHEMA_VERSION = 2
 
 _BITS = 1 << np.arange(len(FIELDS), dtype=np.int64)
 
@@ -95,13 +96,29 @@ def connect(path: str) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(SCHEMA)
         version = read_meta(conn).get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
+        if version < SCHEMA_VERSION:
+            _upgrade(conn)
+            write_meta(conn, {"schema_version": SCHEMA_VERSION})
+        elif version != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"{path} has schema version {version}; this trainmon reads version "
                                         f"{SCHEMA_VERSION}")
     except Exception:
         conn.close()
         raise
     return conn
+
+
+def record_columns(conn: sqlite3.Connection) -> set[str]:
+    """The columns of the `records` table (a version 1 database lacks the later fields)."""
+    return {row[1] for row in conn.execute("PRAGMA table_info(records)")}
+
+
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Adds the fields a database of an older schema version lacks (NULL, "not recorded", in old rows)."""
+    present = record_columns(conn)
+    for name in FIELDS:
+        if name not in present:
+            conn.execute(f'ALTER TABLE records ADD COLUMN "{name}" REAL')
 
 
 def write_meta(conn: sqlite3.Connection, items: dict[str, Any]) -> None:
@@ -114,11 +131,11 @@ def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
 
 
 def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> tuple[list[list], np.ndarray]:
-    """Rows of the 8 fields for SQLite (NaN and unrecorded as None) and each row's `nan_fields` mask.
+    """Rows of the record fields for SQLite (NaN and unrecorded as None) and each row's `nan_fields` mask.
 
     Args:
-        values: float64 [n, 8].
-        recorded: bool [n, 8], False where a field is unknown (stored NULL without its NaN bit);
+        values: float64 [n, N_FIELDS].
+        recorded: bool [n, N_FIELDS], False where a field is unknown (stored NULL without its NaN bit);
             None means every field was recorded.
     """
     nan = np.isnan(values)

@@ -41,7 +41,7 @@ class MonitorDb:
         """Commits one step batch: its records, its scalars and a `batches` row, in one transaction.
 
         Args:
-            values: float64 [len(keys), 8] records in db_schema.FIELDS order.
+            values: float64 [len(keys), N_FIELDS] records in db_schema.FIELDS order.
             recorded: see db_schema.encode_fields (None: every field was recorded).
         """
         rows, masks = db_schema.encode_fields(values, recorded)

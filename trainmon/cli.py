@@ -21,6 +21,8 @@ COMMAND_MODULES = (
     "trainmon.commands.nan_analyze",
     "trainmon.commands.anomalies",
     "trainmon.commands.export",
+    "trainmon.commands.watch",
+    "trainmon.commands.plot",
     "trainmon.commands.compare",
     "trainmon.commands.overflow",
     "trainmon.commands.config_check",

@@ -40,8 +40,9 @@ from trainmon.monitor.config_keys import (
 )
 
 __all__ = [
-    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError", "ConfigNotHonouredWarning",
-    "MonitorConfig", "RuleConfig", "TargetSpec", "load_config", "parse_target_spec",
+    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError",
+    "ConfigNotHonouredWarning", "MonitorConfig", "RuleConfig", "TargetSpec", "WatchConfig", "load_config",
+    "parse_target_spec",
 ]
 
 
@@ -129,6 +130,31 @@ class AlertConfig:
     `anomaly_detected/`). Anomalies always go to `anomalies.jsonl` when rules or the sentinel are on."""
     action: str = _field(check_choice(ALERT_ACTIONS), default="warn")
     """trainmon: what an anomaly does to training: "warn", "skip_step" or "stop"."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class WatchConfig:
+    """trainmon: `trainmon watch` beside the job, spawned by global rank 0 at `set_monitor` as a detached
+    process (never a thread in training); it exits when every rank has finished or the job has ended."""
+
+    _PATH: ClassVar[str] = "watch"
+    enable: bool = _field(check_bool, default=False)
+    """Spawn the daemon."""
+    interval: float = _field(check_number(0.01), default=5.0)
+    """Seconds between the daemon's rounds."""
+    logdir: str = _field(check_str, default="")
+    """Its output directory; empty: `<run>/watch/`."""
+    stall_after: float = _field(check_number(0.01), default=300.0)
+    """Seconds without a committed step after which a rank is reported as stalled."""
+    heatmap_every: int = _field(check_int(1), default=50)
+    """Redraw the heatmaps every this many steps."""
+    ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
+    """Ranks whose every figure is also written as its own series."""
+    on_anomaly: str = _field(check_str, default="")
+    """A shell command run with each alert as JSON on stdin; empty: none."""
 
     def __post_init__(self) -> None:
         _validate_fields(self)
@@ -281,6 +307,8 @@ class MonitorConfig:
     """Shorten module and parameter names (msprobe's squash_param_name)."""
     alert: AlertConfig = _field(_section(AlertConfig), factory=AlertConfig)
     """Online anomaly rules (see AlertConfig)."""
+    watch: WatchConfig = _field(_section(WatchConfig), factory=WatchConfig)
+    """trainmon: the monitor daemon started beside the job (see WatchConfig)."""
     config_check: ConfigCheckConfig = _field(_section(ConfigCheckConfig), factory=ConfigCheckConfig)
     """trainmon: record a config-check pack at set-up (see ConfigCheckConfig)."""
     append_output: list[str] = _field(check_append_output, factory=list)

@@ -39,6 +39,7 @@ from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
+from trainmon.watch.spawn import spawn_watch
 from trainmon.writers.tensor_dump_sink import TensorDumpSink
 
 logger = logging.getLogger("trainmon")
@@ -88,6 +89,7 @@ class TrainerMon:
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
+        self.watch_process = None  # `trainmon watch`, when the `watch` key has global rank 0 start it
         self._config_capture = None
 
     # ----------------------------------------------------------------------------------- set-up
@@ -158,6 +160,10 @@ class TrainerMon:
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
         self._sigterm.install()
+        global_rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 0
+        if self.config.watch.enable and global_rank == 0:
+            self.watch_process = spawn_watch(self.output_dir.parent, self.config.watch)
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config

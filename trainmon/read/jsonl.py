@@ -31,7 +31,9 @@ def read_jsonl(path: Path, warn: Optional[Warn] = None,
         InputError: a line that is not an anomaly record (named by file and line).
     """
     with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, 1):
+        start, lines = _skipped_head(fh, skip_step) if skip_step is not None else (0, 0)
+        fh.seek(start)
+        for number, raw in enumerate(fh, lines + 1):
             if not raw.strip():
                 continue
             if skip_step is not None and raw.endswith(b"\n"):
@@ -47,3 +49,26 @@ def read_jsonl(path: Path, warn: Optional[Warn] = None,
                              f"read up to the last whole record")
                     return
                 raise InputError.at(path, f"not an anomaly record: {err}", number) from None
+
+
+_CHUNK = 1 << 23
+
+
+def _skipped_head(fh, skip_step: Callable[[int], bool]) -> tuple[int, int]:
+    """(bytes, lines) of the file's whole lines when every one of them names a step that `skip_step` skips
+    (the usual case beside a database that holds every step), found by a scan of the file in chunks of
+    whole lines instead of a regex per line; else (0, 0)."""
+    steps, lines, end = set(), 0, 0
+    while chunk := fh.read(_CHUNK):
+        chunk += fh.readline()  # to the end of the chunk's last line
+        whole = chunk.rfind(b"\n") + 1  # short of the file's cut-short last line
+        found = _STEP.findall(chunk, 0, whole)
+        count = chunk.count(b"\n", 0, whole)
+        # one step per line: a quote inside a JSON string is escaped, so a line names its step once
+        if len(found) != count:
+            return 0, 0
+        steps.update(found)
+        lines, end = lines + count, end + whole
+    if all(skip_step(int(step)) for step in steps):
+        return end, lines
+    return 0, 0

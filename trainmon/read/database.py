@@ -17,12 +17,12 @@ import numpy as np
 
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.monitor import stats
+from trainmon.read.db_columns import RAW_PREFIX, Columns, read_columns
 from trainmon.read.db_nonfinite import DbNonfinite, read_nonfinite
 from trainmon.read.errors import InputError
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
 
-RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_sat
 _NEEDED_TABLES = ("meta", "tags", "records", "batches")
 
 
@@ -118,6 +118,10 @@ class DbRankReader:
             figures = {op: None if v is not None and v != v else v for op, v in figures.items()}
         row.update(figures)
         return row
+
+    def columns(self, family: Optional[str], first: Optional[int], last: Optional[int]) -> Columns:
+        """The records of `rows` as columns (`db_columns`), for DataFrames and Arrow tables."""
+        return self._guard(lambda: read_columns(self.conn, self.ops, family, first, last))
 
     def steps(self) -> set[int]:
         """The steps whose batch was committed."""

@@ -13,6 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
+import numpy as np
+
+from trainmon.read.database import DbRankReader
 from trainmon.read.layout import find_run
 from trainmon.read.rank_records import open_rank
 from trainmon.writers.tags import split_tag, tag_for
@@ -111,16 +114,12 @@ class Run:
             tag_family, tag_rank = split_tag(tag)
             family = family or tag_family
             ranks = [tag_rank]
-        rows = []
+        parts = []
         for rank in self.ranks if ranks is None else ranks:
             if rank not in self._readers:
                 raise ValueError(f"rank {rank} is not in {self.path} (ranks: {self.ranks})")
-            for _, step_rows in self.iter_steps(rank, family, steps):
-                for row in step_rows:
-                    row["rank"] = rank
-                    row["tag"] = tag_for(row["family"], row["name"], row["vpp_stage"], row["micro_step"], rank)
-                rows += step_rows
-        frame = pd.DataFrame(rows)
+            parts.append(self._rank_columns(rank, family, steps))
+        frame = pd.DataFrame(_concat(parts))
         if frame.empty:
             return pd.DataFrame(columns=_LEADING)
         if tag is not None:
@@ -130,6 +129,22 @@ class Run:
         frame = frame.astype({c: float for c in frame.columns if c in numeric})
         ordered = _LEADING + [c for c in frame.columns if c not in _LEADING]
         return frame[ordered].reset_index(drop=True)
+
+    def _rank_columns(self, rank: int, family: Optional[str], steps: Steps) -> dict:
+        """One rank's records as columns (name -> array or list), with its rank and tags."""
+        reader = self._readers[rank]
+        if isinstance(reader, DbRankReader):
+            data = reader.columns(family, *step_range(steps)).data
+        else:
+            rows = [row for _, step_rows in reader.rows(family, *step_range(steps)) for row in step_rows]
+            data = {name: [row.get(name) for row in rows] for name in dict.fromkeys(k for r in rows for k in r)}
+        count = len(data.get("step", ()))
+        data["rank"] = np.full(count, rank, dtype=np.int64)
+        tags: dict[tuple, str] = {}  # one string per tag, not per record
+        data["tag"] = [tags.get(key) or tags.setdefault(key, tag_for(*key, rank)) for key in
+                       zip(data.get("family", ()), data.get("name", ()), data.get("vpp_stage", ()),
+                           data.get("micro_step", ()))]
+        return data
 
     def family(self, family: str, steps: Steps = None):
         """Every record of one family, every rank."""
@@ -163,6 +178,18 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _concat(parts: list[dict]) -> dict:
+    """The columns of several ranks end to end; a column a rank lacks is None there."""
+    out = {}
+    for name in dict.fromkeys(name for part in parts for name in part):
+        pieces = [part[name] if name in part else [None] * len(part["rank"]) for part in parts]
+        if all(isinstance(piece, np.ndarray) for piece in pieces):
+            out[name] = np.concatenate(pieces)
+        else:
+            out[name] = [value for piece in pieces for value in piece]
+    return out
 
 
 def open_run(path: Union[str, Path], source: str = "auto") -> Run:

@@ -14,7 +14,6 @@ a database written before they existed is read the same way, by scans.
 """
 from __future__ import annotations
 
-import json
 import sqlite3
 from dataclasses import dataclass, field
 from typing import Optional
@@ -52,8 +51,9 @@ def read_nonfinite(conn: sqlite3.Connection, rank: int, has_anomalies: bool) -> 
     count = conn.execute(f"SELECT COUNT(*) FROM records r WHERE {_RECORD_NONFINITE}").fetchone()[0]
     anomalies: list[AnomalyEvent] = []
     if has_anomalies:
-        uncommitted = json.dumps([step for (step,) in conn.execute(_UNCOMMITTED)])
-        anomalies = [_anomaly_event(row[:-1]) for row in conn.execute(_ANOMALY_QUERY, (uncommitted,))]
+        uncommitted = [step for (step,) in conn.execute(_UNCOMMITTED)]  # usually none
+        anomalies = [_anomaly_event(row[:-1]) for row in conn.execute(
+            _ANOMALY_QUERY.replace("{uncommitted}", _marks(uncommitted)), uncommitted)]
         count += _anomalies_beside_records(conn, rank, places, uncommitted)
     comm_tags = [tag for tag, (family, _, _) in places.items() if family == COMM]
     rows = conn.execute(_FIRST_RECORDS).fetchall()
@@ -82,13 +82,13 @@ SELECT {_ANOMALY_COLUMNS}, a.rowid FROM f JOIN anomalies a ON a.phase = f.phase 
     AND a.step = f.step WHERE {_ANOMALY_NONFINITE}
 UNION SELECT {_ANOMALY_COLUMNS}, a.rowid FROM anomalies a WHERE {_ANOMALY_NONFINITE} AND a.phase = '{phase_of(COMM)}'
     AND a.family = '{COMM}'
-UNION SELECT {_ANOMALY_COLUMNS}, a.rowid FROM anomalies a WHERE {_ANOMALY_NONFINITE} AND a.step IN (SELECT value FROM json_each(?))
+UNION SELECT {_ANOMALY_COLUMNS}, a.rowid FROM anomalies a WHERE {_ANOMALY_NONFINITE} AND a.step IN ({{uncommitted}})
 ORDER BY 2, 16"""
 # The steps of the anomalies table whose records were not committed (distinct steps first: few, against the rows).
 _UNCOMMITTED = "SELECT s.step FROM (SELECT DISTINCT step FROM anomalies) s WHERE s.step NOT IN (SELECT step FROM batches)"
 
 
-def _anomalies_beside_records(conn: sqlite3.Connection, rank: int, places: dict, uncommitted: str) -> int:
+def _anomalies_beside_records(conn: sqlite3.Connection, rank: int, places: dict, uncommitted: list[int]) -> int:
     """How many distinct non-finite anomalies no non-finite record holds (the same record: rank, step,
     micro-step, stage, family, module, tensor; `evidence.record_identity`).
 
@@ -110,12 +110,16 @@ def _anomalies_beside_records(conn: sqlite3.Connection, rank: int, places: dict,
             SELECT DISTINCT a.rank, a.step, a.micro_step, a.vpp_stage, a.family, a.module, a.tensor
             FROM anomalies a WHERE {_ANOMALY_NONFINITE}
             AND NOT (a.op IN ('nans', 'infs') AND a.rank = ? AND a.family IN ({', '.join('?' * len(families))})
-                     AND a.step NOT IN (SELECT value FROM json_each(?)))
+                     AND a.step NOT IN ({_marks(uncommitted)}))
             AND NOT (a.rank = ? AND EXISTS (
                 SELECT 1 FROM records r WHERE r.step = a.step AND r.micro_step IS a.micro_step AND {_RECORD_NONFINITE}
                 AND r.tag_id IN (SELECT p.id FROM temp.places p WHERE p.family = a.family AND p.module = a.module
                                  AND p.tensor = a.tensor AND p.vpp_stage = a.vpp_stage))))""",
-                        (rank, *families, uncommitted, rank)).fetchone()[0]
+                        (rank, *families, *uncommitted, rank)).fetchone()[0]
+
+
+def _marks(values: list) -> str:
+    return ", ".join("?" * len(values))
 
 
 def _anomaly_event(row: tuple) -> AnomalyEvent:

@@ -132,7 +132,7 @@ def test_columns_equal_the_rows(tmp_path):
 
 
 def test_a_figure_without_a_value_reads_as_none_in_rows_and_missing_in_columns(tmp_path):
-    path = _write_rank(tmp_path / "run" / "rank_0")
+    _write_rank(tmp_path / "run" / "rank_0")
     with open_run(tmp_path / "run") as run:
         frame = run.family("actv_grad", steps=0)
     # the record of count 0 with unrecorded NaN/Inf counts: no min, max, mean or zeros; its sum is 0

@@ -305,7 +305,9 @@ def test_shipped_configs_exist_and_demo_is_as_documented():
     assert {"demo.json", "full.json", "msprobe_example.json"} <= {p.name for p in CONFIGS_DIR.glob("*.json")}
     cfg, warned = not_honoured_warnings(CONFIGS_DIR / "demo.json")
     assert warned == []
-    assert cfg.ops == ["min", "max", "norm", "mean", "zeros", "nans"] and cfg.format == ["csv"]
+    assert cfg.ops == ["min", "max", "norm", "mean", "zeros", "nans", "infs"] and cfg.format == ["db"]
+    assert cfg.sentinel and [r.rule_name for r in cfg.alert.rules] == ["AnomalyNan", "AnomalySpike"]
+    assert cfg.watch.enable and cfg.watch.interval == 1
     assert cfg.targets == {} and cfg.all_xy and cfg.xy_distribution and cfg.wg_distribution
     assert cfg.param_distribution and cfg.mv_distribution and cfg.step_interval == 1
     assert json.loads((CONFIGS_DIR / "msprobe_example.json").read_text()) == MSPROBE_FULL
@@ -378,3 +380,12 @@ def test_parse_target_spec_rejects_garbage(spec, fix):
     assert "targets[\"m\"].input" in msg and "tuple[N]:I" in msg
     if fix is not None:
         assert f'did you mean "{fix}"' in msg
+
+
+def test_watch_section_is_validated_with_its_dotted_key():
+    assert load_config({"watch": {"enable": True}}).watch.logdir == ""
+    with pytest.raises(ConfigError, match="'watch.intervall'") as info:
+        load_config({"watch": {"intervall": 2}})
+    assert "interval" in str(info.value)
+    with pytest.raises(ConfigError, match="'watch.stall_after'"):
+        load_config({"watch": {"stall_after": -1}})

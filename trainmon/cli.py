@@ -21,8 +21,12 @@ COMMAND_MODULES = (
     "trainmon.commands.nan_analyze",
     "trainmon.commands.anomalies",
     "trainmon.commands.export",
+    "trainmon.commands.watch",
+    "trainmon.commands.plot",
     "trainmon.commands.compare",
     "trainmon.commands.overflow",
+    "trainmon.commands.config_check",
+    "trainmon.commands.ckpt_compare",
 )
 
 

@@ -5,10 +5,10 @@ Run with `trainmon demo` (embedded config) or `python scripts/train_demo.py --co
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
+import subprocess
 import tempfile
 import time
 from typing import Optional
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from trainmon.commands.arguments import positive_int
 
-# The embedded default config; configs/demo.json holds the same keys (a test keeps them equal).
+# The embedded default config; configs/demo.json holds the same keys (a test keeps them equal). Training
+# writes only the database, the cheapest sink; the daemon (`watch`) makes the TensorBoard view from it.
 DEMO_CONFIG = {
     "targets": {},
     "all_xy": True,
@@ -27,12 +28,18 @@ DEMO_CONFIG = {
     "wg_distribution": True,
     "param_distribution": True,
     "mv_distribution": True,
-    "ops": ["min", "max", "norm", "mean", "zeros", "nans"],
-    "format": ["csv"],
+    "ops": ["min", "max", "norm", "mean", "zeros", "nans", "infs"],
+    "format": ["db"],
     "start_step": 0,
     "step_interval": 1,
-    "step_count_per_record": 50,
+    "sentinel": True,
+    "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalySpike"}]},
+    "watch": {"enable": True, "interval": 1, "heatmap_every": 100},
 }
+# `--inject nan`: where the Inf goes (a module of TinyGPT, and the step as a fraction of the run)
+INJECT_MODULE = "layers.1.mlp.0"
+INJECT_AT = 0.5
+WATCH_WAIT_S = 300
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,14 +100,35 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tor
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def inject_inf(model: nn.Module, module_name: str, step: int, current_step) -> None:
+    """Puts +Inf into element [0, 0, 0] of `module_name`'s output at `step` (`current_step()` tells the step).
+    Registered before the monitor's hooks, so the monitor sees the Inf."""
+
+    def hook(module, inputs, output):
+        if current_step() != step:
+            return None
+        output = output.clone()
+        output[0, 0, 0] = float("inf")
+        return output
+
+    model.get_submodule(module_name).register_forward_hook(hook)
+
+
 def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps: int = 1, batch: int = 8,
           seq: int = 32, vocab: int = 256, hidden: int = 64, layers: int = 2, lr: float = 3e-3,
-          log_every: int = 50) -> tuple[list[float], Optional[str]]:
-    """Trains TinyGPT; with a config, under trainmon. Returns the losses and the output directory."""
+          log_every: int = 50, inject_step: Optional[int] = None):
+    """Trains TinyGPT; with a config, under trainmon; with `inject_step`, an Inf enters INJECT_MODULE there.
+
+    Returns:
+        (losses, the rank's output directory or None, the `trainmon watch` process or None).
+    """
     torch.manual_seed(seed)
     model = TinyGPT(vocab=vocab, hidden=hidden, layers=layers, seq=seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed + 1)
+    step = 0
+    if inject_step is not None:
+        inject_inf(model, INJECT_MODULE, inject_step, lambda: step)
     monitor = None
     if config_path is not None:
         from trainmon import TrainerMon
@@ -122,17 +150,18 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
         losses.append(float(total))
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.time() - start:.1f}s)", flush=True)
-    output = None
-    if monitor is not None:
-        monitor.stop()
-        output = str(monitor.output_dir)
-    return losses, output
+    if monitor is None:
+        return losses, None, None
+    monitor.stop()
+    return losses, str(monitor.output_dir), monitor.watch_process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a trainmon JSON config (default: the embedded demo config)")
     parser.add_argument("--steps", type=positive_int, default=300)
     parser.add_argument("--grad-acc-steps", type=positive_int, default=1)
+    parser.add_argument("--inject", choices=["nan"], help=f"nan: put an Inf into {INJECT_MODULE}'s output half-way "
+                                                          "through, and show the alert and nan-analyze naming it")
 
 
 def register(subparsers) -> None:
@@ -150,15 +179,54 @@ def run(args: argparse.Namespace) -> int:
         with handle:
             json.dump(DEMO_CONFIG, handle)
         config_path = handle.name
-    losses, output = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps)
+    inject_step = int(args.steps * INJECT_AT) if args.inject else None
+    if inject_step is not None:
+        print(f"injecting +Inf into {INJECT_MODULE}'s output at step {inject_step}")
+    losses, output, watch = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps,
+                                  inject_step=inject_step)
     print(f"\ntrained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
           f"{'' if math.isfinite(losses[-1]) else ' (non-finite!)'}")
-    print(f"monitor output: {output}")
-    print(f"  files:        ls {output}")
-    first = sorted(glob.glob(os.path.join(output, "grad_reduced_*.csv")))[:1]
-    if first:
-        print(f"  one family:   python -c \"import pandas; print(pandas.read_csv('{first[0]}'))\"")
+    run_dir = os.path.dirname(output)
+    print(f"monitor output: {run_dir}")
+    logdir = os.path.join(run_dir, "watch")
+    if watch is not None:
+        _wait_for(watch, logdir)
+    if inject_step is not None:
+        _show_injection(run_dir, logdir)
+    print("\nnext steps:")
+    print(f"  1. tensorboard --logdir {logdir}      # one view of all ranks: scalars, custom scalars, "
+          "heatmaps (images), alerts (text)")
+    print(f"  2. trainmon nan-analyze {run_dir}      # where a NaN/Inf first appeared")
+    print(f"  3. trainmon show {run_dir} --family grad_reduced --step {len(losses) - 1}      # the figures as a table")
     return 0
+
+
+def _wait_for(watch, logdir: str) -> None:
+    """Waits for the daemon's last round (it exits once the run has finished and is exported)."""
+    try:
+        watch.wait(timeout=WATCH_WAIT_S)
+    except subprocess.TimeoutExpired:
+        print(f"trainmon watch is still running after {WATCH_WAIT_S} s (pid {watch.pid}); see {logdir}/watch.log")
+        return
+    if watch.returncode:
+        print(f"trainmon watch exited with status {watch.returncode}; see {logdir}/watch.log")
+
+
+def _show_injection(run_dir: str, logdir: str) -> None:
+    from trainmon.anomaly.nan_analyze import analyze, describe_place
+    from trainmon.watch.alerts import ALERTS_FILE
+    alerts_path = os.path.join(logdir, ALERTS_FILE)
+    alerts = []
+    if os.path.exists(alerts_path):
+        with open(alerts_path, encoding="utf-8") as fh:
+            alerts = [json.loads(line) for line in fh if line.strip()]
+    if alerts:
+        print(f"trainmon watch alerted ({alerts_path}):\n  {alerts[-1]['message']}")
+    else:
+        print(f"trainmon watch wrote no alert ({alerts_path})")
+    first = analyze(run_dir)["first"]
+    print(f"trainmon nan-analyze {run_dir}:\n  first non-finite tensor: "
+          f"{describe_place(first) if first else 'none'}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 from trainmon.anomaly.cross_rank import attribute, format_chain
 from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
@@ -37,8 +37,10 @@ from trainmon.read.parallel import map_ranks
 INPUTS_KEY = "cc_distribution.cc_pre_hook"
 
 
-def _summaries(path: Path, progress: bool) -> tuple[str, dict, list[str], list[RankSummary]]:
-    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run."""
+def _summaries(path: Path, progress: bool, ranks: Optional[Collection[int]] = None
+               ) -> tuple[str, dict, list[str], list[RankSummary]]:
+    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run
+    (only `ranks` of a trainmon run, when given)."""
     dump = read_dump(path)
     if dump:
         by_rank: dict[int, list[AnomalyEvent]] = {}
@@ -47,12 +49,13 @@ def _summaries(path: Path, progress: bool) -> tuple[str, dict, list[str], list[R
         summaries = [summarize(rank, events) for rank, events in sorted(by_rank.items())]
         return dump.run, dump.sources, list(dump.notes), summaries
     run = find_run(path)
-    summaries = map_ranks(summarize_rank_dir, run.ranks, progress, "nan-analyze")
+    rank_dirs = [r for r in run.ranks if ranks is None or r.rank in ranks]
+    summaries = map_ranks(summarize_rank_dir, rank_dirs, progress, "nan-analyze")
     notes = ([run.note] if run.note else []) + [n for s in summaries for n in s.notes]
     return str(run.path), {str(s.rank): s.sources for s in summaries}, notes, summaries
 
 
-def analyze(path: str | Path, progress: bool = False) -> dict:
+def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection[int]] = None) -> dict:
     """Analyses a run directory (or the latest run under an output root, or an msprobe dump directory).
 
     Ranks are summarised in parallel processes (`rank_summary`) and their first appearances merged by
@@ -61,6 +64,7 @@ def analyze(path: str | Path, progress: bool = False) -> dict:
     Args:
         path: the run.
         progress: show a progress bar over the ranks on stderr.
+        ranks: only these ranks of a trainmon run (the daemon leaves out ranks it cannot read).
 
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
@@ -73,7 +77,7 @@ def analyze(path: str | Path, progress: bool = False) -> dict:
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    run, sources, notes, summaries = _summaries(Path(path), progress)
+    run, sources, notes, summaries = _summaries(Path(path), progress, ranks)
     # every rank's first appearances, in key order: each rank's list is sorted, so a merge is enough
     firsts = list(heapq.merge(*(s.firsts for s in summaries), key=order_key))
     first: Optional[AnomalyEvent] = firsts[0] if firsts else None
@@ -133,7 +137,8 @@ def _json_value(value: float):
     return value if value == value and abs(value) != float("inf") else str(value)
 
 
-def _place(where: dict) -> str:
+def describe_place(where: dict) -> str:
+    """One place (a `where()` dict) as the report writes it: rank, step, micro-step, module, phase, tensor."""
     micro = "" if where["micro_step"] is None else f" micro-step {where['micro_step']}"
     call = "" if where["call_index"] is None else f" (call {where['call_index']})"
     return (f"rank {where['rank']} step {where['step']}{micro}: {where['module'] or '<root>'} "
@@ -151,13 +156,13 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")
         return "\n".join(lines)
-    lines.append(f"first non-finite tensor: {_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
+    lines.append(f"first non-finite tensor: {describe_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
     if came_with_input_batch(first):
         lines.append(f"  {INPUT_BATCH_ORIGIN}")
     if result["ties"]:
         lines.append("also non-finite at the same step, micro-step, phase and pipeline stage (order across ranks "
                      "unknown; records of collectives, cc_distribution, would decide):")
-        lines += [f"  {_place(t)}" for t in result["ties"]]
+        lines += [f"  {describe_place(t)}" for t in result["ties"]]
     cross = result["cross_rank"]
     if cross is not None:
         lines.append("spread across ranks through collectives:")
@@ -166,7 +171,7 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     chain = result["chain"]
     lines.append(f"then reached {len(chain)} more module/phase place(s), in order:" if chain
                  else "it reached no other module")
-    lines += [f"  {i}. {_place(c)}" for i, c in enumerate(chain[:chain_lines], 1)]
+    lines += [f"  {i}. {describe_place(c)}" for i, c in enumerate(chain[:chain_lines], 1)]
     if len(chain) > chain_lines:
         lines.append(f"  ... {len(chain) - chain_lines} more (all of them with --json)")
     lines.append(f"{result['nonfinite_records']} non-finite record(s) in all")

@@ -40,8 +40,9 @@ from trainmon.monitor.config_keys import (
 )
 
 __all__ = [
-    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigError", "ConfigNotHonouredWarning",
-    "MonitorConfig", "RuleConfig", "TargetSpec", "load_config", "parse_target_spec",
+    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError",
+    "ConfigNotHonouredWarning", "MonitorConfig", "RuleConfig", "TargetSpec", "WatchConfig", "load_config",
+    "parse_target_spec",
 ]
 
 
@@ -134,6 +135,31 @@ class AlertConfig:
         _validate_fields(self)
 
 
+@dataclass(kw_only=True, slots=True)
+class WatchConfig:
+    """trainmon: `trainmon watch` beside the job, spawned by global rank 0 at `set_monitor` as a detached
+    process (never a thread in training); it exits when every rank has finished or the job has ended."""
+
+    _PATH: ClassVar[str] = "watch"
+    enable: bool = _field(check_bool, default=False)
+    """Spawn the daemon."""
+    interval: float = _field(check_number(0.01), default=5.0)
+    """Seconds between the daemon's rounds."""
+    logdir: str = _field(check_str, default="")
+    """Its output directory; empty: `<run>/watch/`."""
+    stall_after: float = _field(check_number(0.01), default=300.0)
+    """Seconds without a committed step after which a rank is reported as stalled."""
+    heatmap_every: int = _field(check_int(1), default=50)
+    """Redraw the heatmaps every this many steps."""
+    ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
+    """Ranks whose every figure is also written as its own series."""
+    on_anomaly: str = _field(check_str, default="")
+    """A shell command run with each alert as JSON on stdin; empty: none."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+
+
 def _check_modules(value: Any, key: str) -> Any:
     if value == "all":
         return value
@@ -162,6 +188,31 @@ class DumpConfig:
         if not self.steps:
             raise ConfigError("must list at least one step to dump", key="steps", value=self.steps,
                               allowed="a list of step numbers", closest=[0])
+
+
+@dataclass(kw_only=True, slots=True)
+class ConfigCheckConfig:
+    """trainmon: a config-check pack of this job (see README, `trainmon config-check`)."""
+
+    _PATH: ClassVar[str] = "config_check"
+    enable: bool = _field(check_bool, default=False)
+    """At set_monitor, record the weights, random generators, environment and packages, then the inputs of
+    the first `batches` micro-steps, into `<output>/rank_<R>.zip`."""
+    output: str | None = _field(check_optional(check_str), default=None)
+    """Directory of the packs; None: `config_check/` in the run directory."""
+    batches: int = _field(check_int(0, 1_000_000), default=1)
+    """Training micro-steps whose root-module inputs are recorded."""
+    scripts: list[str] = _field(check_list(check_str, "paths of shell scripts"), factory=list)
+    """Launch scripts whose hyperparameters (`--lr 1e-4`, `LR=1e-4`) go into the pack."""
+    yamls: list[str] = _field(check_list(check_str, "paths of YAML files"), factory=list)
+    """YAML configs whose hyperparameters go into the pack."""
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        for key in ("scripts", "yamls"):  # a missing file is the user's error: say so before training
+            for i, path in enumerate(getattr(self, key)):
+                if not os.path.isfile(path):
+                    raise ConfigError("is not a file", key=f"{key}[{i}]", value=path, allowed="an existing file")
 
 
 def _check_ops(value: Any, key: str) -> list[str]:
@@ -256,6 +307,10 @@ class MonitorConfig:
     """Shorten module and parameter names (msprobe's squash_param_name)."""
     alert: AlertConfig = _field(_section(AlertConfig), factory=AlertConfig)
     """Online anomaly rules (see AlertConfig)."""
+    watch: WatchConfig = _field(_section(WatchConfig), factory=WatchConfig)
+    """trainmon: the monitor daemon started beside the job (see WatchConfig)."""
+    config_check: ConfigCheckConfig = _field(_section(ConfigCheckConfig), factory=ConfigCheckConfig)
+    """trainmon: record a config-check pack at set-up (see ConfigCheckConfig)."""
     append_output: list[str] = _field(check_append_output, factory=list)
     """Resume: [start, end] bounds of earlier run names (`run-YYYYmmdd-HHMMSS`); the latest existing run whose
     name sorts between them is appended to. [] starts a new run."""

@@ -39,6 +39,7 @@ from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
+from trainmon.watch.spawn import spawn_watch
 from trainmon.writers.tensor_dump_sink import TensorDumpSink
 
 logger = logging.getLogger("trainmon")
@@ -88,6 +89,8 @@ class TrainerMon:
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
         self._sigterm: Optional[SigtermDrain] = None
+        self.watch_process = None  # `trainmon watch`, when the `watch` key has global rank 0 start it
+        self._config_capture = None
 
     # ----------------------------------------------------------------------------------- set-up
     def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
@@ -144,6 +147,8 @@ class TrainerMon:
             logger.error("trainmon: cannot write to the output directory %s (%s); training continues, file "
                          "outputs are disabled", self.output_dir, err)
 
+        if self.config.config_check.enable:
+            self._config_capture = _start_config_capture(self.config, self._chunks, self.output_dir.parent)
         collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage(),
                                   batch_bytes=self.config.stats_batch_mb << 20)
         collector.fields = record_fields(self.config)
@@ -155,6 +160,10 @@ class TrainerMon:
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
         self._sigterm.install()
+        global_rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 0
+        if self.config.watch.enable and global_rank == 0:
+            self.watch_process = spawn_watch(self.output_dir.parent, self.config.watch)
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
@@ -405,6 +414,9 @@ class TrainerMon:
             # An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes.
             self._sentinel.close_step()
         self._remove()
+        if self._config_capture is not None:
+            self._config_capture.close()  # a job with fewer micro-steps than `batches` still gets its pack
+            self._config_capture = None
         if self._writer is not None and not self._writer.closed:
             self._ship_evaluation()
         if self._state is not None and not self._state.collector.empty:
@@ -456,6 +468,21 @@ _WHAT_HOOKS_COLLECT = {
     StackRecorder: "call stacks (stack_info)",
     StepGate: "the alert action",
 }
+
+
+def _start_config_capture(config: MonitorConfig, chunks: list, run_dir):
+    """The config-check capture of `config_check` (imported only when it is on), or None when it failed:
+    a pack that cannot be made never stops training or monitoring."""
+    from trainmon.config_check import capture
+
+    cc = config.config_check
+    try:
+        return capture(chunks, scripts=cc.scripts, yamls=cc.yamls, output=cc.output or run_dir / "config_check",
+                       batches=cc.batches)
+    except Exception as err:
+        logger.error("trainmon: config_check capture failed (%s: %s); no pack is written, training continues",
+                     type(err).__name__, err)
+        return None
 
 
 def _parallel_metadata(adapter: TrainingAdapter, **groups) -> dict:

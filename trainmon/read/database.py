@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 from urllib.parse import quote
 
-import numpy as np
 
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.monitor import stats
@@ -109,9 +108,10 @@ class DbRankReader:
         stored = db_schema.decode_fields([row.pop(f) for f in FIELDS])
         row.update({RAW_PREFIX + f: value for f, value in zip(FIELDS, stored)})  # min, max, nans... are ops too
         row["shape"] = json.loads(row["shape"])
-        record = np.array(stored, dtype=np.float64)
         # NaN and Inf counts that were not recorded (CSV conversions) count as none; see db_schema.
-        record[1:3] = np.nan_to_num(record[1:3], nan=0.0)
+        # (Plain Python: numpy's per-call overhead on one short row was most of the cost of reading a run.)
+        record = [stored[0], 0.0 if stored[1] != stored[1] else stored[1], 0.0 if stored[2] != stored[2] else stored[2],
+                  *stored[3:]]
         figures = stats.derive_ops(record, self.ops)
         if not row["nan_fields"]:
             # no field is NaN, so a NaN figure comes from fields that were not recorded: it has no value
@@ -143,6 +143,19 @@ class DbRankReader:
     def nonfinite(self, rank: int) -> DbNonfinite:
         """What the post-mortem needs of the database's non-finite records and anomalies (`db_nonfinite`)."""
         return self._guard(lambda: read_nonfinite(self.conn, rank, self.has_anomalies()))
+
+    def first_anomalous_step(self, after: int) -> Optional[int]:
+        """The first step after `after` holding a non-finite record or a row of the anomalies table (None:
+        none yet). Reads the partial index of non-finite records, so it stays cheap on long runs."""
+        def read() -> Optional[int]:
+            found = [s for (s,) in self.conn.execute(
+                f"SELECT step FROM records WHERE ({db_schema.NONFINITE_RECORD}) AND step > ? ORDER BY step, "
+                "call_index LIMIT 1", (after,))]
+            if self.has_anomalies():
+                found += [s for (s,) in self.conn.execute("SELECT MIN(step) FROM anomalies WHERE step > ?", (after,))
+                          if s is not None]
+            return min(found) if found else None
+        return self._guard(read)
 
     def has_anomalies(self) -> bool:
         """Whether the database has the anomalies table (the run's anomaly processor wrote into it)."""

@@ -60,8 +60,20 @@ class EventWriter:
 
     _files = itertools.count()  # tells apart files opened in the same second by one process
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, resume: Optional[tuple[Path, int]] = None):
+        """Args:
+            logdir: the directory of the new event file.
+            resume: (file, size): append to that file instead, cut back to `size` bytes first (what a
+                reader that was killed had confirmed; `trainmon watch` resumes this way).
+        """
         record_writer, self._event, self._summary = import_tensorboard()
+        if resume is not None:
+            self.path, size = resume
+            handle = open(self.path, "r+b")
+            handle.truncate(size)
+            handle.seek(size)
+            self._records = record_writer(handle)
+            return
         logdir.mkdir(parents=True, exist_ok=True)
         # EventFileWriter's naming: tensorboard --logdir finds the file and orders it by time.
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._files)}"
@@ -72,13 +84,22 @@ class EventWriter:
 
     def add(self, step: int, values: Iterable[tuple[str, float]], wall_time: Optional[float] = None) -> None:
         """Writes (tag, value) pairs of one step; values are stored as float32 (TensorBoard's scalar type)."""
-        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value) for tag, value in values])
+        self.add_values(step, [self._summary.Value(tag=tag, simple_value=value) for tag, value in values], wall_time)
+
+    def add_values(self, step: int, values: list, wall_time: Optional[float] = None) -> None:
+        """Writes `Summary.Value`s of one step (images, text, plugin data) as one Event."""
+        summary = self._summary(value=values)
         if summary.value:
             event = self._event(step=step, wall_time=wall_time or time.time(), summary=summary)
             self._records.write(event.SerializeToString())
 
     def flush(self) -> None:
         self._records.flush()
+
+    def size(self) -> int:
+        """Bytes written so far (after a flush)."""
+        self.flush()
+        return self.path.stat().st_size
 
     def close(self) -> None:
         if not self._records.closed:

@@ -1,0 +1,110 @@
+"""`trainmon watch` beside a real 2-rank DDP job (gloo) that writes only `db`: the daemon, spawned by rank 0
+from the `watch` key, exports cross-rank figures equal to the ranks' databases, draws the heatmaps, and
+alerts on an Inf injected on rank 1 while the job is still running, naming what nan-analyze names."""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import torchrun
+from verify import nan_analyze, the_run
+
+from trainmon.read import open_run
+
+STEPS, INJECT_STEP = 30, 12
+PNG_SIZE = (1000, 600)
+
+
+def _wait_gone(pid: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"trainmon watch (pid {pid}) did not exit once the job had finished")
+
+
+def _expected(run: str) -> dict:
+    """{(tag prefix, step): (min, median, max)} over ranks and micro-steps, from the databases."""
+    from trainmon.watch.aggregate import tag_base
+    with open_run(run, "db") as monitor_run:
+        frame = monitor_run.records()
+    out = {}
+    for (family, name, vpp, step), group in frame.groupby(["family", "name", "vpp_stage", "step"]):
+        for op in ("norm", "max"):
+            values = group[op].dropna().to_numpy()
+            if len(values):
+                out[(f"{tag_base(family, name, vpp)}/{op}", step)] = (values.min(), np.median(values), values.max())
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("watch_job")
+    output_dir = tmp / "monitor_output"
+    torchrun("job_watch.py", 2, ["--out", str(tmp), "--inject", f"1:{INJECT_STEP}", "--steps", str(STEPS)],
+             output_dir)
+    _wait_gone(int((tmp / "watch_pid").read_text()))
+    return tmp, the_run(output_dir)
+
+
+def test_alert_names_rank_1_while_the_job_runs_and_matches_nan_analyze(job):
+    tmp, run = job
+    seen = json.loads((tmp / "alert_seen.json").read_text())
+    assert seen["first_seen_at_step"] < STEPS - 1, "the alert came while the job was still running"
+    first = seen["latest"]["first"]
+    assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, INJECT_STEP, "blocks.0", "forward")
+    alerts = [json.loads(line) for line in (Path(run) / "watch" / "alerts.jsonl").read_text().splitlines()]
+    assert alerts[0]["type"] == "first"
+    assert all(a["type"] == "refinement" and a["refines"] == a["alert"] - 1 for a in alerts[1:])
+    assert alerts[-1]["first"] == nan_analyze(run)["first"]
+
+
+def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, run = job
+    events = EventAccumulator(str(Path(run) / "watch"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = _expected(run)
+    assert len(expected) > 100
+    for (prefix, step), (low, median, high) in expected.items():
+        for stat, want in (("min", low), ("median", median), ("max", high)):
+            got = {e.step: e.value for e in events.Scalars(f"{prefix}_{stat}")}
+            assert step in got, f"{prefix}_{stat} step {step}"
+            if math.isfinite(want):
+                assert got[step] == pytest.approx(want, rel=1e-6, abs=1e-30), (prefix, stat, step)
+            else:
+                assert got[step] == want or (math.isnan(got[step]) and math.isnan(want))
+    steps = {e.step for e in events.Scalars("scalars/loss/rank1")}
+    assert steps == set(range(STEPS)), "one loss series per rank, every step, NaN kept"
+    assert math.isnan(events.Scalars("scalars/loss/rank1")[-1].value)
+    assert any(t.startswith("actv/blocks.0/") for t in tags) and any(t.startswith("grad_reduced/head/") for t in tags)
+    # the text plugin holds the alert, the custom-scalars plugin the layout
+    assert "alerts" in events.Tags()["tensors"] and "custom_scalars__config__" in events.Tags()["tensors"]
+    images = events.Tags()["images"]
+    for name in ("heatmaps/actv_module_x_step", "heatmaps/actv_module_x_rank", "heatmaps/loss_rank_x_step",
+                 "heatmaps/grad_norm_rank_x_step"):
+        assert name in images
+        last = events.Images(name)[-1]
+        assert (last.width, last.height) == PNG_SIZE and last.step == STEPS - 1
+
+
+def test_heatmap_pngs_have_the_expected_size(job):
+    from PIL import Image
+    _, run = job
+    folder = Path(run) / "watch" / "heatmaps"
+    names = {p.stem for p in folder.glob("*.png")}
+    for family in ("actv", "grad_reduced", "param_origin", "exp_avg"):
+        assert {f"{family}_module_x_step", f"{family}_module_x_rank"} <= names
+    assert {"loss_rank_x_step", "grad_norm_rank_x_step"} <= names
+    for path in folder.glob("*.png"):
+        with Image.open(path) as image:
+            assert image.size == PNG_SIZE, path
+    assert not any((Path(run) / f"rank_{r}" / "watch").exists() for r in (0, 1)), "nothing in rank directories"

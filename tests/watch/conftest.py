@@ -1,0 +1,16 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from runs import generate  # noqa: E402
+
+STEPS, INF_STEP = 60, 40
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """3 ranks x 60 steps, an Inf entering rank 1's layers.3 at step 40 and reaching the others by all_reduce."""
+    return generate(tmp_path_factory.mktemp("finished") / "run-a", ranks=3, steps=STEPS, inf_step=INF_STEP)

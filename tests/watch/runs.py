@@ -1,0 +1,94 @@
+"""Runs for the daemon's tests: a finished one written by benchmarks/generate_run.py, and ranks written
+step by step while a daemon follows them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trainmon.monitor.records import ACTV, GRAD_REDUCED, RecordKey
+from trainmon.writers import db_schema
+from trainmon.writers.db_sink import MonitorDb
+
+ROOT = Path(__file__).resolve().parents[2]
+OPS = ["min", "max", "norm", "nans", "infs"]
+KEYS = [RecordKey(ACTV, f"layers.{i}.output", 0, 0, i, (4, 4), "torch.float32") for i in range(3)] + \
+       [RecordKey(GRAD_REDUCED, f"layers.{i}.weight", 0, None, 10 + i, (4, 4), "torch.float32") for i in range(3)]
+
+
+def generate(run: Path, ranks: int, steps: int, inf_step: int, origin: int = 1) -> Path:
+    """A finished run with an Inf entering `origin`'s layers.3 at `inf_step` (spreading through an all_reduce)."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_run.py"), str(run), "--ranks", str(ranks),
+                    "--steps", str(steps), "--inf-step", str(inf_step), "--origin-rank", str(origin),
+                    "--workers", "1"], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return run
+
+
+class LiveRank:
+    """One rank's monitor.db, written a step at a time (as a training rank's writer commits them)."""
+
+    def __init__(self, run: Path, rank: int):
+        self.dir = run / f"rank_{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "run.json").write_text(json.dumps({"rank": rank, "pp_stage": 0}))
+        self.db = MonitorDb(self.dir / db_schema.DB_NAME)
+        self.db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": OPS,
+                          "fields": list(db_schema.FIELDS)})
+        self.rank = rank
+
+    def write(self, step: int) -> None:
+        fields = {"count": 16.0, "sum": 1.0, "sumsq": 4.0 * (1 + self.rank) + step, "min": -1.0, "max": 1.0}
+        values = np.tile([fields.get(f, 0.0) for f in db_schema.FIELDS], (len(KEYS), 1))
+        self.db.add_step(step, 0, KEYS, values, {"loss": 1.0 / (1 + step)})
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def watch(*args, **popen) -> subprocess.Popen:
+    """`trainmon watch ARGS` as a subprocess (stderr captured as text)."""
+    return subprocess.Popen([sys.executable, "-m", "trainmon.cli", "watch", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, **popen)
+
+
+def watch_once(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainmon.cli", "watch", *map(str, args), "--once"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def terminate(process: subprocess.Popen) -> tuple[int, str]:
+    """SIGTERM, then the exit status and stderr."""
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    return process.returncode, err
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def read_events(logdir: Path) -> tuple[dict, dict]:
+    """({tag: [(step, value)]} of the scalars, {tag: [steps]} of every value: scalars, images, text) of the
+    daemon's event files, in file order, repeats kept."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    scalars: dict = {}
+    steps: dict = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for record in RawEventFileLoader(str(path)).Load():  # as written (no conversion to tensors)
+            event = Event.FromString(record)
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars, steps

@@ -1,0 +1,67 @@
+"""`trainmon watch RUN_OR_ROOT`: the monitor daemon. It follows every rank's output as it is written and
+exports one TensorBoard view (cross-rank min/median/max per tensor and op, per-rank loss and grad norm),
+heatmaps, and live alerts naming the first NaN/Inf or spike across ranks, into DIR (default
+<run>/watch/). It never writes into rank directories."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from trainmon.commands.arguments import non_negative_int, positive_int
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0; give a number of seconds > 0")
+    return value
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("watch", help="follow a job's ranks: one TensorBoard view, heatmaps, live alerts",
+                                   description=__doc__)
+    parser.add_argument("path", metavar="RUN_OR_ROOT", help="a run directory (holding rank_<R>/) or the output root "
+                                                            "(every run under it)")
+    parser.add_argument("--logdir", metavar="DIR", type=Path,
+                        help="output directory (default: <run>/watch/, or <root>/watch/<run>/ for a root)")
+    parser.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
+                        help="seconds between rounds (default 5)")
+    parser.add_argument("--once", action="store_true", help="export what is there and exit (a finished run)")
+    parser.add_argument("--ranks", type=non_negative_int, nargs="+", default=[], metavar="R",
+                        help="also write every figure of these ranks as their own series")
+    parser.add_argument("--on-anomaly", metavar="CMD", help="shell command run with each alert as JSON on stdin")
+    parser.add_argument("--exit-on-anomaly", action="store_true", help="exit (status 3) after the first alert")
+    parser.add_argument("--stall-after", type=positive_seconds, default=300.0, metavar="S",
+                        help="report a rank that commits no step for S seconds as stalled (default 300)")
+    parser.add_argument("--heatmap-every", type=positive_int, default=50, metavar="N",
+                        help="redraw the heatmaps every N steps (default 50), and at exit")
+    parser.add_argument("--op", default="norm", help="the op the module heatmaps show (default norm)")
+    parser.add_argument("--window", type=positive_int, default=200, metavar="N", help="steps the heatmaps show")
+    parser.add_argument("--source", choices=("auto", "db", "csv"), default="auto",
+                        help="read monitor.db or the CSV files (default: the database when present)")
+    parser.add_argument("--until-done", action="store_true", help="exit once every rank has finished")
+    parser.add_argument("--follow-pid", type=positive_int, metavar="PID",
+                        help="exit after a last round when this process (the job) has ended")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainmon.watch.daemon import Daemon
+    from trainmon.watch.run_watcher import WatchOptions
+    log = logging.getLogger("trainmon.watch")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once, ranks=frozenset(args.ranks),
+                           on_anomaly=args.on_anomaly, exit_on_anomaly=args.exit_on_anomaly,
+                           stall_after=args.stall_after, heatmap_every=args.heatmap_every, op=args.op,
+                           window=args.window, source=args.source)
+    return Daemon(Path(args.path), options, until_done=args.until_done, follow_pid=args.follow_pid).run()

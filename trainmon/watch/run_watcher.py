@@ -1,0 +1,242 @@
+"""Following one run: its ranks, the export of each step every followed rank has committed, heatmaps,
+alerts, and the state that lets a restarted daemon go on where this one stopped."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import sqlite3
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from trainmon.read.errors import InputError
+from trainmon.read.layout import find_run
+from trainmon.watch.aggregate import StepFigures, margin_charts
+from trainmon.watch.alerts import AlertTracker
+from trainmon.watch.events import ALERT_TAG, WatchEvents
+from trainmon.watch.follow import RankFollower
+from trainmon.watch.heatmap import pictures
+from trainmon.watch.history import History
+from trainmon.watch.state import load_state, save_state
+
+logger = logging.getLogger("trainmon.watch")
+HEATMAP_DIR = "heatmaps"
+HEATMAP_TAG = "heatmaps"
+CHUNK_STEPS = 16  # steps read per rank at once: memory is ranks x tags x this, never the run's length
+
+
+def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset = frozenset(),
+                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None) -> dict[int, StepFigures]:
+    """The figures of steps first..last of the followed ranks, by step.
+
+    Args:
+        on_error: called for a rank that cannot be read (then left out); None lets the error through.
+
+    Raises:
+        InputError: a rank cannot be read and `on_error` is None.
+    """
+    figures: dict[int, StepFigures] = {}
+    for follower in followers:
+        try:
+            for step, rows in follower.rows(first, last):
+                figures.setdefault(step, StepFigures(step)).add_rows(follower.rank, rows, ranks_kept)
+            by_step: dict[int, list] = {}
+            for row in follower.scalars(first, last):
+                by_step.setdefault(row["step"], []).append(row)
+            for step, rows in by_step.items():
+                figures.setdefault(step, StepFigures(step)).add_scalars(follower.rank, rows)
+        except (InputError, sqlite3.Error, OSError) as err:
+            if on_error is None:
+                raise
+            on_error(follower, err)
+    return figures
+
+
+@dataclass
+class WatchOptions:
+    """The daemon's settings (the `trainmon watch` flags)."""
+
+    logdir: Optional[Path] = None
+    interval: float = 5.0
+    once: bool = False
+    ranks: frozenset = frozenset()
+    on_anomaly: Optional[str] = None
+    exit_on_anomaly: bool = False
+    stall_after: float = 300.0
+    heatmap_every: int = 50
+    op: str = "norm"
+    window: int = 200
+    source: str = "auto"
+
+
+class RunWatcher:
+    """Exports one run into `logdir`.
+
+    Args:
+        run: the run directory.
+        logdir: the output directory (created).
+        options: the daemon's settings.
+
+    Raises:
+        InputError: the state file in `logdir` cannot be read.
+    """
+
+    def __init__(self, run: Path, logdir: Path, options: WatchOptions):
+        self.run, self.logdir, self.options = run, logdir, options
+        logdir.mkdir(parents=True, exist_ok=True)
+        state = load_state(logdir)
+        self.exported: int = state.get("exported", -1)
+        self.drawn_at: Optional[int] = state.get("drawn_at")
+        self.events = WatchEvents(logdir, state.get("events"))
+        self.layout_keys = {tuple(k) for k in state.get("layout", [])}
+        self.scalar_names = set(state.get("scalar_names", []))
+        self.alerts = AlertTracker(run, logdir, lambda step, text: self.events.text(step, ALERT_TAG, text),
+                                   options.on_anomaly, state.get("alerts"))
+        self.history = History(options.op, options.window)
+        self.followers: dict[int, RankFollower] = {}
+        self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
+        self._painter: Optional[ProcessPoolExecutor] = None  # draws the heatmaps beside the export
+        self._drawing: Optional[tuple[int, Future]] = None  # (step, pictures being drawn)
+        # a draw that an earlier daemon started and never wrote (killed): drawn again after the restart
+        self._redraw: Optional[int] = state.get("drawing")
+
+    # ------------------------------------------------------------------------------- following
+    def _discover(self) -> None:
+        try:
+            ranks = find_run(self.run).ranks
+        except InputError:
+            return  # no rank has written anything yet
+        for rank_dir in ranks:
+            if rank_dir.rank not in self.followers:
+                self.followers[rank_dir.rank] = RankFollower(rank_dir, self.options.source)
+
+    def poll(self, final: bool = False) -> list[dict]:
+        """One round: reads every rank's progress, exports the complete steps, looks for anomalies.
+        Returns the alerts written. `final`: the run is over, every step present is complete."""
+        self._discover()
+        for follower in self.followers.values():
+            message = follower.poll(final)
+            if message is None and not final:
+                message = follower.check_stall(self.options.stall_after)
+            if message:
+                logger.warning("trainmon watch: %s: %s", self.run.name, message)
+        readable = [f for f in self.followers.values() if f.error is None]
+        alerts = self.alerts.poll(readable)  # first: an alert must not wait for a long export
+        last = self._frontier(readable)
+        if last is not None and last > self.exported:
+            if self._refill:
+                self._refill_history()
+            if self._redraw is not None:
+                self.draw(self._redraw)
+                self._redraw = None
+            self._export(self.exported + 1, last, readable)
+        alerts += self.alerts.poll(readable)  # what the export found in ranks without a database
+        self._collect_pictures(wait=False)
+        self._save()
+        return alerts
+
+    @staticmethod
+    def _frontier(readable: list[RankFollower]) -> Optional[int]:
+        """The last step to export: one that every rank still writing has completed. A stalled rank is not
+        waited for (its steps so far are read); when every rank has stalled, all they committed is exported."""
+        writing = [f.complete_through for f in readable if not f.stalled]
+        if writing:
+            return None if None in writing else min(writing)
+        return max((f.complete_through for f in readable if f.complete_through is not None), default=None)
+
+    @property
+    def done(self) -> bool:
+        """Every rank finished and everything is exported."""
+        return bool(self.followers) and all(f.finished and (f.latest is None or f.latest <= self.exported)
+                                            for f in self.followers.values() if f.error is None)
+
+    # --------------------------------------------------------------------------------- export
+    def _figures(self, first: int, last: int, followers: list[RankFollower]) -> dict[int, StepFigures]:
+        def skip(follower: RankFollower, err: Exception) -> None:
+            # it was readable a moment ago: the next poll reports it and leaves it out
+            logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
+        return read_figures(followers, first, last, self.options.ranks, skip)
+
+    def _export(self, first: int, last: int, followers: list[RankFollower]) -> None:
+        for start in range(first, last + 1, CHUNK_STEPS):
+            end = min(last, start + CHUNK_STEPS - 1)
+            figures = self._figures(start, end, followers)
+            for step in sorted(figures):
+                figure = figures[step]
+                self.events.scalars(step, figure.tag_values())
+                self.history.add(figure)
+                if figure.nonfinite:
+                    self.alerts.note_step(step)
+                self._grow_layout(figure)
+                if (step + 1) % self.options.heatmap_every == 0:
+                    self.draw(step)
+            self.exported = end
+
+    def _grow_layout(self, figure: StepFigures) -> None:
+        keys = set(figure.values) - self.layout_keys
+        names = set(figure.scalar_series()) - self.scalar_names
+        if keys or names:
+            self.layout_keys |= keys
+            self.scalar_names |= names
+            self.events.layout(margin_charts(self.layout_keys, self.scalar_names))
+
+    def _refill_history(self) -> None:
+        self._refill = False
+        first = max(0, self.exported - self.options.window + 1)
+        figures = self._figures(first, self.exported, [f for f in self.followers.values() if f.error is None])
+        for step in sorted(figures):
+            self.history.add(figures[step])
+
+    # ------------------------------------------------------------------------------- heatmaps
+    def draw(self, step: int, wait: bool = False) -> None:
+        """Draws every heatmap of the window as of `step`, in a worker process so that the export goes on
+        meanwhile (matplotlib takes about 0.5 s a picture); the pictures are written when they are ready,
+        into TensorBoard at `step` and into `heatmaps/*.png`. A redraw due while one is running waits for it.
+
+        Args:
+            wait: wait for the pictures (at exit).
+        """
+        self._collect_pictures(wait=True)
+        alert = self.alerts.current
+        if self._painter is None:
+            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                                  else None)
+            self._painter = ProcessPoolExecutor(1, mp_context=context)
+        self._drawing = (step, self._painter.submit(pictures, self.history, alert["first"] if alert else None))
+        self._collect_pictures(wait=wait)
+
+    def _collect_pictures(self, wait: bool) -> None:
+        if self._drawing is None or not (wait or self._drawing[1].done()):
+            return
+        step, future = self._drawing
+        self._drawing = None
+        drawn = future.result()
+        if not drawn:
+            return
+        folder = self.logdir / HEATMAP_DIR
+        folder.mkdir(exist_ok=True)
+        for picture in drawn:
+            temporary = folder / f".{picture.name}.png"
+            temporary.write_bytes(picture.png)
+            temporary.replace(folder / f"{picture.name}.png")
+        self.events.images(step, [(f"{HEATMAP_TAG}/{p.name}", p.png, p.height, p.width) for p in drawn])
+        self.drawn_at = step
+
+    # ---------------------------------------------------------------------------------- state
+    def _save(self) -> None:
+        save_state(self.logdir, {"run": str(self.run), "exported": self.exported, "drawn_at": self.drawn_at,
+                                 "drawing": self._drawing[0] if self._drawing else self._redraw,
+                                 "events": self.events.checkpoint(), "alerts": self.alerts.state(),
+                                 "layout": sorted(list(k) for k in self.layout_keys),
+                                 "scalar_names": sorted(self.scalar_names)})
+
+    def finish(self) -> None:
+        """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes."""
+        self._collect_pictures(wait=True)
+        if self.exported >= 0 and self.drawn_at != self.exported:
+            self.draw(self.exported, wait=True)
+        if self._painter is not None:
+            self._painter.shutdown()
+        self._save()
+        self.events.close()

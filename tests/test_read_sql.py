@@ -10,6 +10,7 @@ from trainmon.anomaly.db_anomalies import AnomalyTable
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.rank_summary import summarize, summarize_rank_dir
 from trainmon.read import find_run, open_run
+from trainmon.read import jsonl
 from trainmon.read.database import DbRankReader
 from trainmon.read.db_nonfinite import record_event
 from trainmon.writers import db_schema
@@ -140,3 +141,21 @@ def test_a_figure_without_a_value_reads_as_none_in_rows_and_missing_in_columns(t
     assert all(math.isnan(empty[op]) for op in ("min", "max", "mean", "zeros", "sat"))
     assert (empty["nans"], empty["infs"], empty["norm"]) == (0.0, 0.0, 0.0)
     assert frame["tag"].tolist() == ["0:layers.1.input:0/rank0/actv_grad"] * 2
+
+
+def test_the_steps_of_a_jsonl_are_read_at_once_or_by_the_regex(tmp_path):
+    events = [_anomaly(step, 0, call, "layers.0", "forward", "output", "infs", 1.0, "actv", rank=12)
+              for step in (7, 7, 123456, 9) for call in (0, 1)]
+    lines = "".join(json.dumps(e.to_json()) + "\n" for e in events).encode()
+    assert jsonl._leading_steps(lines) == {7, 9, 123456}
+    for other in (lines + b'{"step": 5, "rank": 12}\n', lines.replace(b'"step": 9,', b'"step": 9 ,')):
+        assert jsonl._leading_steps(other) is None  # another key order, another spelling: the regex reads them
+    path = tmp_path / "anomalies.jsonl"
+    path.write_bytes(lines + lines[:40])  # cut short
+    with open(path, "rb") as fh:
+        assert jsonl._skipped_head(fh, {7, 9, 123456}.__contains__) == (len(lines), len(events))
+    with open(path, "rb") as fh:
+        assert jsonl._skipped_head(fh, {7, 9}.__contains__) == (0, 0)
+    warnings = []
+    assert list(jsonl.read_jsonl(path, warnings.append, {7, 9}.__contains__)) == events[4:6]
+    assert len(warnings) == 1

@@ -59,7 +59,7 @@ def read_nonfinite(conn: sqlite3.Connection, rank: int, has_anomalies: bool) -> 
     rows = conn.execute(_FIRST_RECORDS).fetchall()
     if comm_tags:
         rows += conn.execute(f"SELECT {_RECORD_COLUMNS}, r.rowid FROM records r WHERE {_RECORD_NONFINITE} AND "
-                             f"r.tag_id IN ({', '.join('?' * len(comm_tags))})", comm_tags).fetchall()
+                             f"r.tag_id IN ({_marks(comm_tags)})", comm_tags).fetchall()
     # the order the records query used to give (step, call index, then rowid: the index's tie order)
     rows = sorted(set(rows), key=lambda row: (row[1], row[3], row[-1]))
     return DbNonfinite(count, anomalies + [_record_event(rank, places[row[0]], row) for row in rows])
@@ -109,7 +109,7 @@ def _anomalies_beside_records(conn: sqlite3.Connection, rank: int, places: dict,
         SELECT COUNT(*) FROM (
             SELECT DISTINCT a.rank, a.step, a.micro_step, a.vpp_stage, a.family, a.module, a.tensor
             FROM anomalies a WHERE {_ANOMALY_NONFINITE}
-            AND NOT (a.op IN ('nans', 'infs') AND a.rank = ? AND a.family IN ({', '.join('?' * len(families))})
+            AND NOT (a.op IN ('nans', 'infs') AND a.rank = ? AND a.family IN ({_marks(families)})
                      AND a.step NOT IN ({_marks(uncommitted)}))
             AND NOT (a.rank = ? AND EXISTS (
                 SELECT 1 FROM records r WHERE r.step = a.step AND r.micro_step IS a.micro_step AND {_RECORD_NONFINITE}

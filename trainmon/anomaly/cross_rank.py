@@ -39,8 +39,12 @@ def _call_key(step: int, parsed: dict) -> tuple:
 def _calls(events: Sequence[AnomalyEvent]) -> list[dict]:
     """The calls with non-finite records; `at` holds each taking part rank's position of the call."""
     calls: dict[tuple, dict] = {}
+    names: dict[str, Optional[dict]] = {}  # a call's name recurs on every rank and, often, every step
     for position, event in enumerate(events):
-        parsed = parse_comm_name(event.module) if event.family == COMM else None
+        if event.family != COMM:
+            continue
+        parsed = names[event.module] if event.module in names else names.setdefault(event.module,
+                                                                                     parse_comm_name(event.module))
         if parsed is None or len(parsed["ranks"]) == 1:  # a group of one rank moves nothing between ranks
             continue
         key = _call_key(event.step, parsed)

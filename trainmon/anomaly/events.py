@@ -67,6 +67,11 @@ class AnomalyEvent:
     family: str
     first: bool = False
 
+    def __reduce__(self):
+        # positional arguments: unpickling (ranks' summaries come from worker processes) calls __init__
+        # once instead of the per-field __setstate__ of a frozen slotted dataclass
+        return AnomalyEvent, tuple(getattr(self, name) for name in self.__slots__)
+
     def order_key(self) -> tuple:
         """The ordering key (`ordering.order_key`): sort by it, earliest first."""
         return ordering.order_key(self)

@@ -1,7 +1,8 @@
 """Post-mortem: where did non-finite values first appear in a run, and where did they spread?
 
-Reads every rank's non-finite records once, from the best source present (`read.evidence`), in
-parallel processes; keeps of each rank what the report needs (`rank_summary`); merges the ranks by the
+Reads of every rank what the report needs, each record once, from the best source present
+(`read.evidence`; of a database, a few SQL queries: `read.db_nonfinite`), in parallel processes; keeps
+of each rank its summary (`rank_summary`); merges the ranks by the
 ordering key (`ordering`: step, micro-step, phase, pipeline stage, call index, rank) and reports the
 earliest one (`first`), and the chain: the first appearance of each other (rank, module, phase), in key
 order. Across ranks, when collectives' records carried the non-finite values (`cc_distribution`), the

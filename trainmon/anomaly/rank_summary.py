@@ -56,6 +56,7 @@ def summarize_rank_dir(rank_dir: RankDir) -> RankSummary:
     metadata = rank_dir.metadata()
     evidence = rank_evidence(rank_dir, metadata)
     out = summarize(rank_dir.rank, evidence.events)
+    out.records = evidence.records  # the events are only those the report needs
     out.sources, out.notes, out.warnings = evidence.sources, evidence.notes, evidence.warnings
     cc = metadata.get("config", {}).get("cc_distribution", {})
     out.without_inputs = bool(cc.get("enable") and not cc.get("cc_pre_hook"))

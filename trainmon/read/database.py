@@ -14,13 +14,14 @@ from typing import Iterator, Optional
 from urllib.parse import quote
 
 
-from trainmon.anomaly.events import AnomalyEvent, phase_of, split_name
+from trainmon.anomaly.events import AnomalyEvent
 from trainmon.monitor import stats
+from trainmon.read.db_columns import RAW_PREFIX, Columns, read_columns
+from trainmon.read.db_nonfinite import DbNonfinite, read_nonfinite
 from trainmon.read.errors import InputError
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
 
-RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_sat
 _NEEDED_TABLES = ("meta", "tags", "records", "batches")
 
 
@@ -118,6 +119,10 @@ class DbRankReader:
         row.update(figures)
         return row
 
+    def columns(self, family: Optional[str], first: Optional[int], last: Optional[int]) -> Columns:
+        """The records of `rows` as columns (`db_columns`), for DataFrames and Arrow tables."""
+        return self._guard(lambda: read_columns(self.conn, self.ops, family, first, last))
+
     def steps(self) -> set[int]:
         """The steps whose batch was committed."""
         return self._guard(lambda: {s for (s,) in self.conn.execute("SELECT DISTINCT step FROM batches")})
@@ -135,20 +140,9 @@ class DbRankReader:
         rows = self._guard(lambda: self.conn.execute(query, args).fetchall())
         return [{"name": n, "step": s, "value": db_schema.decode_real(v, is_nan)} for n, s, v, is_nan in rows]
 
-    def nonfinite_events(self, rank: int) -> list[AnomalyEvent]:
-        """The non-finite anomalies (from the anomalies table) and then the non-finite records of the
-        database, each as an AnomalyEvent."""
-        return self._guard(lambda: self._anomalies(True) + self._nonfinite_records(rank))
-
-    def _nonfinite_records(self, rank: int) -> list[AnomalyEvent]:
-        query = ("SELECT t.family, t.name, t.vpp_stage, r.step, r.micro_step, r.call_index, r.pp_stage, r.nans, "
-                 f"r.infs FROM records r JOIN tags t ON t.id = r.tag_id WHERE {db_schema.NONFINITE_RECORD} "
-                 "ORDER BY r.step, r.call_index")
-        events = []
-        for family, name, vpp, step, micro, call, pp, nans, infs in self.conn.execute(query):
-            op, value = ("nans", nans) if nans else ("infs", infs)
-            events.append(record_event(rank, step, micro, pp, vpp, call, family, name, op, value))
-        return events
+    def nonfinite(self, rank: int) -> DbNonfinite:
+        """What the post-mortem needs of the database's non-finite records and anomalies (`db_nonfinite`)."""
+        return self._guard(lambda: read_nonfinite(self.conn, rank, self.has_anomalies()))
 
     def first_anomalous_step(self, after: int) -> Optional[int]:
         """The first step after `after` holding a non-finite record or a row of the anomalies table (None:
@@ -168,7 +162,7 @@ class DbRankReader:
         return self._guard(lambda: self.conn.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'anomalies'").fetchone() is not None)
 
-    def _anomalies(self, nonfinite_only: bool, first: Optional[int] = None, last: Optional[int] = None,
+    def _anomalies(self, first: Optional[int] = None, last: Optional[int] = None,
                    enough: Optional[int] = None) -> list[AnomalyEvent]:
         if not self.has_anomalies():
             return []
@@ -183,27 +177,17 @@ class DbRankReader:
                 break  # the ordering key starts with the step: later steps cannot be among the earliest
             fields["value"] = db_schema.decode_real(fields["value"], row[-1])
             fields["first"] = bool(fields["first"])
-            event = AnomalyEvent(**fields)
-            if event.nonfinite or not nonfinite_only:
-                events.append(event)
+            events.append(AnomalyEvent(**fields))
         return events
 
     def anomalies(self, first: Optional[int] = None, last: Optional[int] = None,
                   enough: Optional[int] = None) -> list[AnomalyEvent]:
         """Rows of the anomalies table in step order (none without the table), within steps first..last;
         with `enough`, reading stops at the end of the step that brought that many."""
-        return self._guard(lambda: self._anomalies(False, first, last, enough))
+        return self._guard(lambda: self._anomalies(first, last, enough))
 
     def close(self) -> None:
         self.conn.close()
-
-
-def record_event(rank, step, micro, pp, vpp, call, family, name, op, value) -> AnomalyEvent:
-    """The AnomalyEvent of a non-finite record (rule "record")."""
-    module, tensor = split_name(family, name)
-    return AnomalyEvent(rank=rank, step=step, micro_step=micro, pp_stage=pp, vpp_stage=vpp, call_index=call,
-                        module=module, phase=phase_of(family), tensor=tensor, op=op, value=float(value),
-                        rule="record", family=family)
 
 
 def _step_filter(column: str, first: Optional[int], last: Optional[int]) -> tuple[list[str], list]:

@@ -5,6 +5,10 @@ call index, and the anomalies table. anomalies.jsonl and the CSV files are read 
 database lacks (a run without `db`, or a database cut short by a crash); a CSV file whose steps the
 database all holds is not opened. Of a record that both of those hold, the copy with a call index wins.
 CSV rows carry no pipeline stage: it comes from the rank's `run.json` (`pp_stage`).
+
+Of the database, only what the report needs becomes an event (`db_nonfinite`: a few queries per rank);
+anomalies.jsonl and the CSV files, read only where the database is absent or cut short, give one event
+per non-finite record, so a run without a database is read more slowly.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.read.csv_rows import read_csv_rows
-from trainmon.read.database import DbRankReader, record_event
+from trainmon.read.database import DbRankReader
+from trainmon.read.db_nonfinite import record_event
 from trainmon.read.jsonl import read_jsonl
 from trainmon.read.layout import ANOMALIES_FILE, RankDir
 from trainmon.writers.db_schema import DB_NAME
@@ -20,10 +25,13 @@ from trainmon.writers.db_schema import DB_NAME
 
 @dataclass
 class RankEvidence:
-    """What one rank's sources say: the non-finite events, the sources present, notes, and warnings (a
-    source cut short by a crash, read up to its last whole record)."""
+    """What one rank's sources say: the non-finite events the report needs (of the database: the first of
+    each (module, phase) and the collectives'; of the other sources: all), `records`, the distinct
+    non-finite records of all sources, the sources present, notes, and warnings (a source cut short by a
+    crash, read up to its last whole record)."""
 
     events: list[AnomalyEvent] = field(default_factory=list)
+    records: int = 0
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -47,9 +55,10 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
         reader = DbRankReader(rank_dir.db)
         try:
             db_steps = reader.steps()
-            out.events += reader.nonfinite_events(rank)
+            found = reader.nonfinite(rank)
         finally:
             reader.close()
+        out.events, out.records = found.events, found.records
         out.sources.append(DB_NAME)
         if Path(f"{rank_dir.db}-wal").exists():
             out.warnings.append(f"{rank_dir.db}: its job is still writing it or was stopped (a -wal file is "
@@ -89,6 +98,9 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
         if without_counts:
             out.notes.append(f"rank {rank}: {len(without_counts)} CSV file(s) have no nans/infs column "
                              f"(e.g. {without_counts[0]}); add \"nans\" and \"infs\" to ops to see NaN/Inf there")
+    # they hold only steps whose records the database lacks; its anomalies of those steps are all in events
+    known = {record_identity(event) for event in out.events}
+    out.records += sum(ident not in known for ident in others)
     out.events += others.values()
     return out
 

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy as np
+
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.read.errors import InputError
 
@@ -31,7 +33,9 @@ def read_jsonl(path: Path, warn: Optional[Warn] = None,
         InputError: a line that is not an anomaly record (named by file and line).
     """
     with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, 1):
+        start, lines = _skipped_head(fh, skip_step) if skip_step is not None else (0, 0)
+        fh.seek(start)
+        for number, raw in enumerate(fh, lines + 1):
             if not raw.strip():
                 continue
             if skip_step is not None and raw.endswith(b"\n"):
@@ -47,3 +51,60 @@ def read_jsonl(path: Path, warn: Optional[Warn] = None,
                              f"read up to the last whole record")
                     return
                 raise InputError.at(path, f"not an anomaly record: {err}", number) from None
+
+
+_CHUNK = 1 << 23
+
+
+def _skipped_head(fh, skip_step: Callable[[int], bool]) -> tuple[int, int]:
+    """(bytes, lines) of the file's whole lines when every one of them names a step that `skip_step` skips
+    (the usual case beside a database that holds every step), found by a scan of the file in chunks of
+    whole lines instead of a regex per line; else (0, 0)."""
+    steps, lines, end = set(), 0, 0
+    while chunk := fh.read(_CHUNK):
+        chunk += fh.readline()  # to the end of the chunk's last line
+        whole = chunk.rfind(b"\n") + 1  # short of the file's cut-short last line
+        found = _leading_steps(chunk[:whole])
+        if found is None:
+            found = _STEP.findall(chunk, 0, whole)
+            # one step per line: a quote inside a JSON string is escaped, so a line names its step once
+            if len(found) != chunk.count(b"\n", 0, whole):
+                return 0, 0
+            found = map(int, set(found))
+        steps.update(found)
+        lines, end = lines + chunk.count(b"\n", 0, whole), end + whole
+    if all(skip_step(step) for step in steps):
+        return end, lines
+    return 0, 0
+
+
+def _leading_steps(lines: bytes) -> Optional[set[int]]:
+    """The steps of whole lines that all begin as the first does, `{"rank": R, "step": S,` (as `to_json`
+    writes them), read at once with numpy; None when they do not (the regex reads them then)."""
+    text = np.frombuffer(lines, dtype=np.uint8)
+    ends = np.flatnonzero(text == ord("\n"))
+    key = lines.find(b'"step": ', 0, 64)
+    if not len(ends) or key < 0 or not lines.startswith(b'{"rank": '):
+        return None
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    prefix = lines[:key + len(b'"step": ')]
+    if (starts + len(prefix) + _DIGITS >= len(text)).any():
+        return None
+    if not all((text[starts + i] == byte).all() for i, byte in enumerate(prefix)):
+        return None
+    at, value, digits = starts + len(prefix), np.zeros(len(starts), dtype=np.int64), np.ones(len(starts), bool)
+    for k in range(_DIGITS):
+        digit = text[at + k].astype(np.int64) - ord("0")
+        more = digits & (digit >= 0) & (digit <= 9)
+        if k == 0 and not more.all():
+            return None
+        ended = digits & ~more
+        if (text[at + k][ended] != ord(",")).any():  # a step ends at its comma
+            return None
+        value, digits = np.where(more, value * 10 + digit, value), more
+        if not digits.any():
+            return set(np.unique(value).tolist())
+    return None
+
+
+_DIGITS = 19  # the most digits of a step (an int64)

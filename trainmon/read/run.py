@@ -13,7 +13,11 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
+import numpy as np
+
+from trainmon.read.database import DbRankReader
 from trainmon.read.layout import find_run
+from trainmon.read.parallel import map_ranks
 from trainmon.read.rank_records import open_rank
 from trainmon.writers.tags import split_tag, tag_for
 
@@ -111,16 +115,17 @@ class Run:
             tag_family, tag_rank = split_tag(tag)
             family = family or tag_family
             ranks = [tag_rank]
-        rows = []
-        for rank in self.ranks if ranks is None else ranks:
+        ranks = self.ranks if ranks is None else list(ranks)
+        for rank in ranks:
             if rank not in self._readers:
                 raise ValueError(f"rank {rank} is not in {self.path} (ranks: {self.ranks})")
-            for _, step_rows in self.iter_steps(rank, family, steps):
-                for row in step_rows:
-                    row["rank"] = rank
-                    row["tag"] = tag_for(row["family"], row["name"], row["vpp_stage"], row["micro_step"], rank)
-                rows += step_rows
-        frame = pd.DataFrame(rows)
+        first, last = step_range(steps)
+        if all(isinstance(self._readers[rank], DbRankReader) for rank in ranks):
+            # databases are read in worker processes when there are many (each read is its own query)
+            datas = map_ranks(_db_columns, [(self._readers[rank].path, family, first, last) for rank in ranks])
+        else:
+            datas = [self._rank_data(rank, family, first, last) for rank in ranks]
+        frame = pd.DataFrame(_concat([_with_tags(data, rank) for data, rank in zip(datas, ranks)]))
         if frame.empty:
             return pd.DataFrame(columns=_LEADING)
         if tag is not None:
@@ -130,6 +135,14 @@ class Run:
         frame = frame.astype({c: float for c in frame.columns if c in numeric})
         ordered = _LEADING + [c for c in frame.columns if c not in _LEADING]
         return frame[ordered].reset_index(drop=True)
+
+    def _rank_data(self, rank: int, family: Optional[str], first: Optional[int], last: Optional[int]) -> dict:
+        """One rank's records as columns (name -> array or list)."""
+        reader = self._readers[rank]
+        if isinstance(reader, DbRankReader):
+            return reader.columns(family, first, last).data
+        rows = [row for _, step_rows in reader.rows(family, first, last) for row in step_rows]
+        return {name: [row.get(name) for row in rows] for name in dict.fromkeys(k for r in rows for k in r)}
 
     def family(self, family: str, steps: Steps = None):
         """Every record of one family, every rank."""
@@ -163,6 +176,39 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _db_columns(job: tuple) -> dict:
+    """The columns of one database (job: path, family, first, last), read in a worker process."""
+    path, family, first, last = job
+    reader = DbRankReader(path)
+    try:
+        return reader.columns(family, first, last).data
+    finally:
+        reader.close()
+
+
+def _with_tags(data: dict, rank: int) -> dict:
+    """`data` with its rank and tags as columns."""
+    count = len(data.get("step", ()))
+    data["rank"] = np.full(count, rank, dtype=np.int64)
+    tags: dict[tuple, str] = {}  # one string per tag, not per record
+    data["tag"] = [tags.get(key) or tags.setdefault(key, tag_for(*key, rank)) for key in
+                   zip(data.get("family", ()), data.get("name", ()), data.get("vpp_stage", ()),
+                       data.get("micro_step", ()))]
+    return data
+
+
+def _concat(parts: list[dict]) -> dict:
+    """The columns of several ranks end to end; a column a rank lacks is None there."""
+    out = {}
+    for name in dict.fromkeys(name for part in parts for name in part):
+        pieces = [part[name] if name in part else [None] * len(part["rank"]) for part in parts]
+        if all(isinstance(piece, np.ndarray) for piece in pieces):
+            out[name] = np.concatenate(pieces)
+        else:
+            out[name] = [value for piece in pieces for value in piece]
+    return out
 
 
 def open_run(path: Union[str, Path], source: str = "auto") -> Run:

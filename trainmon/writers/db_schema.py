@@ -48,6 +48,10 @@ CREATE INDEX IF NOT EXISTS records_tag_step ON records (tag_id, step);
 CREATE INDEX IF NOT EXISTS records_step_tag ON records (step, tag_id);
 -- the post-mortem reads only the non-finite records: a partial index holds just those
 CREATE INDEX IF NOT EXISTS records_nonfinite ON records (step, call_index) WHERE nans > 0 OR infs > 0;
+-- and each tag's first non-finite step, a seek per tag (a database without it is read by a scan); it
+-- holds the columns of its condition so that reading it needs no table row
+CREATE INDEX IF NOT EXISTS records_nonfinite_tag ON records (tag_id, step, micro_step, nans, infs)
+    WHERE nans > 0 OR infs > 0;
 CREATE TABLE IF NOT EXISTS scalars (
     name   TEXT NOT NULL,
     step   INTEGER NOT NULL,
@@ -75,8 +79,12 @@ CREATE TABLE IF NOT EXISTS anomalies (
     first INTEGER NOT NULL, is_nan INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS anomalies_order ON anomalies (step, micro_step, rank, call_index);
+-- the post-mortem's first non-finite anomaly of each (phase, module), and the collectives' (read.db_nonfinite);
+-- it holds the columns of its condition so that reading it needs no table row
+CREATE INDEX IF NOT EXISTS anomalies_nonfinite ON anomalies (phase, module, step, op, is_nan, value)
+    WHERE op IN ('nans', 'infs', 'nonfinite') OR is_nan = 1 OR value IN (9e999, -9e999);
 """
-# The condition of the partial index `records_nonfinite`; a query must spell it the same to use it.
+# The condition of the partial indexes `records_nonfinite` and `records_nonfinite_tag`; a query must spell it the same to use it.
 NONFINITE_RECORD = "nans > 0 OR infs > 0"
 
 INSERT_RECORD = (f"INSERT INTO records (tag_id, step, micro_step, call_index, pp_stage, "

@@ -26,10 +26,13 @@ _ORDER = ("family", "name", "vpp_stage", "micro_step", "step", "call_index", "pp
 @dataclass
 class Columns:
     """Records as columns (`data`: name -> numpy array, or list where values are None or objects), and
-    per figure the rows where it has no value (`missing`)."""
+    per figure the rows where it has no value (`missing`). `tag_at` is each row's index into `tags`, the
+    (family, name, vpp_stage) of the database's tags: a consumer grouping rows by tensor needs no strings."""
 
     data: dict = field(default_factory=dict)
     missing: dict = field(default_factory=dict)
+    tags: list = field(default_factory=list)
+    tag_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.data["step"]) if self.data else 0
@@ -71,7 +74,7 @@ def read_columns(conn: sqlite3.Connection, ops: list[str], family: Optional[str]
     ints = {name: np.array(values[position], dtype=np.int64)
             for position, name in enumerate(("step", "call_index", "pp_stage", "nan_fields"), 2)}
     columns = {**per_tag, **ints, "micro_step": list(values[1])}  # micro_step None: once per step
-    out = Columns({name: columns[name] for name in _ORDER})
+    out = Columns({name: columns[name] for name in _ORDER}, tags=[(t[1], t[2], t[3]) for t in tags], tag_at=at)
     stored = {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}  # NULL is NaN
     out.data.update({RAW_PREFIX + f: stored[f] for f in FIELDS})
     for op in ops:

@@ -2,8 +2,9 @@
 
 Per (family, tensor name, op) the step's values of every rank and micro-step are reduced to min, median
 and max, and the rank holding the max is kept, so an outlier rank is one click away. NaN is never
-dropped: a NaN value makes the max NaN (and names its rank); min and median are taken over the other
-values (NaN when there are none). ±Inf is kept as it is.
+dropped: a NaN value makes the max NaN (and names its rank, the smallest one holding a NaN); min and
+median are taken over the other values (NaN when there are none). ±Inf is kept as it is. Ties at the
+max name the smallest rank. The values of a chunk of steps of every rank are reduced at once with numpy.
 
 Tags are `<family>/<layer>/<tensor>/<op>_<stat>`: TensorBoard groups tags by their first component and
 its tag filter (a regex) then narrows by layer. Training scalars (loss, ...) and the global grad norm
@@ -16,6 +17,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
+
+import numpy as np
 
 from trainmon.monitor.config_keys import STAT_OPS
 from trainmon.monitor.records import GRAD_REDUCED, GRAD_UNREDUCED
@@ -55,57 +58,66 @@ def _stat_tags(family: str, name: str, vpp_stage: int, op: str) -> tuple[str, st
     return f"{base}_min", f"{base}_median", f"{base}_max", f"{base}_{MAX_RANK}"
 
 
-def cross_rank(values: list[tuple[float, int]]) -> tuple[float, float, float, int]:
-    """(min, median, max, rank of the max) of (value, rank) pairs; see the module docstring for NaN."""
-    # plain Python: the lists are one value per rank and micro-step, where numpy's call overhead dominates
-    if len(values) == 1 and values[0][0] == values[0][0]:
-        value, rank = values[0]
-        return value, value, value, rank
-    ordered = sorted(pair for pair in values if pair[0] == pair[0])
-    nan_ranks = [rank for value, rank in values if value != value]
-    if not ordered:
-        return math.nan, math.nan, math.nan, nan_ranks[0]
-    n = len(ordered)
-    median = ordered[n // 2][0] if n % 2 else (ordered[n // 2 - 1][0] + ordered[n // 2][0]) / 2
-    top = max(values, key=lambda pair: (pair[0], -pair[1])) if not nan_ranks else (math.nan, nan_ranks[0])
-    return ordered[0][0], median, top[0], top[1]
+def reduce_groups(group: np.ndarray, rank: np.ndarray, value: np.ndarray) -> tuple:
+    """Per group id (ascending): (ids, min, median, max, rank of the max) of the values; see the module
+    docstring for NaN. One sort: by group, then value (NaN last), then rank descending, so that a group's
+    last value is its largest, held by the smallest rank, or a NaN of the smallest rank holding one."""
+    order = np.lexsort((-rank, value, group))
+    group, rank, value = group[order], rank[order], value[order]
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    ends = np.r_[starts[1:], len(group)] - 1
+    count = np.add.reduceat(~np.isnan(value), starts)  # the values that are not NaN lead each group
+    low, high = starts + np.maximum(count - 1, 0) // 2, starts + count // 2
+    with np.errstate(invalid="ignore", over="ignore"):
+        median = np.where(count % 2 == 1, value[high], (value[low] + value[high]) / 2)
+    empty = count == 0
+    return (group[starts], np.where(empty, np.nan, value[starts]), np.where(empty, np.nan, median), value[ends],
+            rank[ends])
+
+
+def cross_rank(values: dict[int, float]) -> tuple[float, float, float, int]:
+    """(min, median, max, rank of the max) of one value per rank."""
+    ranks = np.fromiter(values, dtype=np.int64, count=len(values))
+    _, low, median, high, high_rank = reduce_groups(np.zeros(len(values), dtype=np.int64), ranks,
+                                                    np.fromiter(values.values(), dtype=np.float64, count=len(values)))
+    return float(low[0]), float(median[0]), float(high[0]), int(high_rank[0])
+
+
+@dataclass
+class StepRows:
+    """One step's records of every rank, kept for the per-rank heatmap of the latest step."""
+
+    keys: list  # (family, name, vpp) of `tag`
+    tag: np.ndarray
+    rank: np.ndarray
+    values: dict  # op -> figures, NaN where `present` is False
+    present: dict
+
+    def rank_maxima(self, op: str) -> dict[str, dict[str, dict[int, float]]]:
+        """{family: {label: {rank: value}}}: per rank the largest over its micro-steps (NaN wins)."""
+        out: dict = {}
+        if op not in self.values:
+            return out
+        rows, width = self.present[op], int(self.rank.max(initial=0)) + 1
+        ids, _, _, high, high_rank = reduce_groups(self.tag[rows] * width + self.rank[rows], self.rank[rows],
+                                                   self.values[op][rows])
+        for tag, rank, value in zip((ids // width).tolist(), high_rank.tolist(), high.tolist()):
+            family, name, vpp = self.keys[tag]
+            out.setdefault(family, {}).setdefault(label_of(name, vpp), {})[rank] = value
+        return out
 
 
 @dataclass
 class StepFigures:
-    """What one step holds across ranks, gathered before it is turned into tags."""
+    """What one step holds across ranks, reduced, before it is turned into tags."""
 
     step: int
-    values: dict[Key, list[tuple[float, int]]] = field(default_factory=dict)
+    stats: dict[Key, tuple[float, float, float, int]] = field(default_factory=dict)  # min, median, max, max rank
     per_rank: dict[tuple, float] = field(default_factory=dict)  # (rank, family, name, vpp, micro, op)
     scalars: dict[str, dict[int, float]] = field(default_factory=dict)
     grad_sumsq: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> family -> sum of norm²
     nonfinite: bool = False
-
-    def add_rows(self, rank: int, rows: Iterable[dict], ranks_kept: frozenset) -> None:
-        for row in rows:
-            family, name, vpp = row["family"], row["name"], row["vpp_stage"]
-            for op in STAT_OPS:
-                value = row.get(op)
-                if value is None:
-                    continue
-                self.values.setdefault((family, name, vpp, op), []).append((value, rank))
-                if rank in ranks_kept:
-                    self.per_rank[(rank, family, name, vpp, row["micro_step"], op)] = value
-            if (row.get("nans") or 0) > 0 or (row.get("infs") or 0) > 0 or row.get("raw_nans", 0) > 0 \
-                    or row.get("raw_infs", 0) > 0:
-                self.nonfinite = True
-            if family in (GRAD_REDUCED, GRAD_UNREDUCED) and row["micro_step"] is None:
-                sumsq = row.get("raw_sumsq")
-                if sumsq is None and row.get("norm") is not None:
-                    sumsq = row["norm"] ** 2
-                if sumsq is not None:
-                    totals = self.grad_sumsq.setdefault(rank, {})
-                    totals[family] = totals.get(family, 0.0) + sumsq
-
-    def add_scalars(self, rank: int, rows: Iterable[dict]) -> None:
-        for row in rows:
-            self.scalars.setdefault(row["name"], {})[rank] = row["value"]
+    rows: Optional[StepRows] = None
 
     def grad_norms(self) -> dict[int, float]:
         """The global grad norm per rank: the logged `grad_norm` scalar, else from the reduced grads'
@@ -129,19 +141,67 @@ class StepFigures:
     def tag_values(self) -> list[tuple[str, float]]:
         """(tag, value) of everything this step writes."""
         out = []
-        for (family, name, vpp, op), values in self.values.items():
-            low, median, high, high_rank = cross_rank(values)
-            tags = _stat_tags(family, name, vpp, op)
+        for key, (low, median, high, high_rank) in self.stats.items():
+            tags = _stat_tags(*key)
             out += [(tags[0], low), (tags[1], median), (tags[2], high), (tags[3], float(high_rank))]
         for (rank, family, name, vpp, micro, op), value in self.per_rank.items():
             suffix = "" if micro is None else f":{micro}"
             out.append((f"rank{rank}/{tag_base(family, name, vpp)}{suffix}/{op}", value))
         for name, by_rank in self.scalar_series().items():
-            low, median, high, high_rank = cross_rank([(v, r) for r, v in by_rank.items()])
+            low, median, high, high_rank = cross_rank(by_rank)
             out += [(f"{SCALARS}/{name}/min", low), (f"{SCALARS}/{name}/median", median),
                     (f"{SCALARS}/{name}/max", high), (f"{SCALARS}/{name}/{MAX_RANK}", float(high_rank))]
             out += [(f"{SCALARS}/{name}/rank{rank}", value) for rank, value in sorted(by_rank.items())]
         return out
+
+
+def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int, StepFigures]:
+    """The figures of each step of one chunk of steps read from every rank (`chunk.RankChunk`s, in rank
+    order), reduced across ranks with numpy: memory is ranks x tags x the chunk's steps."""
+    index: dict = {}  # (family, name, vpp) -> its number across ranks
+    parts = []
+    for chunk in chunks:
+        remap = np.array([index.setdefault(key, len(index)) for key in chunk.keys], dtype=np.int64)
+        parts.append((chunk, remap[chunk.tag] if len(chunk.tag) else chunk.tag))
+    keys = list(index)
+    figures: dict[int, StepFigures] = {}
+
+    def at(step: int) -> StepFigures:
+        return figures.setdefault(step, StepFigures(step))
+
+    if parts:
+        step = np.concatenate([chunk.step for chunk, _ in parts])
+        tag = np.concatenate([tags for _, tags in parts])
+        rank = np.concatenate([np.full(len(chunk.step), chunk.rank, dtype=np.int64) for chunk, _ in parts])
+        ops = [op for op in STAT_OPS if any(op in chunk.values for chunk, _ in parts)]
+        values, present = {}, {}
+        for op in ops:
+            values[op] = np.concatenate([c.values.get(op, np.full(len(c.step), np.nan)) for c, _ in parts])
+            present[op] = np.concatenate([c.present.get(op, np.zeros(len(c.step), dtype=bool)) for c, _ in parts])
+        first, width = int(step.min(initial=0)), max(len(keys), 1)
+        for op in ops:
+            rows = present[op]
+            reduced = reduce_groups((step[rows] - first) * width + tag[rows], rank[rows], values[op][rows])
+            for group, low, median, high, high_rank in zip(*(column.tolist() for column in reduced)):
+                family, name, vpp = keys[group % width]
+                at(first + group // width).stats[(family, name, vpp, op)] = (low, median, high, high_rank)
+        by_step = np.argsort(step, kind="stable")
+        bounds = np.flatnonzero(np.r_[True, np.diff(step[by_step]) != 0, True])
+        for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            rows = by_step[begin:end]
+            at(int(step[rows[0]])).rows = StepRows(keys, tag[rows], rank[rows], {op: values[op][rows] for op in ops},
+                                                  {op: present[op][rows] for op in ops})
+    for chunk in chunks:
+        for number in chunk.nonfinite_steps:
+            at(number).nonfinite = True
+        for number, totals in chunk.grad_sumsq.items():
+            at(number).grad_sumsq[chunk.rank] = totals
+        for row in chunk.scalars:
+            at(row["step"]).scalars.setdefault(row["name"], {})[chunk.rank] = row["value"]
+        if chunk.rank in ranks_kept:
+            for number, family, name, vpp, micro, op, value in chunk.kept:
+                at(number).per_rank[(chunk.rank, family, name, vpp, micro, op)] = value
+    return figures
 
 
 def margin_charts(keys: Iterable[Key], scalar_names: Iterable[str]) -> dict[str, list[tuple[str, str, str, str]]]:
@@ -156,8 +216,3 @@ def margin_charts(keys: Iterable[Key], scalar_names: Iterable[str]) -> dict[str,
         base = f"{SCALARS}/{name}"
         out.setdefault(SCALARS, []).append((name, f"{base}/median", f"{base}/min", f"{base}/max"))
     return out
-
-
-def value_of(values: Optional[list[tuple[float, int]]]) -> Optional[float]:
-    """The max across ranks (what a heatmap shows: an outlier must not be averaged away)."""
-    return None if not values else cross_rank(values)[2]

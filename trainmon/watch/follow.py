@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 from trainmon.read.errors import InputError
 from trainmon.read.layout import RankDir
@@ -92,21 +92,6 @@ class RankFollower:
         if self.latest is None:
             return None
         return self.latest if self.finished else self.latest - 1
-
-    def rows(self, first: int, last: int) -> Iterator[tuple[int, list]]:
-        """(step, rows) of steps first..last, through the read layer; the reader is closed at the end."""
-        reader = self.open()
-        try:
-            yield from reader.rows(None, first, last)
-        finally:
-            reader.close()
-
-    def scalars(self, first: int, last: int) -> list[dict]:
-        reader = self.open()
-        try:
-            return reader.scalars(None, first, last)
-        finally:
-            reader.close()
 
     def nonfinite_after(self, step: int) -> Optional[int]:
         """The first step after `step` with a non-finite record or anomaly (database sources only)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from trainmon.watch.aggregate import GRAD_NORM, StepFigures, label_of, value_of
+from trainmon.watch.aggregate import GRAD_NORM, StepFigures, label_of
 
 LOSS = "loss"
 RANK_SERIES = (LOSS, GRAD_NORM)
@@ -24,27 +24,32 @@ class History:
         self.columns: deque = deque(maxlen=window)  # (step, {family: {label: max across ranks}})
         self.rank_columns: deque = deque(maxlen=window)  # (step, {series: {rank: value}})
         self.rows: dict[str, dict[str, None]] = {}  # family -> labels in order of first appearance
-        self.latest: tuple[Optional[int], dict] = (None, {})  # (step, {family: {label: {rank: value}}})
+        self._latest: Optional[StepFigures] = None  # the newest step with records of `op`
+        self._by_rank: Optional[dict] = None  # its values per rank, once asked for
 
     def add(self, figures: StepFigures) -> None:
         column: dict[str, dict[str, float]] = {}
-        by_rank: dict[str, dict[str, dict[int, float]]] = {}
-        for (family, name, vpp, op), values in figures.values.items():
+        for (family, name, vpp, op), (_, _, high, _) in figures.stats.items():
             if op != self.op:
                 continue
             label = label_of(name, vpp)
             self.rows.setdefault(family, {})[label] = None
-            column.setdefault(family, {})[label] = value_of(values)
-            ranks = by_rank.setdefault(family, {}).setdefault(label, {})
-            for value, rank in values:  # micro-steps of one rank: keep the largest (NaN wins)
-                old = ranks.get(rank)
-                ranks[rank] = value if old is None or value != value or value > old else old
+            column.setdefault(family, {})[label] = high  # the max: an outlier must not be averaged away
         if column:
             self.columns.append((figures.step, column))
-            self.latest = (figures.step, by_rank)
+            self._latest, self._by_rank = figures, None
         series = {name: values for name, values in figures.scalar_series().items() if name in RANK_SERIES}
         if series:
             self.rank_columns.append((figures.step, series))
+
+    @property
+    def latest(self) -> tuple[Optional[int], dict]:
+        """(step, {family: {label: {rank: value}}}) of the newest step, computed when a heatmap is drawn."""
+        if self._latest is None or self._latest.rows is None:
+            return None, {}
+        if self._by_rank is None:
+            self._by_rank = self._latest.rows.rank_maxima(self.op)
+        return self._latest.step, self._by_rank
 
     def steps(self) -> list[int]:
         return [step for step, _ in self.columns]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import sqlite3
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,9 @@ from typing import Callable, Optional
 
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
-from trainmon.watch.aggregate import StepFigures, margin_charts
+from trainmon.watch.aggregate import StepFigures, margin_charts, step_figures
 from trainmon.watch.alerts import AlertTracker
+from trainmon.watch.chunk import read_chunk
 from trainmon.watch.events import ALERT_TAG, WatchEvents
 from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
@@ -27,30 +27,27 @@ CHUNK_STEPS = 16  # steps read per rank at once: memory is ranks x tags x this, 
 
 
 def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset = frozenset(),
-                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None) -> dict[int, StepFigures]:
+                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None,
+                 mapper: Callable = map) -> dict[int, StepFigures]:
     """The figures of steps first..last of the followed ranks, by step.
 
     Args:
         on_error: called for a rank that cannot be read (then left out); None lets the error through.
+        mapper: runs `chunk.read_chunk` over the ranks (`map`, or a process pool's).
 
     Raises:
         InputError: a rank cannot be read and `on_error` is None.
     """
-    figures: dict[int, StepFigures] = {}
-    for follower in followers:
-        try:
-            for step, rows in follower.rows(first, last):
-                figures.setdefault(step, StepFigures(step)).add_rows(follower.rank, rows, ranks_kept)
-            by_step: dict[int, list] = {}
-            for row in follower.scalars(first, last):
-                by_step.setdefault(row["step"], []).append(row)
-            for step, rows in by_step.items():
-                figures.setdefault(step, StepFigures(step)).add_scalars(follower.rank, rows)
-        except (InputError, sqlite3.Error, OSError) as err:
-            if on_error is None:
-                raise
-            on_error(follower, err)
-    return figures
+    tasks = [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers]
+    chunks = []
+    for follower, chunk in zip(followers, mapper(read_chunk, tasks)):
+        if chunk.error is None:
+            chunks.append(chunk)
+        elif on_error is None:
+            raise chunk.error
+        else:
+            on_error(follower, chunk.error)
+    return step_figures(chunks, ranks_kept)
 
 
 @dataclass
@@ -174,7 +171,7 @@ class RunWatcher:
             self.exported = end
 
     def _grow_layout(self, figure: StepFigures) -> None:
-        keys = set(figure.values) - self.layout_keys
+        keys = set(figure.stats) - self.layout_keys
         names = set(figure.scalar_series()) - self.scalar_names
         if keys or names:
             self.layout_keys |= keys

@@ -2,18 +2,21 @@
 alerts, and the state that lets a restarted daemon go on where this one stopped."""
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
+import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
+from trainmon.read.parallel import PARALLEL_FROM
 from trainmon.watch.aggregate import StepFigures, margin_charts, step_figures
 from trainmon.watch.alerts import AlertTracker
-from trainmon.watch.chunk import read_chunk
+from trainmon.watch.chunk import RankChunk, read_chunk
 from trainmon.watch.events import ALERT_TAG, WatchEvents
 from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
@@ -38,16 +41,28 @@ def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kep
     Raises:
         InputError: a rank cannot be read and `on_error` is None.
     """
-    tasks = [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers]
-    chunks = []
-    for follower, chunk in zip(followers, mapper(read_chunk, tasks)):
+    return figures_of(followers, start_reading(followers, first, last, ranks_kept, mapper), ranks_kept, on_error)
+
+
+def start_reading(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset,
+                  mapper: Callable = map) -> Iterator[RankChunk]:
+    """The chunks of steps first..last of the ranks, in their order: with a pool's `map` the workers start
+    at once, so the caller can reduce and write the previous chunk meanwhile."""
+    return mapper(read_chunk, [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers])
+
+
+def figures_of(followers: list[RankFollower], chunks: Iterator[RankChunk], ranks_kept: frozenset,
+               on_error: Optional[Callable[[RankFollower, Exception], None]]) -> dict[int, StepFigures]:
+    """The figures by step of the chunks `start_reading` gave (see `read_figures`)."""
+    read = []
+    for follower, chunk in zip(followers, chunks):
         if chunk.error is None:
-            chunks.append(chunk)
+            read.append(chunk)
         elif on_error is None:
             raise chunk.error
         else:
             on_error(follower, chunk.error)
-    return step_figures(chunks, ranks_kept)
+    return step_figures(read, ranks_kept)
 
 
 @dataclass
@@ -94,6 +109,7 @@ class RunWatcher:
         self.followers: dict[int, RankFollower] = {}
         self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
         self._painter: Optional[ProcessPoolExecutor] = None  # draws the heatmaps beside the export
+        self._readers: Optional[ProcessPoolExecutor] = None  # read the ranks (--once over many ranks)
         self._drawing: Optional[tuple[int, Future]] = None  # (step, pictures being drawn)
         # a draw that an earlier daemon started and never wrote (killed): drawn again after the restart
         self._redraw: Optional[int] = state.get("drawing")
@@ -149,16 +165,28 @@ class RunWatcher:
                                             for f in self.followers.values() if f.error is None)
 
     # --------------------------------------------------------------------------------- export
-    def _figures(self, first: int, last: int, followers: list[RankFollower]) -> dict[int, StepFigures]:
-        def skip(follower: RankFollower, err: Exception) -> None:
-            # it was readable a moment ago: the next poll reports it and leaves it out
-            logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
-        return read_figures(followers, first, last, self.options.ranks, skip)
+    def _skip(self, follower: RankFollower, err: Exception) -> None:
+        # it was readable a moment ago: the next poll reports it and leaves it out
+        logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
+
+    def _mapper(self, followers: list[RankFollower]) -> Callable:
+        """`map`, or for `--once` over many ranks a pool's: reading is most of the export's work, and a
+        finished run has all its steps there to read ahead. (A live daemon reads a few steps a poll.)"""
+        if not self.options.once or len(followers) < PARALLEL_FROM:
+            return map
+        if self._readers is None:
+            self._readers = ProcessPoolExecutor(os.cpu_count() or 1, mp_context=_fork_context())
+        return functools.partial(self._readers.map, chunksize=max(1, len(followers) // (4 * (os.cpu_count() or 1))))
 
     def _export(self, first: int, last: int, followers: list[RankFollower]) -> None:
-        for start in range(first, last + 1, CHUNK_STEPS):
-            end = min(last, start + CHUNK_STEPS - 1)
-            figures = self._figures(start, end, followers)
+        spans = [(start, min(last, start + CHUNK_STEPS - 1)) for start in range(first, last + 1, CHUNK_STEPS)]
+        mapper, ranks = self._mapper(followers), self.options.ranks
+        reading = start_reading(followers, *spans[0], ranks, mapper)
+        for number, (start, end) in enumerate(spans):
+            chunks = reading
+            if number + 1 < len(spans):  # a pool reads the next chunk while this one is written
+                reading = start_reading(followers, *spans[number + 1], ranks, mapper)
+            figures = figures_of(followers, chunks, ranks, self._skip)
             for step in sorted(figures):
                 figure = figures[step]
                 self.events.scalars(step, figure.tag_values())
@@ -181,7 +209,8 @@ class RunWatcher:
     def _refill_history(self) -> None:
         self._refill = False
         first = max(0, self.exported - self.options.window + 1)
-        figures = self._figures(first, self.exported, [f for f in self.followers.values() if f.error is None])
+        followers = [f for f in self.followers.values() if f.error is None]
+        figures = read_figures(followers, first, self.exported, self.options.ranks, self._skip, self._mapper(followers))
         for step in sorted(figures):
             self.history.add(figures[step])
 
@@ -197,9 +226,7 @@ class RunWatcher:
         self._collect_pictures(wait=True)
         alert = self.alerts.current
         if self._painter is None:
-            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                                  else None)
-            self._painter = ProcessPoolExecutor(1, mp_context=context)
+            self._painter = ProcessPoolExecutor(1, mp_context=_fork_context())
         self._drawing = (step, self._painter.submit(pictures, self.history, alert["first"] if alert else None))
         self._collect_pictures(wait=wait)
 
@@ -233,7 +260,13 @@ class RunWatcher:
         self._collect_pictures(wait=True)
         if self.exported >= 0 and self.drawn_at != self.exported:
             self.draw(self.exported, wait=True)
-        if self._painter is not None:
-            self._painter.shutdown()
+        for pool in (self._painter, self._readers):
+            if pool is not None:
+                pool.shutdown()
         self._save()
         self.events.close()
+
+
+def _fork_context():
+    """fork where there is one: workers start at once, with trainmon already imported."""
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)

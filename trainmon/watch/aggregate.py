@@ -156,8 +156,8 @@ class StepFigures:
 
 
 def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int, StepFigures]:
-    """The figures of each step of one chunk of steps read from every rank (`chunk.RankChunk`s, in rank
-    order), reduced across ranks with numpy: memory is ranks x tags x the chunk's steps."""
+    """The figures of each step of one chunk of steps read from every rank (`chunk.RankChunk`s), reduced
+    across ranks with numpy: memory is ranks x tags x the chunk's steps."""
     index: dict = {}  # (family, name, vpp) -> its number across ranks
     parts = []
     for chunk in chunks:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
+from trainmon.monitor import stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.sentinel import nan_sentinel
 from trainmon.monitor.state import HookState
@@ -31,7 +32,7 @@ def main() -> None:
     model = TinyGPT(vocab=1024, hidden=256, layers=4, heads=4, seq=128)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    state = HookState(StepCollector(1e-8, ["norm"], rank=0), grad_acc_steps=1, strict=True)
+    state = HookState(StepCollector(1e-8, stats.fields_for_ops(["norm"]), rank=0), grad_acc_steps=1, strict=True)
     sentinel = nan_sentinel(state, [model], squash_name=False, rename=lambda vpp, name: name)
     timings: dict[bool, list[float]] = {True: [], False: []}
     for step in range(args.warmup + args.steps):

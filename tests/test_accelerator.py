@@ -91,7 +91,7 @@ def test_the_host_copy_is_waited_for_on_any_accelerator(monkeypatch):
     monkeypatch.setattr(torch, "Event", _Event)
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: STREAM)
     rows = stats.tensor_records([torch.tensor([1.0, -2.0, 0.0, 4.0])], 1e-8, frozenset(stats.FIELDS))
-    collector = StepCollector(1e-8, stats.OPS, rank=0)
+    collector = StepCollector(1e-8, stats.fields_for_ops(stats.OPS), rank=0)
     collector.record_rows([RecordKey("actv", "layer.output", 0, 0, 0, (4,), "torch.float32")],
                           LateDeviceTensor(rows))
     collector.add_scalar("loss", LateDeviceTensor(torch.tensor(2.5, dtype=torch.float64)))
@@ -103,7 +103,7 @@ def test_the_host_copy_is_waited_for_on_any_accelerator(monkeypatch):
 
 
 def test_on_the_cpu_the_copy_is_done_at_once():
-    collector = StepCollector(1e-8, stats.OPS, rank=0)
+    collector = StepCollector(1e-8, stats.fields_for_ops(stats.OPS), rank=0)
     rows = stats.tensor_records([torch.tensor([3.0, 4.0])], 1e-8, frozenset(stats.FIELDS))
     collector.record_rows([RecordKey("actv", "x", 0, 0, 0, (2,), "torch.float32")], rows)
     batch = collector.finish_step()

@@ -16,7 +16,8 @@ def test_merged_pieces_equal_the_whole_tensor():
     whole[0][[3, 17]] = float("nan")
     whole[0][5] = float("inf")
     whole[1][2, 2] = 0.0
-    state = HookState(StepCollector(1e-8, ["norm", "min", "max", "mean", "zeros", "nans", "infs"], 0), 1, True)
+    fields = stats.fields_for_ops(["norm", "min", "max", "mean", "zeros", "nans", "infs"])
+    state = HookState(StepCollector(1e-8, fields, 0), 1, True)
     # three "ranks": the second holds nothing of the second tensor
     flat = whole[1].reshape(-1)
     pieces = [[whole[0][:10], flat[:20]], [whole[0][10:25], None], [whole[0][25:], flat[20:]]]

@@ -32,10 +32,10 @@ class StepCollector:
     in `dropped_in_place`, and its name is reduced at once from then on.
     """
 
-    def __init__(self, eps: float, ops: Sequence[str], rank: int, pp_stage: int = 0,
+    def __init__(self, eps: float, fields: stats.FieldSet, rank: int, pp_stage: int = 0,
                  batch_bytes: int = 32 << 20):
         self.eps = eps
-        self.fields = stats.fields_for_ops(ops)
+        self.fields = fields  # what each record computes: stats.fields_for_ops
         self.rank = rank
         self.pp_stage = pp_stage
         self.batch_bytes = batch_bytes

@@ -149,10 +149,7 @@ class TrainerMon:
 
         if self.config.config_check.enable:
             self._config_capture = _start_config_capture(self.config, self._chunks, self.output_dir.parent)
-        collector = StepCollector(self.config.eps, self.config.ops, self.rank, self._adapter.pp_stage(),
-                                  batch_bytes=self.config.stats_batch_mb << 20)
-        collector.fields = record_fields(self.config)
-        self._state = HookState(collector, self._grad_acc_steps, self.config.strict)
+        self._state = HookState(self._new_collector(), self._grad_acc_steps, self.config.strict)
         self._writer = self._start_writer()
         if dynamic_enabled():
             self._dynamic = DynamicConfigWatcher(self.config_path, str(self.output_dir / "dynamic_state.json"))
@@ -160,9 +157,7 @@ class TrainerMon:
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
         self._sigterm.install()
-        global_rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
-            torch.distributed.is_initialized() else 0
-        if self.config.watch.enable and global_rank == 0:
+        if self.config.watch.enable and distributed_rank()[0] == 0:
             self.watch_process = spawn_watch(self.output_dir.parent, self.config.watch)
 
     def _start_writer(self) -> AsyncWriter:
@@ -215,9 +210,7 @@ class TrainerMon:
                 drain=self._writer.drain, processor=self._anomalies))
         self._eval_collector = state.eval_collector = None  # armed when a step has been applied (_end_step)
         if config.eval_xy_distribution and config.xy_distribution and writes:
-            self._eval_collector = StepCollector(config.eps, config.ops, self.rank, self._adapter.pp_stage(),
-                                                 batch_bytes=config.stats_batch_mb << 20)
-            self._eval_collector.fields = record_fields(config)
+            self._eval_collector = self._new_collector()
         if config.xy_distribution and writes:  # activations are never merged across ranks
             modules = watched_modules(self._chunks, config)
             for watched in modules:
@@ -285,6 +278,11 @@ class TrainerMon:
                 continue
             installed.append(hooks)
         self._hooks = installed
+
+    def _new_collector(self) -> StepCollector:
+        config = self.config
+        return StepCollector(config.eps, record_fields(config), self.rank, self._adapter.pp_stage(),
+                             batch_bytes=config.stats_batch_mb << 20)
 
     def _dump_modules(self, chosen) -> list:
         """(name, module) of the modules `dump.modules` chooses: "all", or names with what is inside them."""

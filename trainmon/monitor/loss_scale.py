@@ -13,27 +13,31 @@ records them as a rate instead of leaving them silent. Scalars (names in trainmo
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional
 
 import torch
 
 from trainmon.monitor.patching import patch_attribute
 
-logger = logging.getLogger("trainmon")
 LOSS_SCALE, SKIPPED, UPDATES = "loss_scale", "amp_skipped_steps", "amp_updates"
 
 
 class LossScaleWatch:
-    """Records loss-scale scalars through `log_scalar(name, value)`; `install`/`remove` like other hooks."""
+    """Records loss-scale scalars through `log_scalar(name, value)`; `install`/`remove` like other hooks.
 
-    def __init__(self, log_scalar: Callable[[str, object], None], optimizer=None):
+    `guard(item, fn)` is HookState.guarded: a scaler of an unexpected shape turns these scalars off, once,
+    and never training.
+    """
+
+    def __init__(self, log_scalar: Callable[[str, object], None], guard: Callable[[str, Callable], Callable],
+                 optimizer=None):
         self._log = log_scalar
         self._optimizer = optimizer
         self._skipped: Optional[torch.Tensor] = None
         self._updates = 0
         self._restore: Optional[Callable[[], None]] = None
-        self._failed = False
+        self._before_update = guard("loss-scale events", self._read_grad_scaler)
+        self._read_framework = guard("loss-scale events", self._read_framework_scaler)
 
     def install(self) -> None:
         original = torch.amp.GradScaler.update
@@ -41,7 +45,7 @@ class LossScaleWatch:
 
         def update(scaler, new_scale=None):
             if new_scale is None and getattr(scaler, "_enabled", False):
-                watch._guard(watch._before_update, scaler)
+                watch._before_update(scaler)
             return original(scaler, new_scale)
 
         self._restore = patch_attribute(torch.amp.GradScaler, "update", update)
@@ -51,18 +55,7 @@ class LossScaleWatch:
             self._restore()
             self._restore = None
 
-    def _guard(self, read, *args) -> None:
-        # Monitoring never takes training down: a scaler of an unexpected shape is reported once.
-        if self._failed:
-            return
-        try:
-            read(*args)
-        except Exception as err:
-            self._failed = True
-            logger.error("trainmon: loss-scale events are not recorded (%s: %s); training continues",
-                         type(err).__name__, err)
-
-    def _before_update(self, scaler) -> None:
+    def _read_grad_scaler(self, scaler) -> None:
         found = [f for state in scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
         if not found or scaler._scale is None:
             return
@@ -79,9 +72,9 @@ class LossScaleWatch:
     def step_finished(self) -> None:
         """Reads a framework's loss scaler at the end of a monitor step (DeepSpeed, Megatron), if any."""
         if self._optimizer is not None:
-            self._guard(self._read_framework)
+            self._read_framework()
 
-    def _read_framework(self) -> None:
+    def _read_framework_scaler(self) -> None:
         opt = self._optimizer
         grad_scaler = getattr(opt, "grad_scaler", None)                # Megatron
         if grad_scaler is not None and getattr(grad_scaler, "scale", None) is not None:

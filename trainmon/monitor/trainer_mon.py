@@ -238,7 +238,7 @@ class TrainerMon:
             update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step,
             before_update=before_update))
         self._hooks.append(ForwardPasses(state, self._chunks))
-        self._loss_scale = LossScaleWatch(self.log_scalar, self._optimizer)
+        self._loss_scale = LossScaleWatch(self.log_scalar, state.guarded, self._optimizer)
         self._hooks.append(self._loss_scale)
         if config.dump is not None and self._dump_sink is not None:
             self._hooks.append(TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks,

@@ -8,6 +8,12 @@ and the all_reduce's input and output. An Inf enters one rank's `layers.3` forwa
 all_reduce; from the next step every parameter, and so every record, is non-finite on every rank.
 
     python benchmarks/generate_run.py OUT --ranks 1024 --steps 1000
+
+Writing costs about 9 ms of CPU per rank and step. For the cost of reading many ranks, which does not
+depend on their values, `--copies-to N` fills the run up to N ranks with copies of the ranks written
+(their rank rewritten in run.json and in the database):
+
+    python benchmarks/generate_run.py OUT --ranks 32 --steps 1000 --copies-to 256
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import argparse
 import json
 import logging
 import math
+import shutil
+import sqlite3
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,6 +37,7 @@ from trainmon.monitor.output import run_metadata
 from trainmon.monitor.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, RecordKey, StepBatch)
 from trainmon.monitor import stats
+from trainmon.writers import db_schema
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 
@@ -110,6 +119,19 @@ def write_rank(job: tuple) -> None:
         sinks.close()
 
 
+def copy_rank(job: tuple) -> None:
+    """Copies rank `source` of the run to rank `rank` (job: out, source, rank)."""
+    out, source, rank = job
+    target = Path(out) / f"rank_{rank}"
+    shutil.copytree(Path(out) / f"rank_{source}", target)
+    metadata = json.loads((target / "run.json").read_text())
+    (target / "run.json").write_text(json.dumps({**metadata, "rank": rank}))
+    conn = sqlite3.connect(target / db_schema.DB_NAME)
+    with conn:
+        db_schema.write_meta(conn, {"rank": rank})
+    conn.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="the run directory to write (rank_<R>/ per rank)")
@@ -118,6 +140,8 @@ def main() -> None:
     parser.add_argument("--origin-rank", type=int, default=None, help="the rank the Inf starts on (default: ranks/3)")
     parser.add_argument("--inf-step", type=int, default=None, help="default: 70%% of the steps")
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--copies-to", type=int, default=None, metavar="N",
+                        help="then fill the run up to N ranks with copies of the ranks written")
     args = parser.parse_args()
     # the online alerts of every step would flood the terminal; the forked workers inherit the level
     logging.getLogger("trainmon").setLevel(logging.ERROR)
@@ -127,8 +151,10 @@ def main() -> None:
     jobs = [(args.out, rank, args.ranks, args.steps, origin, inf_step) for rank in range(args.ranks)]
     with ProcessPoolExecutor(args.workers) as pool:
         list(pool.map(write_rank, jobs))
+        copies = [(args.out, rank % args.ranks, rank) for rank in range(args.ranks, args.copies_to or 0)]
+        list(pool.map(copy_rank, copies))
     print(f"wrote {args.ranks} ranks x {args.steps} steps to {args.out} in {time.perf_counter() - started:.0f} s; "
-          f"Inf from rank {origin} step {inf_step}")
+          f"Inf from rank {origin} step {inf_step}" + (f"; copied to {args.copies_to} ranks" if copies else ""))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 a database (`db_nonfinite`), and records as columns (`db_columns`)."""
 import json
 import math
+import shutil
 import sqlite3
 
+import numpy as np
 import pytest
 
 from trainmon.anomaly.db_anomalies import AnomalyTable
@@ -13,7 +15,9 @@ from trainmon.read import find_run, open_run
 from trainmon.read import jsonl
 from trainmon.read.database import DbRankReader
 from trainmon.read.db_nonfinite import record_event
+from trainmon.monitor.records import RecordKey
 from trainmon.writers import db_schema
+from trainmon.writers.db_sink import MonitorDb
 
 OPS = ["min", "max", "norm", "mean", "zeros", "nans", "infs", "sat"]
 # family, name: the tags of the fixture (two share a module: layers.1's input and output)
@@ -159,3 +163,68 @@ def test_the_steps_of_a_jsonl_are_read_at_once_or_by_the_regex(tmp_path):
     warnings = []
     assert list(jsonl.read_jsonl(path, warnings.append, {7, 9}.__contains__)) == events[4:6]
     assert len(warnings) == 1
+
+
+def _columns(path, family=None, first=None, last=None):
+    reader = DbRankReader(path)
+    try:
+        return reader.columns(family, first, last)
+    finally:
+        reader.close()
+
+
+def _assert_same_columns(got, want):
+    assert list(got.data) == list(want.data) and len(got) == len(want) > 0
+    for name, column in want.data.items():
+        if isinstance(column, np.ndarray):
+            assert got.data[name].dtype == column.dtype, name
+            np.testing.assert_array_equal(got.data[name], column, err_msg=name)
+        else:
+            assert got.data[name] == column, name
+    for op, missing in want.missing.items():
+        np.testing.assert_array_equal(got.missing[op], missing, err_msg=op)
+
+
+def _write_blocks_run(path, steps):
+    """Batches as a writer commits them: NaN and Inf fields, fields not recorded, micro-steps, records out of
+    call order, and two batches of one step."""
+    keys = [RecordKey("actv", "layers.1.output", 0, 1, 5, (4,), "torch.float32"),
+            RecordKey("actv", "layers.0.output", 0, 0, 2, (4,), "torch.float32"),
+            RecordKey("actv", "layers.0.output", 0, 1, 3, (4,), "torch.float32"),
+            RecordKey("grad_reduced", "layers.1.weight", 1, None, 9, (4, 4), "torch.bfloat16")]
+    db = MonitorDb(path)
+    db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "ops": OPS})
+    for step in steps:
+        values = np.random.default_rng(step).normal(size=(len(keys), len(db_schema.FIELDS)))
+        values[0, db_schema.FIELDS.index("sum")] = math.nan
+        values[1, db_schema.FIELDS.index("max")] = math.inf
+        values[:, db_schema.FIELDS.index("count")] = [4, 0, 3, 16]
+        recorded = np.ones_like(values, dtype=bool)
+        recorded[2, db_schema.FIELDS.index("sat")] = False
+        db.add_step(step, step % 2, keys, values, {"loss": 1.0}, recorded)
+        if step % 3 == 0:  # a second batch of the step
+            db.add_step(step, step % 2, keys[:2], values[:2] * 2, {})
+    db.close()
+
+
+def test_blocks_and_records_give_the_same_columns(tmp_path):
+    """The `record_blocks` table gives the columns `records` gives; a database without it (schema version 2),
+    and one that a version 3 writer appended to, are read from `records` where a step lacks its block."""
+    blocks, records = tmp_path / "blocks.db", tmp_path / "records.db"
+    _write_blocks_run(blocks, range(8))
+    shutil.copy(blocks, records)
+    conn = sqlite3.connect(records)
+    conn.execute("DROP TABLE record_blocks")
+    conn.close()  # checkpoints: the copy below has no -wal beside it
+    for family, first, last in [(None, None, None), ("actv", 2, 5), ("grad_reduced", 3, None), (None, 6, 6)]:
+        _assert_same_columns(_columns(blocks, family, first, last), _columns(records, family, first, last))
+    appended = tmp_path / "appended.db"
+    shutil.copy(records, appended)
+    _write_blocks_run(appended, range(8, 12))  # reopened: gains the table, later steps get blocks
+    conn = sqlite3.connect(appended)
+    assert [s for (s,) in conn.execute("SELECT DISTINCT step FROM record_blocks")] == [8, 9, 10, 11]
+    conn.close()
+    whole = tmp_path / "whole.db"
+    _write_blocks_run(whole, range(12))
+    for first, last in [(None, None), (5, 9), (8, 11)]:
+        _assert_same_columns(_columns(appended, None, first, last), _columns(whole, None, first, last))

@@ -38,8 +38,9 @@ def register(subparsers) -> None:
     parser.add_argument("--exit-on-anomaly", action="store_true", help="exit (status 3) after the first alert")
     parser.add_argument("--stall-after", type=positive_seconds, default=300.0, metavar="S",
                         help="report a rank that commits no step for S seconds as stalled (default 300)")
-    parser.add_argument("--heatmap-every", type=positive_int, default=50, metavar="N",
-                        help="redraw the heatmaps every N steps (default 50), and at exit")
+    parser.add_argument("--heatmap-every", type=positive_int, metavar="N",
+                        help="redraw the heatmaps every N steps, and at exit (default: 50; with --once, "
+                             "only at exit)")
     parser.add_argument("--op", default="norm", help="the op the module heatmaps show (default norm)")
     parser.add_argument("--window", type=positive_int, default=200, metavar="N", help="steps the heatmaps show")
     parser.add_argument("--source", choices=("auto", "db", "csv"), default="auto",

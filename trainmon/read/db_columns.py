@@ -1,12 +1,15 @@
-"""A database's records as columns: one query, numpy arrays, the figures derived for every row at once.
+"""A database's records as columns: numpy arrays, the figures derived for every row at once.
 
 `DbRankReader.rows` builds one dict per record, which is what a step-by-step consumer wants; a DataFrame
-(`open_run`) or an Arrow table (`export`) wants columns, and building them from dicts cost ~100 µs per
-record. The columns have the names of `rows`' keys, with the same values: a figure without a value
-(`rows` gives None) is NaN here and marked in `Columns.missing`.
+(`open_run`), an Arrow table (`export`) or the daemon's cross-rank reduction wants columns. They come from
+the `record_blocks` table, one array per step batch (sqlite3 building a tuple per row of `records` cost
+~4.5 µs per record, more than everything else the daemon does with it), or from `records` where the steps
+have no blocks (databases of schema version 2 and older). The columns have the names of `rows`' keys, with
+the same values: a figure without a value (`rows` gives None) is NaN here and marked in `Columns.missing`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from dataclasses import dataclass, field
@@ -25,17 +28,37 @@ _ORDER = ("family", "name", "vpp_stage", "micro_step", "step", "call_index", "pp
 
 @dataclass
 class Columns:
-    """Records as columns (`data`: name -> numpy array, or list where values are None or objects), and
-    per figure the rows where it has no value (`missing`). `tag_at` is each row's index into `tags`, the
-    (family, name, vpp_stage) of the database's tags: a consumer grouping rows by tensor needs no strings."""
+    """Records as columns, and per figure the rows where it has no value (`missing`).
 
-    data: dict = field(default_factory=dict)
+    `rows`: the per-row numbers (name -> numpy array: step, call_index, pp_stage, nan_fields, micro_step with
+    NO_MICRO_STEP for a once-per-step record, the stored fields `raw_<field>` and the figures); `tag_at`: each
+    row's index into `tags`, the (family, name, vpp_stage) of the database's tags, and `tag_info` their
+    (shape, dtype): a consumer grouping rows by tensor needs no strings. `data` adds the tags' columns, with
+    `rows`' keys and values (micro_step None for once per step), as a DataFrame or an Arrow table wants them.
+    """
+
+    rows: dict = field(default_factory=dict)
     missing: dict = field(default_factory=dict)
     tags: list = field(default_factory=list)
+    tag_info: list = field(default_factory=list)
     tag_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __len__(self) -> int:
-        return len(self.data["step"]) if self.data else 0
+        return len(self.rows["step"]) if self.rows else 0
+
+    @functools.cached_property
+    def data(self) -> dict:
+        """name -> numpy array, or list where values are None or objects; in the order of `rows`' keys."""
+        per_tag = [(*tag, *info) for tag, info in zip(self.tags, self.tag_info)]
+        columns = {}
+        for position, name in enumerate(_TAG_COLUMNS):
+            column = np.empty(len(per_tag), dtype=object)
+            column[:] = [t[position] for t in per_tag]
+            columns[name] = column[self.tag_at].astype(np.int64) if name == "vpp_stage" else column[self.tag_at].tolist()
+        micro = self.rows["micro_step"].tolist()
+        columns["micro_step"] = [None if m == db_schema.NO_MICRO_STEP else m for m in micro]
+        ordered = {name: columns[name] if name in columns else self.rows[name] for name in _ORDER}
+        return {**ordered, **{name: value for name, value in self.rows.items() if name not in ordered}}
 
 
 def read_columns(conn: sqlite3.Connection, ops: list[str], family: Optional[str] = None,
@@ -46,17 +69,64 @@ def read_columns(conn: sqlite3.Connection, ops: list[str], family: Optional[str]
         sqlite3.Error: the database cannot be read (the caller names the file).
     """
     tags = conn.execute(f"SELECT id, {', '.join(_TAG_COLUMNS)} FROM tags").fetchall()
-    where, args = ["1"], []
-    if family is not None:
-        ids = [t[0] for t in tags if t[1] == family]
-        where.append(f"r.tag_id IN ({', '.join('?' * len(ids))})")
-        args += ids
-    if first is not None:
-        where.append("r.step >= ?")
-        args.append(first)
-    if last is not None:
-        where.append("r.step <= ?")
-        args.append(last)
+    family_ids = None if family is None else [t[0] for t in tags if t[1] == family]
+    read = _from_blocks if _blocks_cover(conn, first, last) else _from_records
+    stored = read(conn, family_ids, first, last)
+    index = np.zeros(max((t[0] for t in tags), default=0) + 1, dtype=np.int64)
+    index[[t[0] for t in tags]] = np.arange(len(tags))
+    shapes = json.loads(f"[{', '.join(t[4] for t in tags)}]")  # one parse for all tags
+    fields, tag_at = stored.pop("fields"), index[stored.pop("tag_id")]
+    out = Columns(stored, tags=[t[1:4] for t in tags], tag_info=[(shape, t[5]) for shape, t in zip(shapes, tags)],
+                  tag_at=tag_at)
+    out.rows.update({RAW_PREFIX + f: fields[f] for f in FIELDS})
+    for op in ops:
+        out.rows[op], out.missing[op] = derive_columns(fields, out.rows["nan_fields"], op)
+    return out
+
+
+def _step_range(first: Optional[int], last: Optional[int]) -> tuple[str, list]:
+    return "step BETWEEN ? AND ?", [-(1 << 62) if first is None else first, (1 << 62) if last is None else last]
+
+
+def _blocks_cover(conn: sqlite3.Connection, first: Optional[int], last: Optional[int]) -> bool:
+    """Whether every committed batch of the steps has its block (a database of schema version 2 or older, or
+    steps written before a job appended to it with version 3, have none)."""
+    tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "record_blocks" not in tables:
+        return False
+    where, args = _step_range(first, last)
+    (batches,), (blocks,) = (conn.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}", args).fetchone()
+                             for table in ("batches", "record_blocks"))
+    return batches == blocks
+
+
+def _from_blocks(conn: sqlite3.Connection, family_ids: Optional[list[int]], first: Optional[int],
+                 last: Optional[int]) -> dict:
+    where, args = _step_range(first, last)
+    blocks = conn.execute(f"SELECT step, pp_stage, records FROM record_blocks WHERE {where} ORDER BY step, rowid",
+                          args).fetchall()
+    rows = np.frombuffer(b"".join(blob for _, _, blob in blocks), dtype=db_schema.BLOCK_DTYPE)
+    sizes = [len(blob) // db_schema.BLOCK_DTYPE.itemsize for _, _, blob in blocks]
+    step = np.repeat(np.array([b[0] for b in blocks], dtype=np.int64), sizes)
+    pp_stage = np.repeat(np.array([b[1] for b in blocks], dtype=np.int64), sizes)
+    columns = {name: rows[name].astype(np.int64) for name in ("tag_id", "micro_step", "call_index", "nan_fields")}
+    values = rows["fields"]
+    if family_ids is not None:
+        keep = np.isin(columns["tag_id"], family_ids)
+        columns, step, pp_stage, values = {k: v[keep] for k, v in columns.items()}, step[keep], pp_stage[keep], values[keep]
+    order = np.lexsort((columns["call_index"], step))  # stable: rows of one call stay in insertion order
+    values = values[order]
+    return {**{k: v[order] for k, v in columns.items()}, "step": step[order], "pp_stage": pp_stage[order],
+            "fields": {f: values[:, i] for i, f in enumerate(FIELDS)}}
+
+
+def _from_records(conn: sqlite3.Connection, family_ids: Optional[list[int]], first: Optional[int],
+                  last: Optional[int]) -> dict:
+    where, args = _step_range(first, last)
+    where = [f"r.{where}"]
+    if family_ids is not None:
+        where.append(f"r.tag_id IN ({', '.join('?' * len(family_ids))})")
+        args += family_ids
     present = db_schema.record_columns(conn)
     # a field an older schema lacks reads as NULL: not recorded
     fields = ", ".join(f'r."{f}"' if f in present else "NULL" for f in FIELDS)
@@ -64,43 +134,36 @@ def read_columns(conn: sqlite3.Connection, ops: list[str], family: Optional[str]
                         f"FROM records r WHERE {' AND '.join(where)} ORDER BY r.step, r.call_index, r.rowid",
                         args).fetchall()
     values = list(zip(*rows)) if rows else [()] * (6 + len(FIELDS))
-    index = {t[0]: i for i, t in enumerate(tags)}
-    at = np.fromiter(map(index.__getitem__, values[0]), dtype=np.int64, count=len(rows))
-    per_tag = {}
-    for position, name in enumerate(_TAG_COLUMNS, 1):
-        column = np.empty(len(tags), dtype=object)
-        column[:] = [json.loads(t[position]) if name == "shape" else t[position] for t in tags]
-        per_tag[name] = column[at].tolist() if name != "vpp_stage" else column[at].astype(np.int64)
-    ints = {name: np.array(values[position], dtype=np.int64)
-            for position, name in enumerate(("step", "call_index", "pp_stage", "nan_fields"), 2)}
-    columns = {**per_tag, **ints, "micro_step": list(values[1])}  # micro_step None: once per step
-    out = Columns({name: columns[name] for name in _ORDER}, tags=[(t[1], t[2], t[3]) for t in tags], tag_at=at)
-    stored = {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}  # NULL is NaN
-    out.data.update({RAW_PREFIX + f: stored[f] for f in FIELDS})
-    for op in ops:
-        out.data[op], out.missing[op] = derive_columns(stored, out.data["nan_fields"], op)
-    return out
+    columns = {name: np.array(values[position], dtype=np.int64)
+               for position, name in enumerate(("tag_id", "micro_step", "step", "call_index", "pp_stage", "nan_fields"))
+               if name != "micro_step"}
+    columns["micro_step"] = np.array([db_schema.NO_MICRO_STEP if m is None else m for m in values[1]], dtype=np.int64)
+    return {**columns, "fields": {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}}  # NULL is NaN
+
+
+# op -> (its figure, the rows that can have one; None: all) from the stored fields (`counts`: the NaN and
+# Inf counts, those not recorded counting as none)
+_DERIVATIONS = {
+    "min": lambda s, counts: (s["min"], s["count"] > 0),  # False where count is NaN, as in the scalar comparison
+    "max": lambda s, counts: (s["max"], s["count"] > 0),
+    "norm": lambda s, counts: (np.sqrt(s["sumsq"]), None),
+    "mean": lambda s, counts: (s["sum"] / s["count"], s["count"] > 0),
+    "zeros": lambda s, counts: (s["zeros"] / (s["count"] + sum(counts())), s["count"] + sum(counts()) > 0),
+    "nans": lambda s, counts: (counts()[0], None),
+    "infs": lambda s, counts: (counts()[1], None),
+    "sat": lambda s, counts: (s["sat"], None),
+}
 
 
 def derive_columns(stored: dict, nan_fields: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:
     """(figure, missing) of every row: `monitor.schema.OP_TABLE`'s derivations over arrays, as
     `DbRankReader.rows` applies them (NaN and Inf counts that were not recorded count as none; a NaN figure
     of a row without NaN fields comes from fields that were not recorded, and has no value)."""
-    count = stored["count"]
-    nans, infs = np.nan_to_num(stored["nans"], nan=0.0), np.nan_to_num(stored["infs"], nan=0.0)
-    some = count > 0  # False where count is NaN, as in the scalar comparison
+    def counts() -> tuple[np.ndarray, np.ndarray]:
+        return np.nan_to_num(stored["nans"], nan=0.0), np.nan_to_num(stored["infs"], nan=0.0)
+
     with np.errstate(invalid="ignore", divide="ignore"):
-        total = count + nans + infs
-        value, has = {
-            "min": (stored["min"], some),
-            "max": (stored["max"], some),
-            "norm": (np.sqrt(stored["sumsq"]), None),
-            "mean": (stored["sum"] / count, some),
-            "zeros": (stored["zeros"] / total, total > 0),
-            "nans": (nans, None),
-            "infs": (infs, None),
-            "sat": (stored["sat"], None),
-        }[op]
+        value, has = _DERIVATIONS[op](stored, counts)
     missing = np.isnan(value) & (nan_fields == 0)
     if has is not None:
         missing |= ~has

@@ -16,6 +16,7 @@ from trainmon.monitor.config_keys import STAT_OPS
 from trainmon.monitor.records import GRAD_REDUCED, GRAD_UNREDUCED
 from trainmon.read.errors import InputError
 from trainmon.read.rank_records import open_rank
+from trainmon.writers.db_schema import NO_MICRO_STEP
 
 GRAD_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED)
 
@@ -24,8 +25,8 @@ GRAD_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED)
 class RankChunk:
     """Records of one rank within steps first..last.
 
-    `keys[tag[i]]` is row i's (family, name, vpp_stage); `values[op]` its figures (`present[op]`: the row
-    has that figure). `grad_sumsq`: step -> family -> sum of the squared norms of the whole-step grads.
+    `keys[tag[i]]` is row i's (family, name, vpp_stage), `micro[i]` its micro-step (NO_MICRO_STEP: once per
+    step); `values[op]` its figures (`present[op]`: the row has that figure). `grad_sumsq`: step -> family -> sum of the squared norms of the whole-step grads.
     `kept`: (step, family, name, vpp, micro_step, op, value) of every figure, for ranks exported one by one.
     """
 
@@ -33,6 +34,7 @@ class RankChunk:
     keys: list = field(default_factory=list)
     step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     tag: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    micro: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     values: dict = field(default_factory=dict)
     present: dict = field(default_factory=dict)
     nonfinite_steps: set = field(default_factory=set)
@@ -62,7 +64,7 @@ def read_chunk(task: tuple) -> RankChunk:
 
 
 def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
-    data = columns.data
+    data = columns.rows
     ops = [op for op in STAT_OPS if op in columns.missing]
     # the tags in the order the rows bring them (that of the heatmaps' rows), not the table's
     used, first_row = np.unique(columns.tag_at, return_index=True)
@@ -70,11 +72,11 @@ def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
     local = np.zeros(len(columns.tags), dtype=np.int64)
     local[used] = np.arange(len(used))
     chunk = RankChunk(rank, [columns.tags[t] for t in used.tolist()], data["step"], local[columns.tag_at],
-                      {op: data[op] for op in ops}, {op: ~columns.missing[op] for op in ops})
+                      data["micro_step"], {op: data[op] for op in ops}, {op: ~columns.missing[op] for op in ops})
     # NaN counts that were not recorded are NaN here, and count as none (NaN > 0 is False)
     bad = (data["raw_nans"] > 0) | (data["raw_infs"] > 0)
     chunk.nonfinite_steps = set(np.unique(data["step"][bad]).tolist())
-    whole_step = np.equal(np.array(data["micro_step"], dtype=object), None).astype(bool)
+    whole_step = data["micro_step"] == NO_MICRO_STEP
     families = np.array([key[0] for key in columns.tags], dtype=object)[columns.tag_at]
     for family in GRAD_FAMILIES:
         rows = whole_step & (families == family)
@@ -82,7 +84,8 @@ def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
     if keep:
         for i in range(len(columns)):
             family, name, vpp = chunk.keys[chunk.tag[i]]
-            chunk.kept += [(int(data["step"][i]), family, name, vpp, data["micro_step"][i], op,
+            micro = int(data["micro_step"][i])
+            chunk.kept += [(int(data["step"][i]), family, name, vpp, None if micro == NO_MICRO_STEP else micro, op,
                             float(data[op][i])) for op in ops if chunk.present[op][i]]
     return chunk
 
@@ -103,6 +106,7 @@ def _from_rows(rank: int, by_step, keep: bool) -> RankChunk:
                 chunk.nonfinite_steps.add(step)
             sumsq.append(None if row.get("norm") is None else row["norm"] ** 2)  # CSV: no stored sum of squares
     chunk.keys, chunk.step, chunk.tag = list(index), np.array(steps, dtype=np.int64), np.array(tags, dtype=np.int64)
+    chunk.micro = np.array([NO_MICRO_STEP if m is None else m for m in micro], dtype=np.int64)
     for op, column in figures.items():
         present = np.array([value is not None for value in column], dtype=bool)
         if present.any():

@@ -2,10 +2,11 @@
 alerts, and the state that lets a restarted daemon go on where this one stopped."""
 from __future__ import annotations
 
-import functools
 import logging
 import multiprocessing
 import os
+import pickle
+from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from trainmon.read.layout import find_run
 from trainmon.read.parallel import PARALLEL_FROM
 from trainmon.watch.aggregate import StepFigures, margin_charts, step_figures
 from trainmon.watch.alerts import AlertTracker
-from trainmon.watch.chunk import RankChunk, read_chunk
+from trainmon.watch.chunk import read_chunk
 from trainmon.watch.events import ALERT_TAG, WatchEvents
 from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
@@ -26,34 +27,25 @@ from trainmon.watch.state import load_state, save_state
 logger = logging.getLogger("trainmon.watch")
 HEATMAP_DIR = "heatmaps"
 HEATMAP_TAG = "heatmaps"
-CHUNK_STEPS = 16  # steps read per rank at once: memory is ranks x tags x this, never the run's length
+# Steps read per rank at once: memory is ranks x tags x this, never the run's length. A finished run is read in
+# longer chunks where there are few ranks (each read of a rank has a fixed cost of ~1.5 ms), up to
+# CHUNK_RANK_STEPS rank-steps a chunk.
+CHUNK_STEPS = 16
+CHUNK_RANK_STEPS = 1 << 14
+MAX_CHUNK_STEPS = 64
 
 
 def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset = frozenset(),
-                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None,
-                 mapper: Callable = map) -> dict[int, StepFigures]:
-    """The figures of steps first..last of the followed ranks, by step.
+                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None) -> dict[int, StepFigures]:
+    """The figures of steps first..last of the followed ranks, by step, read in this process.
 
     Args:
         on_error: called for a rank that cannot be read (then left out); None lets the error through.
-        mapper: runs `chunk.read_chunk` over the ranks (`map`, or a process pool's).
 
     Raises:
         InputError: a rank cannot be read and `on_error` is None.
     """
-    return figures_of(followers, start_reading(followers, first, last, ranks_kept, mapper), ranks_kept, on_error)
-
-
-def start_reading(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset,
-                  mapper: Callable = map) -> Iterator[RankChunk]:
-    """The chunks of steps first..last of the ranks, in their order: with a pool's `map` the workers start
-    at once, so the caller can reduce and write the previous chunk meanwhile."""
-    return mapper(read_chunk, [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers])
-
-
-def figures_of(followers: list[RankFollower], chunks: Iterator[RankChunk], ranks_kept: frozenset,
-               on_error: Optional[Callable[[RankFollower, Exception], None]]) -> dict[int, StepFigures]:
-    """The figures by step of the chunks `start_reading` gave (see `read_figures`)."""
+    chunks = map(read_chunk, [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers])
     read = []
     for follower, chunk in zip(followers, chunks):
         if chunk.error is None:
@@ -63,6 +55,36 @@ def figures_of(followers: list[RankFollower], chunks: Iterator[RankChunk], ranks
         else:
             on_error(follower, chunk.error)
     return step_figures(read, ranks_kept)
+
+
+def figures_of_span(task: tuple) -> dict[int, StepFigures]:
+    """(followers, first, last, ranks_kept, drawn) -> `read_figures` of those steps, in a worker process: the
+    values of every rank (`StepFigures.rows`) are kept only for the steps a heatmap of the latest step may be
+    drawn at (the last one, and those in `drawn`), so that what comes back is small. Ranks that cannot be
+    read are left out."""
+    followers, first, last, ranks_kept, drawn = task
+    figures = read_figures(followers, first, last, ranks_kept, _skip)
+    for step, figure in figures.items():
+        if step != last and step not in drawn:
+            figure.rows = None
+    return figures
+
+
+def _skip(follower: RankFollower, err: Exception) -> None:
+    # it was readable a moment ago: the next poll reports it and leaves it out
+    logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
+
+
+def _ahead(pool: ProcessPoolExecutor, function: Callable, tasks: list, depth: int) -> Iterator:
+    """`function` over `tasks` in the pool, in order, with at most `depth` tasks running or done ahead of
+    the caller: memory stays bounded however many tasks there are."""
+    pending: deque = deque()
+    for task in tasks:
+        pending.append(pool.submit(function, task))
+        if len(pending) > depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 @dataclass
@@ -76,10 +98,16 @@ class WatchOptions:
     on_anomaly: Optional[str] = None
     exit_on_anomaly: bool = False
     stall_after: float = 300.0
-    heatmap_every: int = 50
+    heatmap_every: Optional[int] = None  # None: every 50 steps live; with `once`, only at exit
     op: str = "norm"
     window: int = 200
     source: str = "auto"
+
+    def redraws_at(self, step: int) -> bool:
+        """Whether the heatmaps are redrawn after exporting `step` (besides the drawing at exit). A finished
+        run (`once`) is drawn once: matplotlib takes seconds a drawing, more than the export of 50 steps."""
+        every = self.heatmap_every or (None if self.once else 50)
+        return every is not None and (step + 1) % every == 0
 
 
 class RunWatcher:
@@ -165,28 +193,29 @@ class RunWatcher:
                                             for f in self.followers.values() if f.error is None)
 
     # --------------------------------------------------------------------------------- export
-    def _skip(self, follower: RankFollower, err: Exception) -> None:
-        # it was readable a moment ago: the next poll reports it and leaves it out
-        logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
-
-    def _mapper(self, followers: list[RankFollower]) -> Callable:
-        """`map`, or for `--once` over many ranks a pool's: reading is most of the export's work, and a
-        finished run has all its steps there to read ahead. (A live daemon reads a few steps a poll.)"""
+    def _figures(self, first: int, last: int, followers: list[RankFollower]) -> Iterator[tuple[int, dict]]:
+        """(last step, figures by step) of each chunk of steps first..last. For `--once` over many ranks
+        the chunks are read and reduced across ranks in worker processes, a few chunks ahead of the export:
+        that is most of the export's work, and a finished run has all its steps there. (A live daemon reads a
+        few steps a poll, in this process.)"""
+        ranks = self.options.ranks
         if not self.options.once or len(followers) < PARALLEL_FROM:
-            return map
+            for start in range(first, last + 1, CHUNK_STEPS):
+                end = min(last, start + CHUNK_STEPS - 1)
+                yield end, read_figures(followers, start, end, ranks, _skip)
+            return
+        size = max(CHUNK_STEPS, min(MAX_CHUNK_STEPS, CHUNK_RANK_STEPS // len(followers)))
+        spans = [(start, min(last, start + size - 1)) for start in range(first, last + 1, size)]
+        workers = os.cpu_count() or 1
         if self._readers is None:
-            self._readers = ProcessPoolExecutor(os.cpu_count() or 1, mp_context=_fork_context())
-        return functools.partial(self._readers.map, chunksize=max(1, len(followers) // (4 * (os.cpu_count() or 1))))
+            self._readers = ProcessPoolExecutor(workers, mp_context=_fork_context())
+        tasks = [(followers, start, end, ranks, {s for s in range(start, end + 1) if self.options.redraws_at(s)})
+                 for start, end in spans]
+        chunks = _ahead(self._readers, figures_of_span, tasks, workers + 1)
+        yield from zip((end for _, end in spans), chunks)
 
     def _export(self, first: int, last: int, followers: list[RankFollower]) -> None:
-        spans = [(start, min(last, start + CHUNK_STEPS - 1)) for start in range(first, last + 1, CHUNK_STEPS)]
-        mapper, ranks = self._mapper(followers), self.options.ranks
-        reading = start_reading(followers, *spans[0], ranks, mapper)
-        for number, (start, end) in enumerate(spans):
-            chunks = reading
-            if number + 1 < len(spans):  # a pool reads the next chunk while this one is written
-                reading = start_reading(followers, *spans[number + 1], ranks, mapper)
-            figures = figures_of(followers, chunks, ranks, self._skip)
+        for end, figures in self._figures(first, last, followers):
             for step in sorted(figures):
                 figure = figures[step]
                 self.events.scalars(step, figure.tag_values())
@@ -194,7 +223,7 @@ class RunWatcher:
                 if figure.nonfinite:
                     self.alerts.note_step(step)
                 self._grow_layout(figure)
-                if (step + 1) % self.options.heatmap_every == 0:
+                if self.options.redraws_at(step):
                     self.draw(step)
             self.exported = end
 
@@ -210,9 +239,9 @@ class RunWatcher:
         self._refill = False
         first = max(0, self.exported - self.options.window + 1)
         followers = [f for f in self.followers.values() if f.error is None]
-        figures = read_figures(followers, first, self.exported, self.options.ranks, self._skip, self._mapper(followers))
-        for step in sorted(figures):
-            self.history.add(figures[step])
+        for _, figures in self._figures(first, self.exported, followers):
+            for step in sorted(figures):
+                self.history.add(figures[step])
 
     # ------------------------------------------------------------------------------- heatmaps
     def draw(self, step: int, wait: bool = False) -> None:
@@ -227,7 +256,9 @@ class RunWatcher:
         alert = self.alerts.current
         if self._painter is None:
             self._painter = ProcessPoolExecutor(1, mp_context=_fork_context())
-        self._drawing = (step, self._painter.submit(pictures, self.history, alert["first"] if alert else None))
+        # pickled now: the export goes on changing the history while the painter draws
+        snapshot = pickle.dumps((self.history, alert["first"] if alert else None))
+        self._drawing = (step, self._painter.submit(_paint, snapshot))
         self._collect_pictures(wait=wait)
 
     def _collect_pictures(self, wait: bool) -> None:
@@ -265,6 +296,11 @@ class RunWatcher:
                 pool.shutdown()
         self._save()
         self.events.close()
+
+
+def _paint(snapshot: bytes) -> list:
+    """The heatmaps of a pickled (history, place of the first anomaly)."""
+    return pictures(*pickle.loads(snapshot))
 
 
 def _fork_context():

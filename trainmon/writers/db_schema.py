@@ -16,8 +16,9 @@ import numpy as np
 
 from trainmon.monitor.records import FIELDS  # the record's fields, in their order
 DB_NAME = "monitor.db"  # in each rank directory
-# Version 2 added the `sat` column; a version 1 database gains it when a job appends to it.
-SCHEMA_VERSION = 2
+# Version 2 added the `sat` column, version 3 the `record_blocks` table; an older database gains them when a
+# job appends to it (its earlier steps have no blocks: readers read those from `records`).
+SCHEMA_VERSION = 3
 
 _BITS = 1 << np.arange(len(FIELDS), dtype=np.int64)
 
@@ -66,7 +67,22 @@ CREATE TABLE IF NOT EXISTS batches (     -- one row per committed step batch
     scalars   INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS batches_step ON batches (step);
+-- each step batch's records again, as one array (BLOCK_DTYPE): a reader of many steps (trainmon watch,
+-- open_run, export) takes a step in one value instead of a Python row per record
+CREATE TABLE IF NOT EXISTS record_blocks (
+    step     INTEGER NOT NULL,
+    pp_stage INTEGER NOT NULL,
+    records  BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS record_blocks_step ON record_blocks (step);
 """
+
+# A block's rows, little-endian, in the order the batch inserted them into `records`: micro_step -1 is NULL;
+# `fields` in FIELDS order, NaN where `records` has NULL (a NaN field, or one not recorded: `nan_fields`
+# tells them apart, as in `records`).
+BLOCK_DTYPE = np.dtype([("tag_id", "<i4"), ("micro_step", "<i4"), ("call_index", "<i4"), ("nan_fields", "<i4"),
+                        ("fields", "<f8", (len(FIELDS),))])
+NO_MICRO_STEP = -1
 
 # The rows of anomalies.jsonl, when `format` has `db` (the anomaly processor writes them).
 ANOMALY_COLUMNS = ("rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_index", "module", "phase",
@@ -154,6 +170,18 @@ def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> 
     rows = values.astype(object)
     rows[missing] = None
     return rows.tolist(), masks
+
+
+def encode_block(tag_ids: list[int], micro_steps: list[Optional[int]], call_indexes: list[int],
+                 values: np.ndarray, nan_fields: np.ndarray, recorded: Optional[np.ndarray] = None) -> bytes:
+    """The `records` blob of a `record_blocks` row (see BLOCK_DTYPE); `values`/`recorded` as for encode_fields."""
+    block = np.empty(len(tag_ids), dtype=BLOCK_DTYPE)
+    block["tag_id"] = tag_ids
+    block["micro_step"] = [NO_MICRO_STEP if m is None else m for m in micro_steps]
+    block["call_index"] = call_indexes
+    block["nan_fields"] = nan_fields
+    block["fields"] = values if recorded is None else np.where(recorded, values, np.nan)
+    return block.tobytes()
 
 
 def encode_real(value: float) -> tuple[Optional[float], int]:

@@ -47,9 +47,13 @@ class MonitorDb:
         rows, masks = db_schema.encode_fields(values, recorded)
         with self._transaction():
             tag_ids = [self._tag_id(key) for key in keys]
+            micro_steps, call_indexes = [key.micro_step for key in keys], [key.call_index for key in keys]
             self.conn.executemany(db_schema.INSERT_RECORD, [
-                (tag_id, step, key.micro_step, key.call_index, pp_stage, *fields, int(mask))
-                for tag_id, key, fields, mask in zip(tag_ids, keys, rows, masks)])
+                (tag_id, step, micro, call, pp_stage, *fields, int(mask))
+                for tag_id, micro, call, fields, mask in zip(tag_ids, micro_steps, call_indexes, rows, masks)])
+            block = db_schema.encode_block(tag_ids, micro_steps, call_indexes, values, masks, recorded)
+            self.conn.execute("INSERT INTO record_blocks (step, pp_stage, records) VALUES (?, ?, ?)",
+                              (step, pp_stage, block))
             self.conn.executemany("INSERT INTO scalars (name, step, value, is_nan) VALUES (?, ?, ?, ?)",
                                   [_scalar_row(name, step, value) for name, value in scalars.items()])
             self.conn.execute("INSERT INTO batches (step, wall_time, records, scalars) VALUES (?, ?, ?, ?)",

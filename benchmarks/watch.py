@@ -1,11 +1,14 @@
 """Costs of `trainmon watch`: `--once` over a generated run, and a live run of ranks committing steps.
 
     python benchmarks/watch.py once OUT --ranks 16 --steps 1000       # writes OUT with generate_run.py first
+    python benchmarks/watch.py once OUT --ranks 256 --steps 1000 --copies-of 32   # 32 ranks written, copied
     python benchmarks/watch.py live OUT --ranks 8 --steps 120 --step-seconds 0.5 --interval 1
+    python benchmarks/watch.py live OUT --ranks 8 --records-from RUN/rank_0/monitor.db   # a model's records
 
-`once`: wall and CPU time, peak memory of `trainmon watch RUN --once` (heatmaps drawn once, at the end).
-`live`: N writer processes commit generate_run.py's 66 records per step to their monitor.db every
-`--step-seconds`; the daemon follows them. Reported: its lag behind the newest committed step (in
+`once`: wall and CPU time, peak memory of `trainmon watch RUN --once` (which draws the heatmaps once, at the end).
+`live`: N writer processes commit generate_run.py's 66 records per step (or the records of one step of a
+real run, `--records-from`: e.g. the 498 of the benchmark model's full tier, written by
+`overhead.py --tiers full --format db`) to their monitor.db every `--step-seconds`; the daemon follows them. Reported: its lag behind the newest committed step (in
 steps and in intervals, sampled every 0.1 s), its CPU time per step while it follows them (its main
 process), and its CPU time in all (start, export, heatmaps drawn in its worker process, the last round).
 """
@@ -32,15 +35,17 @@ def once(args) -> dict:
     run = Path(args.out)
     if not run.exists():
         started = time.perf_counter()
-        subprocess.run([sys.executable, str(HERE / "generate_run.py"), str(run), "--ranks", str(args.ranks),
-                        "--steps", str(args.steps)], check=True, env=ENV)
+        written = ["--ranks", str(args.copies_of), "--copies-to", str(args.ranks)] if args.copies_of else \
+            ["--ranks", str(args.ranks)]
+        subprocess.run([sys.executable, str(HERE / "generate_run.py"), str(run), *written, "--steps", str(args.steps)],
+                       check=True, env=ENV)
         print(f"generated in {time.perf_counter() - started:.0f} s", flush=True)
     logdir = run.parent / f"{run.name}-watch"
     subprocess.run(["rm", "-rf", str(logdir)], check=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "trainmon.cli", "watch", str(run), "--once", "--logdir", str(logdir),
-                           "--heatmap-every", str(10 ** 9)], env=ENV, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "trainmon.cli", "watch", str(run), "--once", "--logdir", str(logdir)],
+                          env=ENV, capture_output=True, text=True)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert done.returncode == 0, done.stderr
@@ -51,8 +56,31 @@ def once(args) -> dict:
             "rank_steps_per_s": round(args.ranks * args.steps / wall)}
 
 
+def _recorded_step(path: str) -> tuple[list, list[str], "np.ndarray"]:
+    """(keys, ops, values) of the last step of a rank's monitor.db, e.g. one `overhead.py --format db` wrote."""
+    import numpy as np
+
+    from trainmon.monitor.records import RecordKey
+    from trainmon.read.database import DbRankReader
+    from trainmon.read.db_columns import RAW_PREFIX
+    from trainmon.writers import db_schema
+    reader = DbRankReader(Path(path))
+    try:
+        last = max(reader.steps())
+        columns = reader.columns(None, last, last)
+    finally:
+        reader.close()
+    rows = columns.rows
+    keys = [RecordKey(*columns.tags[tag][:3], None if micro == db_schema.NO_MICRO_STEP else int(micro), int(call),
+                      tuple(columns.tag_info[tag][0]), columns.tag_info[tag][1])
+            for tag, micro, call in zip(columns.tag_at.tolist(), rows["micro_step"].tolist(),
+                                        rows["call_index"].tolist())]
+    values = np.stack([rows[RAW_PREFIX + f] for f in db_schema.FIELDS], axis=1)
+    return keys, reader.ops, values
+
+
 def _writer(job) -> None:
-    run, rank, world, steps, pause = job
+    run, rank, world, steps, pause, records_from = job
     import numpy as np
 
     from generate_run import SHAPE, _keys
@@ -61,17 +89,18 @@ def _writer(job) -> None:
     rank_dir = Path(run) / f"rank_{rank}"
     rank_dir.mkdir(parents=True, exist_ok=True)
     (rank_dir / "run.json").write_text(json.dumps({"rank": rank, "pp_stage": 0}))
-    ops = ["min", "max", "norm", "mean", "nans", "infs"]
+    if records_from:
+        keys, ops, values = _recorded_step(records_from)
+    else:
+        keys, ops = _keys(world), ["min", "max", "norm", "mean", "nans", "infs"]
+        base = {"count": float(np.prod(SHAPE)), "sumsq": float(np.prod(SHAPE)), "min": -1.0, "max": 1.0}
+        values = np.tile([base.get(f, 0.0) for f in db_schema.FIELDS], (len(keys), 1))
     db = MonitorDb(rank_dir / db_schema.DB_NAME)
     db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": ops,
                  "fields": list(db_schema.FIELDS)})
-    keys = _keys(world)
-    n = float(np.prod(SHAPE))
-    base = {"count": n, "sumsq": n, "min": -1.0, "max": 1.0}
     rng = np.random.default_rng(rank)
     start = time.monotonic()
     for step in range(steps):
-        values = np.tile([base.get(f, 0.0) for f in db_schema.FIELDS], (len(keys), 1))
         values[:, db_schema.FIELDS.index("sum")] = rng.normal(size=len(keys))
         db.add_step(step, 0, keys, values, {"loss": 1.0})
         (rank_dir / "committed").write_text(str(step))
@@ -97,7 +126,7 @@ def live(args) -> dict:
                               env=ENV, stderr=subprocess.DEVNULL)
     time.sleep(5)  # the daemon's start (imports), so the lag figures are those of a running daemon
     cpu_start = _cpu_s(daemon.pid)
-    jobs = [(str(run), rank, args.ranks, args.steps, args.step_seconds) for rank in range(args.ranks)]
+    jobs = [(str(run), rank, args.ranks, args.steps, args.step_seconds, args.records_from) for rank in range(args.ranks)]
     pool = multiprocessing.get_context("fork").Pool(args.ranks)
     pending = pool.map_async(_writer, jobs)
     state = run / "watch" / "watch_state.json"
@@ -119,7 +148,8 @@ def live(args) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the daemon's whole life, its painter process too
     steady = lags[len(lags) // 5:]  # after the first fifth: the daemon has caught up with its start
     step_lag = sorted(steady)
-    return {"ranks": args.ranks, "steps": args.steps, "step_s": args.step_seconds, "interval_s": args.interval,
+    return {"ranks": args.ranks, "records": args.records_from or "generate_run.py", "steps": args.steps,
+            "step_s": args.step_seconds, "interval_s": args.interval,
             "lag_steps_median": step_lag[len(step_lag) // 2], "lag_steps_max": step_lag[-1],
             "lag_intervals_max": round(step_lag[-1] * args.step_seconds / args.interval, 2),
             "daemon_cpu_ms_per_step": round(1000 * (cpu_end - cpu_start) / args.steps, 1),
@@ -132,9 +162,14 @@ def main() -> int:
     parser.add_argument("out", help="the run directory (generated when missing, for once; rewritten, for live)")
     parser.add_argument("--ranks", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--copies-of", type=int, default=None, metavar="K",
+                        help="once: write K ranks and fill the run up to --ranks with copies of them")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="live: a rank commits a step this often")
     parser.add_argument("--interval", type=float, default=1.0, help="live: the daemon's --interval")
     parser.add_argument("--heatmap-every", type=int, default=50, help="live: the daemon's --heatmap-every")
+    parser.add_argument("--records-from", metavar="DB",
+                        help="live: every rank commits the records of this monitor.db's last step (default: "
+                             "generate_run.py's 66 records)")
     args = parser.parse_args()
     print(json.dumps(once(args) if args.mode == "once" else live(args)))
     return 0

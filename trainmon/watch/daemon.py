@@ -86,6 +86,8 @@ class Daemon:
 
     def _loop(self) -> int:
         while True:
+            # rounds start every interval: a long round shortens the wait, so the lag stays within an interval
+            deadline = time.monotonic() + self.options.interval
             parent_gone = self.follow_pid is not None and not _alive(self.follow_pid)
             self._discover()
             for watcher in self.watchers.values():
@@ -96,7 +98,6 @@ class Daemon:
                 return 0
             if self.until_done and self.watchers and all(w.done for w in self.watchers.values()):
                 return 0
-            deadline = time.monotonic() + self.options.interval
             while time.monotonic() < deadline and not self._stopping:
                 time.sleep(min(_TICK_S, self.options.interval))
 

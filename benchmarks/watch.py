@@ -56,7 +56,7 @@ def once(args) -> dict:
             "rank_steps_per_s": round(args.ranks * args.steps / wall)}
 
 
-def _recorded_step(path: str) -> tuple[list, list[str], "np.ndarray"]:
+def _recorded_step(path: str) -> tuple:
     """(keys, ops, values) of the last step of a rank's monitor.db, e.g. one `overhead.py --format db` wrote."""
     import numpy as np
 

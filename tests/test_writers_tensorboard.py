@@ -57,3 +57,22 @@ def test_tensorboard_logdir_shows_one_run_per_rank(output_dir, write_config):
     logdir.AddRunsFromDirectory(str(output_dir))  # what `tensorboard --logdir monitor_output` does
     logdir.Reload()
     assert list(logdir.Runs()) == [f"{monitor.output_dir.parent.name}/rank_0"]
+
+
+@pytest.mark.parametrize("step", [0, 7, 300, 2 ** 40, -3])
+def test_directly_encoded_scalars_parse_as_protobuf_builds_them(step):
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from trainmon.writers.event_encoding import scalar_event
+    tags = [f"actv/layers.{i}/layers.{i}.out/norm_max" for i in range(200)] + ["x" * 300, "ünïcode/tag"]
+    values = [float(i) / 7 for i in range(len(tags))]
+    values[:6] = [math.nan, math.inf, -math.inf, 1e39, -1e39, 1e-50]  # beyond float32: ±Inf, or 0
+    ours = Event.FromString(scalar_event(step, 1234.5, tags, values))
+    theirs = Event(step=step, wall_time=1234.5,
+                   summary=Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values)]))
+    assert (ours.step, ours.wall_time) == (theirs.step, theirs.wall_time)
+    got = [(v.tag, v.simple_value) for v in ours.summary.value]
+    want = [(v.tag, v.simple_value) for v in theirs.summary.value]
+    assert [t for t, _ in got] == [t for t, _ in want] == tags
+    assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(got, want))
+    assert math.isinf(got[3][1]) and got[3][1] > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import sqlite3
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -105,8 +106,12 @@ def _from_blocks(conn: sqlite3.Connection, family_ids: Optional[list[int]], firs
     where, args = _step_range(first, last)
     blocks = conn.execute(f"SELECT step, pp_stage, records FROM record_blocks WHERE {where} ORDER BY step, rowid",
                           args).fetchall()
-    rows = np.frombuffer(b"".join(blob for _, _, blob in blocks), dtype=db_schema.BLOCK_DTYPE)
-    sizes = [len(blob) // db_schema.BLOCK_DTYPE.itemsize for _, _, blob in blocks]
+    try:
+        unpacked = [zlib.decompress(blob) for _, _, blob in blocks]
+    except zlib.error as err:
+        raise sqlite3.DatabaseError(f"a record block cannot be read ({err})") from None
+    rows = np.frombuffer(b"".join(unpacked), dtype=db_schema.BLOCK_DTYPE)
+    sizes = [len(block) // db_schema.BLOCK_DTYPE.itemsize for block in unpacked]
     step = np.repeat(np.array([b[0] for b in blocks], dtype=np.int64), sizes)
     pp_stage = np.repeat(np.array([b[1] for b in blocks], dtype=np.int64), sizes)
     columns = {name: rows[name].astype(np.int64) for name in ("tag_id", "micro_step", "call_index", "nan_fields")}

@@ -131,6 +131,7 @@ class RunWatcher:
         self.events = WatchEvents(logdir, state.get("events"))
         self.layout_keys = {tuple(k) for k in state.get("layout", [])}
         self.scalar_names = set(state.get("scalar_names", []))
+        self._saved_layout = self._layout_state()  # what the state file holds of them, made when they grow
         self.alerts = AlertTracker(run, logdir, lambda step, text: self.events.text(step, ALERT_TAG, text),
                                    options.on_anomaly, state.get("alerts"))
         self.history = History(options.op, options.window)
@@ -234,6 +235,7 @@ class RunWatcher:
             self.layout_keys |= keys
             self.scalar_names |= names
             self.events.layout(margin_charts(self.layout_keys, self.scalar_names))
+            self._saved_layout = self._layout_state()
 
     def _refill_history(self) -> None:
         self._refill = False
@@ -283,8 +285,10 @@ class RunWatcher:
         save_state(self.logdir, {"run": str(self.run), "exported": self.exported, "drawn_at": self.drawn_at,
                                  "drawing": self._drawing[0] if self._drawing else self._redraw,
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
-                                 "layout": sorted(list(k) for k in self.layout_keys),
-                                 "scalar_names": sorted(self.scalar_names)})
+                                 **self._saved_layout})
+
+    def _layout_state(self) -> dict:
+        return {"layout": sorted(list(k) for k in self.layout_keys), "scalar_names": sorted(self.scalar_names)}
 
     def finish(self) -> None:
         """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes."""

@@ -36,7 +36,7 @@ def save_state(logdir: Path, state: dict) -> None:
     path = logdir / STATE_FILE
     temporary = path.with_suffix(".tmp")
     with open(temporary, "w", encoding="utf-8") as fh:
-        json.dump({"version": VERSION, **state}, fh)
+        fh.write(json.dumps({"version": VERSION, **state}))  # dumps: the C encoder (dump to a file is not)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(temporary, path)

@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 
 from trainmon.monitor.records import StepBatch
 from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.event_encoding import scalar_event
 from trainmon.writers.tags import tag_of
 
 
@@ -54,8 +55,8 @@ class EventWriter:
 
     TensorBoard's EventFileWriter would add a second queue and thread behind the writer thread, and
     report a full disk only at a later call; here a failed write raises at once.
-    One Event per step (not per value) keeps the cost per step low: the protobuf work is a list of
-    small `Summary.Value`s and one serialisation.
+    One Event per step (not per value) keeps the cost per step low; a step's scalars are encoded directly
+    (`event_encoding`), other values through TensorBoard's protobuf classes.
     """
 
     _files = itertools.count()  # tells apart files opened in the same second by one process
@@ -84,7 +85,10 @@ class EventWriter:
 
     def add(self, step: int, values: Iterable[tuple[str, float]], wall_time: Optional[float] = None) -> None:
         """Writes (tag, value) pairs of one step; values are stored as float32 (TensorBoard's scalar type)."""
-        self.add_values(step, [self._summary.Value(tag=tag, simple_value=value) for tag, value in values], wall_time)
+        pairs = list(values)
+        if pairs:
+            tags, numbers = zip(*pairs)
+            self._records.write(scalar_event(step, wall_time or time.time(), tags, numbers))
 
     def add_values(self, step: int, values: list, wall_time: Optional[float] = None) -> None:
         """Writes `Summary.Value`s of one step (images, text, plugin data) as one Event."""

@@ -150,7 +150,8 @@ def live(args) -> dict:
     step_lag = sorted(steady)
     return {"ranks": args.ranks, "records": args.records_from or "generate_run.py", "steps": args.steps,
             "step_s": args.step_seconds, "interval_s": args.interval,
-            "lag_steps_median": step_lag[len(step_lag) // 2], "lag_steps_max": step_lag[-1],
+            "lag_steps_median": step_lag[len(step_lag) // 2], "lag_steps_p95": step_lag[len(step_lag) * 95 // 100],
+            "lag_steps_max": step_lag[-1],
             "lag_intervals_max": round(step_lag[-1] * args.step_seconds / args.interval, 2),
             "daemon_cpu_ms_per_step": round(1000 * (cpu_end - cpu_start) / args.steps, 1),
             "daemon_total_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)}

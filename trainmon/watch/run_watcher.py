@@ -157,13 +157,7 @@ class RunWatcher:
         """One round: reads every rank's progress, exports the complete steps, looks for anomalies.
         Returns the alerts written. `final`: the run is over, every step present is complete."""
         self._discover()
-        for follower in self.followers.values():
-            message = follower.poll(final)
-            if message is None and not final:
-                message = follower.check_stall(self.options.stall_after)
-            if message:
-                logger.warning("trainmon watch: %s: %s", self.run.name, message)
-        readable = [f for f in self.followers.values() if f.error is None]
+        readable = self._poll_followers(final)
         alerts = self.alerts.poll(readable)  # first: an alert must not wait for a long export
         last = self._frontier(readable)
         if last is not None and last > self.exported:
@@ -173,10 +167,25 @@ class RunWatcher:
                 self.draw(self._redraw)
                 self._redraw = None
             self._export(self.exported + 1, last, readable)
+            if not final:  # the steps committed during the export go now, not an interval later
+                readable = self._poll_followers(final)
+                last = self._frontier(readable)
+                if last is not None and last > self.exported:
+                    self._export(self.exported + 1, last, readable)
         alerts += self.alerts.poll(readable)  # what the export found in ranks without a database
         self._collect_pictures(wait=False)
         self._save()
         return alerts
+
+    def _poll_followers(self, final: bool) -> list[RankFollower]:
+        """Reads every rank's progress (saying once when one stalls, or cannot be read); returns the readable."""
+        for follower in self.followers.values():
+            message = follower.poll(final)
+            if message is None and not final:
+                message = follower.check_stall(self.options.stall_after)
+            if message:
+                logger.warning("trainmon watch: %s: %s", self.run.name, message)
+        return [f for f in self.followers.values() if f.error is None]
 
     @staticmethod
     def _frontier(readable: list[RankFollower]) -> Optional[int]:

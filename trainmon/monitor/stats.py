@@ -222,7 +222,7 @@ def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tupl
     from trainmon.monitor.stats_cpu import finite_first_records
 
     cap = CHUNK_ELEMS["cpu"]
-    return finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap)[0],
+    return finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap),
                                 lambda tensors: _exact_records(tensors, dev, eps, want))
 
 

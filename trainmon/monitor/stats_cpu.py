@@ -144,25 +144,26 @@ def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.nd
 
 
 def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tuple, lam: float) -> np.ndarray:
-    """The records of `_assume_finite` for many small tensors of one dtype, in a dozen op calls."""
+    """The records of `_assume_finite` for many small tensors of one dtype (fp32 or fp64, which the
+    sums accumulate in), in about a dozen op calls."""
     lengths = torch.tensor([t.numel() for t in tensors])
-    flat = torch.cat([t.view(-1) for t in tensors])
-    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    flat = torch.cat([t.view(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].view(-1)
 
     def per_tensor(values: torch.Tensor, reduce: str) -> torch.Tensor:
-        return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True).to(torch.float64)
+        return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True)
 
-    total = per_tensor(flat.to(acc), "sum")
+    total = per_tensor(flat, "sum")
     columns = [total, total, total, total, total]
     if want[3]:
         columns[4] = per_tensor(flat.abs().gt_(lam), "sum")
     if want[5]:
-        columns[1] = per_tensor(flat.to(acc).square(), "sum")
+        columns[1] = per_tensor(flat.square(), "sum")
     if want[6]:
         columns[2] = per_tensor(flat, "min")
     if want[7]:
         columns[3] = per_tensor(flat, "max")
-    return _packed_records(lengths.numpy().astype(np.float64), torch.stack(columns, 1).numpy(), want)
+    values = torch.stack(columns, 1).to(torch.float64).numpy()
+    return _packed_records(lengths.numpy().astype(np.float64), values, want)
 
 
 def _count_at_least(part: torch.Tensor, lam: float, buffer: torch.Tensor) -> torch.Tensor:

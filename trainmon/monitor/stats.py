@@ -222,7 +222,7 @@ def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tupl
     from trainmon.monitor.stats_cpu import finite_first_records
 
     cap = CHUNK_ELEMS["cpu"]
-    return finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap)[0],
+    return finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap),
                                 lambda tensors: _exact_records(tensors, dev, eps, want))
 
 
@@ -409,13 +409,31 @@ def derive_ops(record, ops: Sequence[str], fields: frozenset[str] | None = None)
     v = [float(x) for x in record]
     if len(v) != N_FIELDS:
         raise ValueError(f"a record has {N_FIELDS} fields, got {len(v)}")
-    named = dict(zip(FIELDS, v))
-    out: dict[str, float | None] = {}
+    return _derive(_resolve_ops(ops, fields), v)
+
+
+def derive_rows(records, ops: Sequence[str]) -> list[dict[str, float | None]]:
+    """`derive_ops` of every row of a float64 ``[k, N_FIELDS]`` numpy array (a step batch's values): the
+    ops are looked up once and the rows become Python floats in one conversion (the writer thread
+    derives every record of every step)."""
+    if records.ndim != 2 or records.shape[1] != N_FIELDS:
+        raise ValueError(f"records must be [k, {N_FIELDS}], got {records.shape}")
+    resolved = _resolve_ops(ops)
+    return [_derive(resolved, row) for row in records.tolist()]
+
+
+def _resolve_ops(ops: Sequence[str], fields: frozenset[str] | None = None) -> list[tuple[str, schema.Op]]:
+    out = []
     for name in ops:
         op = schema.OP_BY_NAME.get(name)
         if op is None:
             raise ValueError(f"unknown op {name!r}; allowed: {', '.join(OPS)}")
         if fields is not None and not set(op.fields) <= set(fields):
             raise ValueError(f"op {name!r} needs record fields {op.fields} that were not computed")
-        out[name] = op.derive(named)
+        out.append((name, op))
     return out
+
+
+def _derive(ops: list[tuple[str, schema.Op]], values: list[float]) -> dict[str, float | None]:
+    named = dict(zip(FIELDS, values))
+    return {name: op.derive(named) for name, op in ops}

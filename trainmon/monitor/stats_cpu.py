@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from trainmon.monitor.schema import N_FIELDS
@@ -31,24 +32,27 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
         eps: the zeros threshold.
         want: per record field, whether it is computed.
         consts: `(dtype, eps) -> (lambda, P, acc dtype)` of the exact engine (lambda: largest value < eps).
-        workspace: `dtype -> ` a reused flat scratch buffer of that dtype.
+        workspace: `dtype -> ` two reused flat scratch buffers of that dtype, of the chunk size.
         exact: records of the tensors the assume-finite figures cannot describe.
     """
-    fast = [u for u, t in enumerate(uniq) if t.dtype in _FAST_DTYPES and t.is_contiguous() and t.numel()]
+    fast = [u for u, t in enumerate(uniq) if _assumable(t, workspace)]
     slow = sorted(set(range(len(uniq))) - set(fast))
     rec = torch.zeros(len(uniq), N_FIELDS, dtype=torch.float64)
+    # Rows are filled and read through numpy, whose indexing with lists costs a few µs where torch's
+    # costs tens: this route serves many calls of a few tensors each (a hook's activations).
+    table = rec.numpy()
     packed = len(want)
     small = [u for u in fast if uniq[u].numel() <= _SMALL]
     large = [u for u in fast if uniq[u].numel() > _SMALL]
     for dtype in _FAST_DTYPES:
         group = [u for u in small if uniq[u].dtype == dtype]
         if group:
-            rec[group, :packed] = _assume_finite_small([uniq[u] for u in group], eps, want, consts(dtype, eps)[0])
+            table[group, :packed] = _assume_finite_small([uniq[u] for u in group], eps, want, consts(dtype, eps)[0])
     if large:
-        rec[large, :packed] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
+        table[large, :packed] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
     if fast:
-        # Finite sums and extremes mean no element was NaN or Inf (`.numpy()` reads the CPU values).
-        finite = torch.isfinite(rec[fast][:, 4:8]).all(1).numpy()
+        # Finite sums and extremes mean no element was NaN or Inf.
+        finite = np.isfinite(table[fast, 4:8]).all(1)
         slow = sorted(slow + [u for u, ok in zip(fast, finite) if not ok])
     if slow:
         rec[slow] = exact([uniq[u] for u in slow])
@@ -56,95 +60,120 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
 
 
 def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
-                   workspace: Callable) -> torch.Tensor:
+                   workspace: Callable) -> np.ndarray:
     """Records that hold when every element is finite, reading each tensor in cache-sized chunks.
 
     Every pass over a chunk after the first hits the cache: weights and optimizer state are cold
     when the optimizer step ends, and whole-tensor passes would each stream them from memory.
     """
-    count = torch.tensor([float(t.numel()) for t in tensors], dtype=torch.float64)
-    zero = torch.zeros_like(count)
-    sums, squares, mins, maxs, large = [], [], [], [], []
+    figures = []                                  # per tensor, its 0-d figures in _FIGURES order
     for t in tensors:
-        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-        buffer = workspace(t.dtype)
+        copy, buffer = workspace(t.dtype)
         lam = consts(t.dtype, eps)[0]
-        flat = t.view(-1)
-        parts = [flat[start:start + buffer.numel()] for start in range(0, flat.numel(), buffer.numel())]
-        chunk_sums, chunk_squares, chunk_mins, chunk_maxs, chunk_large = [], [], [], [], []
-        for part in parts:
-            chunk_sums.append(part.sum(dtype=acc))
-            if want[5]:
-                chunk_squares.append(torch.dot(part, part))
-            if want[6] and want[7]:
-                low, high = torch.aminmax(part)  # one pass where amin and amax take two
-                chunk_mins.append(low)
-                chunk_maxs.append(high)
-            elif want[6]:
-                chunk_mins.append(part.amin())
-            elif want[7]:
-                chunk_maxs.append(part.amax())
-            if want[3]:
-                chunk_large.append(_count_at_least(part, lam, buffer))
-        one = len(parts) == 1
-        sums.append(chunk_sums[0] if one else torch.stack(chunk_sums).sum())
-        if want[5]:
-            squares.append(chunk_squares[0] if one else torch.stack(chunk_squares).sum())
-        if want[6]:
-            mins.append(chunk_mins[0] if one else torch.stack(chunk_mins).amin())
-        if want[7]:
-            maxs.append(chunk_maxs[0] if one else torch.stack(chunk_maxs).amax())
-        if want[3]:
-            large.append(chunk_large[0] if one else torch.stack(chunk_large).sum())
+        flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, copy)
+        chunks = [_chunk_figures(flat[start:start + buffer.numel()], lam, buffer, want)
+                  for start in range(0, flat.numel(), buffer.numel())]
+        figures.append(chunks[0] if len(chunks) == 1 else _combine_chunks(chunks))
+    values = np.empty((len(tensors), len(_FIGURES)))
+    for dtype in _FAST_DTYPES:                    # one stack and cast per dtype for the whole call
+        rows = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        if rows:
+            stacked = torch.stack([f for i in rows for f in figures[i]]).to(torch.float64)
+            values[rows] = stacked.view(len(rows), len(_FIGURES)).numpy()
+    count = np.array([float(t.numel()) for t in tensors])
+    return _packed_records(count, values, want)
 
-    def column(values, wanted):
-        return torch.stack(values).to(torch.float64) if wanted else zero
 
-    # Detection needs a finite check of every element: the sum (always computed) provides it.
-    columns = [count, zero, zero,
-               count - column(large, want[3]) if want[3] else zero,
-               column(sums, True), column(squares, want[5]), column(mins, want[6]), column(maxs, want[7])]
-    rec = torch.stack(columns, 1)
-    if not want[4]:
-        rec[:, 4] = torch.where(torch.isfinite(rec[:, 4]), 0.0, rec[:, 4])  # keep the check, not the figure
+def _assumable(t: torch.Tensor, workspace: Callable) -> bool:
+    """Whether the assume-finite figures apply: an fp32/fp64 tensor, contiguous or not too large to be
+    copied into one chunk (the q, k, v views of a fused projection). Small non-contiguous tensors keep
+    the exact kernels, as their figures would otherwise come from another summation order."""
+    if t.dtype not in _FAST_DTYPES or not t.numel():
+        return False
+    return t.is_contiguous() or _SMALL < t.numel() <= workspace(t.dtype)[0].numel()
+
+
+def _contiguous_copy(t: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements, flat, in the scratch buffer `copy`: one pass where the exact kernels take twelve,
+    and the same sums, which read the same contiguous copy there."""
+    flat = copy[:t.numel()]
+    flat.view(t.shape).copy_(t)
+    return flat
+
+
+# The figures of one chunk (0-d tensors of its dtype), and how the figures of chunks combine.
+_FIGURES = ("sum", "sumsq", "min", "max", "at_least")
+_COMBINE = (torch.sum, torch.sum, torch.amin, torch.amax, torch.sum)
+
+
+def _chunk_figures(part: torch.Tensor, lam: float, buffer: torch.Tensor, want: tuple) -> list[torch.Tensor]:
+    """The `_FIGURES` of one contiguous chunk; a figure not in `want` is a placeholder (its sum)."""
+    total = part.sum(dtype=part.dtype)
+    figures = [total, total, total, total, total]
+    if want[5]:
+        figures[1] = torch.dot(part, part)
+    if want[6] and want[7]:
+        figures[2], figures[3] = torch.aminmax(part)  # one pass where amin and amax take two
+    elif want[6]:
+        figures[2] = part.amin()
+    elif want[7]:
+        figures[3] = part.amax()
+    if want[3]:
+        figures[4] = _count_at_least(part, lam, buffer)
+    return figures
+
+
+def _combine_chunks(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [reduce(torch.stack([chunk[i] for chunk in chunks])) for i, reduce in enumerate(_COMBINE)]
+
+
+def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.ndarray:
+    """[n, 8] records from the element counts and the `_FIGURES` columns; fields not in `want` hold 0."""
+    rec = np.zeros((len(count), 8))
+    rec[:, 0] = count
+    if want[3]:
+        rec[:, 3] = count - values[:, 4]
+    # Detection needs a finite check of every element: the sum (always computed) provides it, and is
+    # kept where it is not finite even when its figure is not wanted.
+    total = values[:, 0]
+    rec[:, 4] = total if want[4] else np.where(np.isfinite(total), 0.0, total)
+    for field, column in ((5, 1), (6, 2), (7, 3)):
+        if want[field]:
+            rec[:, field] = values[:, column]
     return rec
 
 
-def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tuple, lam: float) -> torch.Tensor:
-    """The records of `_assume_finite` for many small tensors of one dtype, in a dozen op calls."""
+def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tuple, lam: float) -> np.ndarray:
+    """The records of `_assume_finite` for many small tensors of one dtype (fp32 or fp64, which the
+    sums accumulate in), in about a dozen op calls."""
     lengths = torch.tensor([t.numel() for t in tensors])
-    flat = torch.cat([t.view(-1) for t in tensors])
-    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    flat = torch.cat([t.view(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].view(-1)
 
     def per_tensor(values: torch.Tensor, reduce: str) -> torch.Tensor:
-        return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True).to(torch.float64)
+        return torch.segment_reduce(values, reduce, lengths=lengths, unsafe=True)
 
-    count = lengths.to(torch.float64)
-    zero = torch.zeros_like(count)
-    columns = [count, zero, zero, zero, per_tensor(flat.to(acc), "sum"), zero, zero, zero]
+    total = per_tensor(flat, "sum")
+    columns = [total, total, total, total, total]
     if want[3]:
-        at_least = torch.nn.functional.hardshrink(flat, lam).sign_().square_()
-        columns[3] = count - per_tensor(at_least, "sum")
+        columns[4] = per_tensor(flat.abs().gt_(lam), "sum")
     if want[5]:
-        columns[5] = per_tensor(flat.to(acc).square(), "sum")
+        columns[1] = per_tensor(flat.square(), "sum")
     if want[6]:
-        columns[6] = per_tensor(flat, "min")
+        columns[2] = per_tensor(flat, "min")
     if want[7]:
-        columns[7] = per_tensor(flat, "max")
-    rec = torch.stack(columns, 1)
-    if not want[4]:
-        rec[:, 4] = torch.where(torch.isfinite(rec[:, 4]), 0.0, rec[:, 4])  # keep the check, not the figure
-    return rec
+        columns[3] = per_tensor(flat, "max")
+    values = torch.stack(columns, 1).to(torch.float64).numpy()
+    return _packed_records(lengths.numpy().astype(np.float64), values, want)
 
 
 def _count_at_least(part: torch.Tensor, lam: float, buffer: torch.Tensor) -> torch.Tensor:
     """Number of |x| > lam in one chunk (lam being the largest value below eps: |x| >= eps).
 
-    hardshrink zeroes |x| <= lam, sign maps the rest to ±1, and the dot product of that with itself
-    counts them: exact in fp32 for a chunk of fewer than 2**24 elements, and three cheap float passes
-    where a bool mask and count_nonzero cost twice as much.
+    |x| > lam written as 1.0 or 0.0 into the chunk's own dtype, then summed: exact in fp32 for a chunk
+    of fewer than 2**24 elements, and three cheap float passes where hardshrink, sign and a dot
+    product cost a third more, and a bool mask with count_nonzero three times as much.
     """
     out = buffer[:part.numel()]
-    torch.ops.aten.hardshrink.out(part, lam, out=out)
-    torch.sign(out, out=out)
-    return torch.dot(out, out)
+    torch.abs(part, out=out)
+    torch.gt(out, lam, out=out)
+    return out.sum()

@@ -175,7 +175,7 @@ class TrainerMon:
         ops = tuple(cfg.ops)
 
         def derive(batch: StepBatch) -> None:
-            batch.derived = [stats.derive_ops(row, ops) for row in batch.values]
+            batch.derived = stats.derive_rows(batch.values, ops)
 
         writer = AsyncWriter(sinks, derive, max_queue=cfg.writer_queue_size, policy=cfg.writer_policy)
         writer.start()

@@ -13,16 +13,17 @@ class ApiSink(Sink):
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._latest: dict[str, dict[str, dict[str, float]]] = {}
+        self._latest: dict[str, list[tuple]] = {}  # family -> (key, figures) of the last step recording it
         self._rank = 0
 
     def start(self, context: SinkContext) -> None:
         self._rank = context.rank
 
     def write(self, batch: StepBatch) -> None:
-        by_family: dict[str, dict[str, dict]] = {}
+        # Every step is written and few are asked for: tags and copies are made in `latest`.
+        by_family: dict[str, list[tuple]] = {}
         for key, figures in zip(batch.keys, batch.derived):
-            by_family.setdefault(key.family, {})[tag_of(key, self._rank)] = dict(figures)
+            by_family.setdefault(key.family, []).append((key, figures))
         with self._lock:
             # A family keeps the figures of the last step that recorded it.
             self._latest.update(by_family)
@@ -30,7 +31,5 @@ class ApiSink(Sink):
     def latest(self, families) -> dict[str, dict[str, float]]:
         """{tag: {op: value}} of the given families, from the last step that recorded each."""
         with self._lock:
-            out = {}
-            for family in families:
-                out.update(self._latest.get(family, {}))
-            return out
+            rows = [row for family in families for row in self._latest.get(family, ())]
+        return {tag_of(key, self._rank): dict(figures) for key, figures in rows}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from trainmon.monitor.records import StepBatch
 from trainmon.writers.base import Sink, SinkContext
@@ -38,12 +38,13 @@ class _RangeFiles:
             self.last = step
         self.steps += 1
 
-    def writer(self, family: str, header: list[str]):
+    def writer(self, family: str, header: Callable[[str], list[str]]):
+        """The family's CSV writer; `header(family)` is written when its file is opened."""
         if family not in self.writers:
             handle = open(self.path(family, self.last), "w", newline="")
             self.files[family] = handle
             self.writers[family] = csv.writer(handle)
-            self.writers[family].writerow(header)
+            self.writers[family].writerow(header(family))
         return self.writers[family]
 
     def flush(self) -> None:
@@ -63,10 +64,13 @@ class CsvSink(Sink):
     def __init__(self):
         self._context: SinkContext | None = None
         self._range: _RangeFiles | None = None
+        self._spec = ""
+        self._shapes: dict[tuple, str] = {}  # shape -> its column: a run has few shapes, rows many
 
     def start(self, context: SinkContext) -> None:
         context.rank_dir.mkdir(parents=True, exist_ok=True)
         self._context = context
+        self._spec = f".{context.ndigits}g"
 
     def _header(self, family: str) -> list[str]:
         index = ["vpp_stage", "name", "step"]
@@ -75,7 +79,13 @@ class CsvSink(Sink):
         return index + list(self._context.ops) + ["shape", "dtype"]
 
     def _format(self, value) -> str:
-        return "" if value is None else format(value, f".{self._context.ndigits}g")
+        return "" if value is None else format(value, self._spec)
+
+    def _shape(self, shape: tuple) -> str:
+        text = self._shapes.get(shape)
+        if text is None:
+            text = self._shapes[shape] = str(list(shape))
+        return text
 
     def write(self, batch: StepBatch) -> None:
         if not batch.keys:
@@ -94,8 +104,8 @@ class CsvSink(Sink):
             if key.family in ctx.per_micro_families:
                 row.append(key.micro_step)
             row += [self._format(figures.get(op)) for op in ctx.ops]
-            row += [str(list(key.shape)), key.dtype]
-            self._range.writer(key.family, self._header(key.family)).writerow(row)
+            row += [self._shape(key.shape), key.dtype]
+            self._range.writer(key.family, self._header).writerow(row)
 
     def flush(self) -> None:
         if self._range is not None:

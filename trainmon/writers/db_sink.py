@@ -29,7 +29,9 @@ class MonitorDb:
     def __init__(self, path: Path):
         self.path = path
         self.conn = db_schema.connect(str(path))
-        self._tag_ids = {tuple(row[1:]): row[0] for row in
+        # by (family, name, vpp_stage, shape as a tuple, dtype): the JSON of a shape is made only for a new tag
+        self._tag_ids = {(family, name, vpp, tuple(json.loads(shape)), dtype): tag_id
+                         for tag_id, family, name, vpp, shape, dtype in
                          self.conn.execute("SELECT id, family, name, vpp_stage, shape, dtype FROM tags")}
 
     def set_meta(self, items: dict) -> None:
@@ -60,11 +62,12 @@ class MonitorDb:
                               (step, wall_time or time.time(), len(keys), len(scalars)))
 
     def _tag_id(self, key: RecordKey) -> int:
-        ident = (key.family, key.name, key.vpp_stage, json.dumps(list(key.shape)), key.dtype)
+        ident = (key.family, key.name, key.vpp_stage, tuple(key.shape), key.dtype)
         tag_id = self._tag_ids.get(ident)
         if tag_id is None:
             tag_id = self.conn.execute("INSERT INTO tags (family, name, vpp_stage, shape, dtype) "
-                                       "VALUES (?, ?, ?, ?, ?)", ident).lastrowid
+                                       "VALUES (?, ?, ?, ?, ?)",
+                                       (*ident[:3], json.dumps(list(key.shape)), key.dtype)).lastrowid
             self._tag_ids[ident] = tag_id
         return tag_id
 

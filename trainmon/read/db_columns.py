@@ -139,11 +139,11 @@ def _from_records(conn: sqlite3.Connection, family_ids: Optional[list[int]], fir
                         f"FROM records r WHERE {' AND '.join(where)} ORDER BY r.step, r.call_index, r.rowid",
                         args).fetchall()
     values = list(zip(*rows)) if rows else [()] * (6 + len(FIELDS))
-    columns = {name: np.array(values[position], dtype=np.int64)
-               for position, name in enumerate(("tag_id", "micro_step", "step", "call_index", "pp_stage", "nan_fields"))
-               if name != "micro_step"}
-    columns["micro_step"] = np.array([db_schema.NO_MICRO_STEP if m is None else m for m in values[1]], dtype=np.int64)
-    return {**columns, "fields": {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}}  # NULL is NaN
+    tag_id, micro, step, call_index, pp_stage, nan_fields = values[:6]
+    ints = {"tag_id": tag_id, "step": step, "call_index": call_index, "pp_stage": pp_stage, "nan_fields": nan_fields,
+            "micro_step": [db_schema.NO_MICRO_STEP if m is None else m for m in micro]}
+    return {**{name: np.array(column, dtype=np.int64) for name, column in ints.items()},
+            "fields": {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}}  # NULL is NaN
 
 
 # op -> (its figure, the rows that can have one; None: all) from the stored fields (`counts`: the NaN and

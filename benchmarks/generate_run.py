@@ -18,6 +18,7 @@ depend on their values, `--copies-to N` fills the run up to N ranks with copies 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -113,7 +114,7 @@ def write_rank(job: tuple) -> None:
             bad = _nonfinite(keys, rank, step, origin, inf_step)
             values[bad] = (n - 1, 0, 1, 0, 0.0, n, -1.0, 1.0, 0)  # one Inf element: excluded from the figures
             batch = StepBatch(step=step, rank=rank, pp_stage=0, keys=keys, values=values, flags=np.empty(0))
-            batch.derived = [stats.derive_ops(row, OPS) for row in values]
+            batch.deriver = functools.partial(stats.derive_rows, ops=OPS)
             sinks.write(batch)
     finally:
         sinks.close()

@@ -23,7 +23,7 @@ from trainmon.monitor.adapters.base import AdamPiece, TrainingAdapter, WatchedPa
 from trainmon.monitor.records import (ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
                                       MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED)
 from trainmon.monitor.patching import patch_attribute
-from trainmon.monitor.shard_merge import record_pieces
+from trainmon.monitor.shard_merge import PieceRecords
 from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")
@@ -88,22 +88,25 @@ class OptimizerHooks:
             self._restore()
             self._restore = None
 
-    def _record(self, family: str, pieces: list) -> None:
-        record_pieces(self.state, family, self.params, pieces, group=self.adapter.shard_group)
+    def _records(self) -> PieceRecords:
+        """Where one point of the step records its families: one collective for all of them."""
+        return PieceRecords(self.state, self.params, group=self.adapter.shard_group)
 
     def _before_update(self) -> None:
         self.state.collector.flush_pending()  # release the held activations before the update
         for callback in self.before_update:
             callback()
+        records = self._records()
         if self.reduced_grads or self.sign_agreement:
             grads = self.adapter.reduced_grads(self.params)
             if self.reduced_grads:
-                self._record(GRAD_REDUCED, grads)
+                records.add(GRAD_REDUCED, grads)
             if self.sign_agreement:
                 # Frameworks free or reuse the reduced grads during their step: only the signs are kept.
                 self._grad_signs = [torch.sign(g) if g is not None else None for g in grads]
         if self.params_before_after:
-            self._record(PARAM_ORIGIN, self.adapter.main_params(self.params))
+            records.add(PARAM_ORIGIN, self.adapter.main_params(self.params))
+        records.commit()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         try:
@@ -113,8 +116,13 @@ class OptimizerHooks:
             self.end_step()
 
     def _collect_after_step(self) -> None:
+        records = self._records()
         if self.params_before_after:
-            self._record(PARAM_UPDATED, self.adapter.main_params(self.params))
+            records.add(PARAM_UPDATED, self.adapter.main_params(self.params))
+        self._record_adam_state(records)
+        records.commit()
+
+    def _record_adam_state(self, records: PieceRecords) -> None:
         if not (self.moments or self.update_ratio or self.sign_agreement):
             return
         pieces = self.adapter.adam_pieces(self.params)
@@ -127,17 +135,17 @@ class OptimizerHooks:
                                "mv_distribution, ur_distribution and mg_direction record nothing")
             return
         if self.moments:
-            self._record(EXP_AVG, [p and p.exp_avg for p in pieces])
-            self._record(EXP_AVG_SQ, [p and p.exp_avg_sq for p in pieces])
+            records.add(EXP_AVG, [p and p.exp_avg for p in pieces])
+            records.add(EXP_AVG_SQ, [p and p.exp_avg_sq for p in pieces])
         if self.update_ratio:
             updates, ratios = zip(*[_adam_update_and_ratio(p) if p is not None else (None, None) for p in pieces])
-            self._record(ADAM_UPDATE, list(updates))
-            self._record(ADAM_RATIO, list(ratios))
+            records.add(ADAM_UPDATE, list(updates))
+            records.add(ADAM_RATIO, list(ratios))
         if self.sign_agreement:
             signs, self._grad_signs = self._grad_signs, []
-            self._record(MG_DIRECTION, [(sign == torch.sign(p.exp_avg)).float()
-                                        if p is not None and sign is not None else None
-                                        for p, sign in zip(pieces, signs)])
+            records.add(MG_DIRECTION, [(sign == torch.sign(p.exp_avg)).float()
+                                       if p is not None and sign is not None else None
+                                       for p, sign in zip(pieces, signs)])
 
 
 def _with_closure_then(callback: Callable[[], None], args: tuple, kwargs: dict) -> Optional[tuple]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -89,10 +89,20 @@ class StepBatch:
     host: Optional[object] = None  # flat host tensor: records, then the tensor-valued scalars
     host_scalar_names: tuple = ()
     ready: Optional[object] = None  # event that completes the copy on an accelerator, or None
-    derived: Optional[list] = None  # per key {op: float | None}, filled in the writer thread
+    # values -> per key {op: float | None}: set by the writer thread, run by the first sink that reads `derived`
+    deriver: Optional[Callable[[np.ndarray], list]] = None
+    _derived: Optional[list] = None
     # NaN sentinel: one probe per key, non-finite exactly when the tensor had a NaN/Inf element.
     flag_keys: list = field(default_factory=list)
     flags: Optional[np.ndarray] = None
+
+    @property
+    def derived(self) -> list:
+        """Per key, its figures {op: float | None}, derived once, when a sink first asks (a step written
+        only to the database derives nothing)."""
+        if self._derived is None:
+            self._derived = self.deriver(self.values)
+        return self._derived
 
     def wait(self) -> "StepBatch":
         if self.ready is not None:

@@ -66,22 +66,58 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     Every pass over a chunk after the first hits the cache: weights and optimizer state are cold
     when the optimizer step ends, and whole-tensor passes would each stream them from memory.
     """
+    scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
+               for dtype in {t.dtype for t in tensors}}
     figures = []                                  # per tensor, its 0-d figures in _FIGURES order
-    for t in tensors:
-        copy, buffer = workspace(t.dtype)
-        lam = consts(t.dtype, eps)[0]
-        flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, copy)
-        chunks = [_chunk_figures(flat[start:start + buffer.numel()], lam, buffer, want)
-                  for start in range(0, flat.numel(), buffer.numel())]
-        figures.append(chunks[0] if len(chunks) == 1 else _combine_chunks(chunks))
-    values = np.empty((len(tensors), len(_FIGURES)))
+    at_least = np.zeros(len(tensors))             # per tensor, its count of |x| >= eps (when wanted)
+    for i, t in enumerate(tensors):
+        work = scratch[t.dtype]
+        flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, work.copy)
+        n, cap = flat.numel(), work.cap
+        if n <= cap:                              # most tensors: one chunk, no slicing
+            figures.append(_chunk_figures(flat, want))
+            if want[3]:
+                at_least[i] = work.count_at_least(flat)
+        else:
+            chunks = [flat.narrow(0, start, min(cap, n - start)) for start in range(0, n, cap)]
+            figures.append(_combine_chunks([_chunk_figures(chunk, want) for chunk in chunks]))
+            if want[3]:
+                at_least[i] = sum(work.count_at_least(chunk) for chunk in chunks)
+    values = np.empty((len(tensors), len(_FIGURES) + 1))
     for dtype in _FAST_DTYPES:                    # one stack and cast per dtype for the whole call
         rows = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         if rows:
             stacked = torch.stack([f for i in rows for f in figures[i]]).to(torch.float64)
-            values[rows] = stacked.view(len(rows), len(_FIGURES)).numpy()
+            values[rows, :len(_FIGURES)] = stacked.view(len(rows), len(_FIGURES)).numpy()
+    values[:, len(_FIGURES)] = at_least
     count = np.array([float(t.numel()) for t in tensors])
     return _packed_records(count, values, want)
+
+
+class _Scratch:
+    """One dtype's scratch for a call: `copy` for non-contiguous tensors, and the count's buffers, seen
+    through numpy and sliced once per length (slicing a tensor costs more than some of the passes)."""
+
+    def __init__(self, copy: torch.Tensor, buffer: torch.Tensor, mask: torch.Tensor, lam: float):
+        self.copy, self.cap = copy, buffer.numel()
+        self._magnitudes, self._mask = buffer.numpy(), mask.numpy()
+        self._lam = self._magnitudes.dtype.type(lam)  # exact: lam is a value of the dtype
+        self._views: dict[int, tuple] = {}
+
+    def count_at_least(self, part: torch.Tensor) -> int:
+        """Number of |x| > lam in a contiguous chunk (lam being the largest value below eps: |x| >= eps).
+
+        In numpy: |x| into the scratch, compared into a bool mask (a byte per element where torch writes
+        a float) and counted, a quarter cheaper than torch's abs, float comparison and sum, and exact.
+        """
+        n = part.numel()
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = (self._magnitudes[:n], self._mask[:n])
+        magnitudes, mask = views
+        np.abs(part.numpy(), out=magnitudes)
+        np.greater(magnitudes, self._lam, out=mask)
+        return int(np.count_nonzero(mask))
 
 
 def _assumable(t: torch.Tensor, workspace: Callable) -> bool:
@@ -102,14 +138,14 @@ def _contiguous_copy(t: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
 
 
 # The figures of one chunk (0-d tensors of its dtype), and how the figures of chunks combine.
-_FIGURES = ("sum", "sumsq", "min", "max", "at_least")
-_COMBINE = (torch.sum, torch.sum, torch.amin, torch.amax, torch.sum)
+_FIGURES = ("sum", "sumsq", "min", "max")
+_COMBINE = (torch.sum, torch.sum, torch.amin, torch.amax)
 
 
-def _chunk_figures(part: torch.Tensor, lam: float, buffer: torch.Tensor, want: tuple) -> list[torch.Tensor]:
+def _chunk_figures(part: torch.Tensor, want: tuple) -> list[torch.Tensor]:
     """The `_FIGURES` of one contiguous chunk; a figure not in `want` is a placeholder (its sum)."""
-    total = part.sum(dtype=part.dtype)
-    figures = [total, total, total, total, total]
+    total = part.sum()                            # fp32/fp64 only: accumulates in the chunk's dtype
+    figures = [total, total, total, total]
     if want[5]:
         figures[1] = torch.dot(part, part)
     if want[6] and want[7]:
@@ -118,8 +154,6 @@ def _chunk_figures(part: torch.Tensor, lam: float, buffer: torch.Tensor, want: t
         figures[2] = part.amin()
     elif want[7]:
         figures[3] = part.amax()
-    if want[3]:
-        figures[4] = _count_at_least(part, lam, buffer)
     return figures
 
 
@@ -128,7 +162,8 @@ def _combine_chunks(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 
 
 def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.ndarray:
-    """[n, 8] records from the element counts and the `_FIGURES` columns; fields not in `want` hold 0."""
+    """[n, 8] records from the element counts, the `_FIGURES` columns and a last one, the count of
+    |x| >= eps; fields not in `want` hold 0."""
     rec = np.zeros((len(count), 8))
     rec[:, 0] = count
     if want[3]:
@@ -164,16 +199,3 @@ def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tupl
         columns[3] = per_tensor(flat, "max")
     values = torch.stack(columns, 1).to(torch.float64).numpy()
     return _packed_records(lengths.numpy().astype(np.float64), values, want)
-
-
-def _count_at_least(part: torch.Tensor, lam: float, buffer: torch.Tensor) -> torch.Tensor:
-    """Number of |x| > lam in one chunk (lam being the largest value below eps: |x| >= eps).
-
-    |x| > lam written as 1.0 or 0.0 into the chunk's own dtype, then summed: exact in fp32 for a chunk
-    of fewer than 2**24 elements, and three cheap float passes where hardshrink, sign and a dot
-    product cost a third more, and a bool mask with count_nonzero three times as much.
-    """
-    out = buffer[:part.numel()]
-    torch.abs(part, out=out)
-    torch.gt(out, lam, out=out)
-    return out.sum()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 from typing import Optional, Sequence
 
@@ -172,12 +173,8 @@ class TrainerMon:
         sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []) +
                               ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
-        ops = tuple(cfg.ops)
-
-        def derive(batch: StepBatch) -> None:
-            batch.derived = stats.derive_rows(batch.values, ops)
-
-        writer = AsyncWriter(sinks, derive, max_queue=cfg.writer_queue_size, policy=cfg.writer_policy)
+        writer = AsyncWriter(sinks, functools.partial(stats.derive_rows, ops=tuple(cfg.ops)),
+                             max_queue=cfg.writer_queue_size, policy=cfg.writer_policy)
         writer.start()
         return writer
 

@@ -13,23 +13,23 @@ class ApiSink(Sink):
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._latest: dict[str, list[tuple]] = {}  # family -> (key, figures) of the last step recording it
+        self._latest: dict[str, tuple] = {}  # family -> (batch, its rows) of the last step recording it
         self._rank = 0
 
     def start(self, context: SinkContext) -> None:
         self._rank = context.rank
 
     def write(self, batch: StepBatch) -> None:
-        # Every step is written and few are asked for: tags and copies are made in `latest`.
-        by_family: dict[str, list[tuple]] = {}
-        for key, figures in zip(batch.keys, batch.derived):
-            by_family.setdefault(key.family, []).append((key, figures))
+        # Every step is written and few are asked for: figures, tags and copies are made in `latest`.
+        rows: dict[str, list[int]] = {}
+        for row, key in enumerate(batch.keys):
+            rows.setdefault(key.family, []).append(row)
         with self._lock:
             # A family keeps the figures of the last step that recorded it.
-            self._latest.update(by_family)
+            self._latest.update((family, (batch, family_rows)) for family, family_rows in rows.items())
 
     def latest(self, families) -> dict[str, dict[str, float]]:
         """{tag: {op: value}} of the given families, from the last step that recorded each."""
         with self._lock:
-            rows = [row for family in families for row in self._latest.get(family, ())]
-        return {tag_of(key, self._rank): dict(figures) for key, figures in rows}
+            chosen = [self._latest[family] for family in families if family in self._latest]
+        return {tag_of(batch.keys[row], self._rank): dict(batch.derived[row]) for batch, rows in chosen for row in rows}

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+import numpy as np
+
 from trainmon.monitor.records import StepBatch
 from trainmon.writers.base import Sink
 
@@ -21,17 +23,18 @@ class AsyncWriter:
 
     The training thread only enqueues. When the queue is full it waits (policy "block", the wait is
     accounted in `blocked_seconds`) or drops the batch (policy "drop", counted in `dropped_steps`).
-    The worker turns records into figures (`derive`) and writes them; a batch that fails is logged
-    and skipped, never retried forever. `report()` gives every count, for the run metadata.
+    The worker writes the batches, each with `derive`, which turns its records into figures when a sink
+    first asks for them (a step written only to the database derives nothing). A batch that fails is
+    logged and skipped, never retried forever. `report()` gives every count, for the run metadata.
 
     Args:
         sink: where batches go (usually a SinkContainer).
-        derive: fills `batch.derived` from `batch.values`, in the worker thread.
+        derive: a batch's `values` -> its figures per key (`StepBatch.derived`).
         max_queue: batches queued before `policy` applies.
         policy: "block" or "drop".
     """
 
-    def __init__(self, sink: Sink, derive: Callable[[StepBatch], None], max_queue: int = 64,
+    def __init__(self, sink: Sink, derive: Callable[[np.ndarray], list], max_queue: int = 64,
                  policy: str = "block"):
         if policy not in POLICIES:
             raise ValueError(f"writer policy must be 'block' or 'drop', got {policy!r}")
@@ -99,7 +102,7 @@ class AsyncWriter:
     def _write(self, batch: StepBatch) -> None:
         try:
             batch.wait()
-            self.derive(batch)
+            batch.deriver = self.derive
             self.sink.write(batch)
             self.written_steps += 1
         except Exception:

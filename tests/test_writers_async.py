@@ -1,6 +1,7 @@
 """The writer thread: back-pressure, dropping, failing sinks, and what survives SIGTERM, SIGKILL and exit."""
 import errno
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -14,6 +15,8 @@ import torch
 from writer_helpers import OPS, GatedSink, integrity, monitored
 from training import make_model, run_steps
 from trainmon import TrainerMon
+from trainmon.monitor import stats
+from trainmon.monitor.stats import derive_rows
 from trainmon.writers.base import Sink
 
 CHILD = os.path.join(os.path.dirname(__file__), "train_child.py")
@@ -185,3 +188,25 @@ def test_an_unwritable_output_directory_does_not_stop_training(tmp_path, monkeyp
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert sum("cannot write to the output directory" in m for m in errors) == 1
     assert sum("sink failed in start" in m for m in errors) == 3
+
+
+def test_figures_are_derived_once_per_step_and_only_for_sinks_that_read_them(output_dir, write_config, monkeypatch):
+    derived = []  # records per derived batch
+
+    def counting_derive_rows(records, ops):
+        derived.append(len(records))
+        return derive_rows(records, ops)
+
+    monkeypatch.setattr(stats, "derive_rows", counting_derive_rows)
+    for formats, steps_derived_by_sinks in ((["db"], 0), (["csv", "db"], 3)):
+        derived.clear()
+        monitor, gated, train = start_monitor(write_config, format=formats)
+        gated.gate.set()
+        train(3)
+        monitor._writer.drain()
+        assert len(derived) == steps_derived_by_sinks  # the database stores records, not figures
+        wgrad = monitor.generate_wgrad_metrics()
+        # The api derives the last step's batch when no sink did, and reuses the sinks' figures otherwise.
+        assert len(derived) == max(steps_derived_by_sinks, 1) and len(set(derived)) == 1
+        assert len(wgrad) == derived[0] and all(math.isfinite(figures["norm"]) for figures in wgrad.values())
+        monitor.stop()

@@ -101,6 +101,8 @@ class StepBatch:
         """Per key, its figures {op: float | None}, derived once, when a sink first asks (a step written
         only to the database derives nothing)."""
         if self._derived is None:
+            if self.deriver is None:
+                raise RuntimeError(f"step {self.step}'s figures were read before a writer set its `deriver`")
             self._derived = self.deriver(self.values)
         return self._derived
 

@@ -4,7 +4,7 @@ Activation grads come from two light autograd attachments instead of torch's ful
 identity views around module outputs break frameworks that modify outputs in place (Megatron's fused
 bias-dropout-add) and cost time even when idle:
 
-- the grad of each output: a tensor hook on the output tensor (the output stays the module's own tensor);
+- the grad of each output: `watch_grad` on the output tensor (the output stays the module's own tensor);
 - the grad of each input (tensor positional arguments and activations passed by keyword, `input_places`):
   the forward pre-hook passes the inputs through one identity autograd node (`_InputTap`) whose backward
   sees the grads the module's backward computed for them, before they are summed with grads from other
@@ -32,6 +32,7 @@ import torch
 
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
+from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, values_at
@@ -232,7 +233,7 @@ class ActivationHooks:
     def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
         for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):
             if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
-                tensor.register_hook(functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
+                watch_grad(tensor, functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
         self._record_grads(watched, micro, [(leaf_name, grad)])

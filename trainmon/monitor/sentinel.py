@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from trainmon.anomaly.dump import DumpRequest, capture
 from trainmon.monitor.forward_passes import in_backward
+from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
@@ -41,9 +42,9 @@ class _Probes:
         self.keys: list[RecordKey] = []
         self._values: list[torch.Tensor] = []
 
-    def write(self, keys: list[RecordKey], tensors: list[torch.Tensor]) -> None:
-        self.keys.extend(keys)
-        self._values.extend(probe(t) for t in tensors)
+    def add(self, key: RecordKey, tensor: torch.Tensor) -> None:
+        self.keys.append(key)
+        self._values.append(probe(tensor))
 
     def filled(self) -> Optional[torch.Tensor]:
         """The probes written this step, in key order (a float32 device tensor), or None."""
@@ -71,13 +72,12 @@ class NanSentinel:
 
     Only training forwards are probed (see `forward_passes`). Forward: the model's floating inputs, before
     any module runs (a NaN that came with the batch is first there), and every module's floating outputs
-    are probed. Backward: the grad of every floating module
-    input is probed once, by a hook on the input tensor, and named `<module>.input[_i]` after the
-    innermost module that took the tensor (it is that module's grad_input, i.e. what its backward
-    computed; a fault injected by a full backward hook is seen too). A chunk's root also probes the
-    grad of its outputs, for what reaches the model from the loss. Tensor hooks are used instead of
-    full backward hooks, which wrap every module's inputs and outputs in extra autograd nodes and
-    cost more than the probes themselves.
+    are probed. Backward: the grad of every floating module input is probed once, by a pre-hook on the
+    autograd node that made the tensor, and named `<module>.input[_i]` after the innermost module that
+    took the tensor (it is that module's grad_input, i.e. what its backward computed; a fault injected
+    by a full backward hook is seen too). A chunk's root also probes the grad of its outputs, for what
+    reaches the model from the loss. Node pre-hooks are used instead of full backward hooks, which wrap
+    every module's inputs and outputs in extra autograd nodes and cost more than the probes themselves.
 
     Args:
         state: the shared hook state (collector, forward micro-step).
@@ -89,7 +89,9 @@ class NanSentinel:
     def __init__(self, state: HookState, modules: list[tuple], params: list[tuple]):
         self.state = state
         self.modules = modules
-        self.params = params
+        self._params_of: dict[int, list[tuple]] = {}  # vpp stage -> (name, parameter), stages ascending
+        for name, param, vpp in sorted(params, key=lambda p: p[2]):
+            self._params_of.setdefault(vpp, []).append((name, param))
         self.probes = _Probes()
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
@@ -124,41 +126,47 @@ class NanSentinel:
         self.probes.reset()
 
     # ------------------------------------------------------------------------------------ hooks
-    def _probe(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
-        leaves = [(n, t) for n, t in leaves if t.numel()]
-        if not leaves:
-            return
-        collector = self.state.collector
-        keys = [RecordKey(family, name, vpp_stage, micro, collector.next_call_index(), tuple(t.shape),
-                          str(t.dtype)) for name, t in leaves]
-        self.probes.write(keys, [t for _, t in leaves])
+    def _probe_one(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int, micro: Optional[int]) -> None:
+        if tensor.numel():
+            key = RecordKey(family, name, vpp_stage, micro, self.state.collector.next_call_index(),
+                            tuple(tensor.shape), str(tensor.dtype))
+            self.probes.add(key, tensor)
 
-    def _first_sight(self, tensor: torch.Tensor) -> bool:
-        """False for a tensor object already probed unchanged this step: a container returning its last
+    def _probe(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
+        for name, tensor in leaves:
+            self._probe_one(family, name, tensor, vpp_stage, micro)
+
+    def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int) -> None:
+        """Probes the forward tensors not already probed unchanged this step: a container returning its last
         child's output (nn.Sequential, a model returning its head's output) is not read twice."""
-        seen = self._probed.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
-            return False
-        self._probed[id(tensor)] = (weakref.ref(tensor), tensor._version)
-        return True
+        probed = self._probed
+        for name, tensor in leaves:
+            seen = probed.get(id(tensor))
+            if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+                continue
+            probed[id(tensor)] = (weakref.ref(tensor), tensor._version)
+            self._probe_one(ACTV, name, tensor, vpp_stage, micro)
 
     def _make_pre_forward(self, name: str, vpp: int):
         state = self.state
+        prefix, root = f"{name}.input", name == ""
 
         def pre_forward_hook(module, args, kwargs):
             if not state.training_forward or in_backward():
                 return
             if self._dump is not None:
-                self._dump.saw(name, "input", args, start=len(self.probes.keys) if name == "" else None)
-            micro = state.forward_micro(vpp)
-            inputs = floating_leaves(values_at(input_places(args, kwargs), args, kwargs), None, f"{name}.input")
-            if name == "":
-                self._probe(ACTV, [(n, t) for n, t in inputs if self._first_sight(t)], vpp, micro)
-            if not torch.is_grad_enabled():
+                self._dump.saw(name, "input", args, start=len(self.probes.keys) if root else None)
+            grad_enabled = torch.is_grad_enabled()
+            if not (root or grad_enabled):  # only the root probes its inputs; the others watch their grads
                 return
-            for leaf_name, tensor in inputs:
-                if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
-                    self._watch_grad(tensor, leaf_name, vpp, micro)
+            micro = state.forward_micro(vpp)
+            inputs = floating_leaves(values_at(input_places(args, kwargs), args, kwargs), None, prefix)
+            if root:
+                self._probe_first_sights(inputs, vpp, micro)
+            if grad_enabled:
+                for leaf_name, tensor in inputs:
+                    if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
+                        self._watch_grad(tensor, leaf_name, vpp, micro)
 
         return pre_forward_hook
 
@@ -170,28 +178,29 @@ class NanSentinel:
             return
         consumer = _GradConsumer(tensor, name, vpp, micro)
         self._consumers[id(tensor)] = consumer
-        tensor.register_hook(functools.partial(self._grad_hook, consumer))
+        watch_grad(tensor, functools.partial(self._grad_hook, consumer))
 
     def _on_grad(self, consumer: _GradConsumer, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward()
         vpp = consumer.vpp_stage
         self._in_pass[vpp] = max(self._in_pass.get(vpp, 0), consumer.micro)
-        self._probe(ACTV_GRAD, [(consumer.name, grad)], vpp, consumer.micro)
+        self._probe_one(ACTV_GRAD, consumer.name, grad, vpp, consumer.micro)
 
     def _make_forward(self, name: str, vpp: int):
         state = self.state
+        prefix, root = f"{name}.output", name == ""
 
         def forward_hook(module, args, output):
             if not state.training_forward or in_backward():
                 return
             micro = state.forward_micro(vpp)
-            leaves = floating_leaves(output, None, f"{name}.output")
-            self._probe(ACTV, [(n, t) for n, t in leaves if self._first_sight(t)], vpp, micro)
+            leaves = floating_leaves(output, None, prefix)
+            self._probe_first_sights(leaves, vpp, micro)
             if self._dump is not None:
                 self._dump.saw(name, "output", output)
-                if name == "":
+                if root:
                     self._dump.check(self.probes, state.collector.step, micro)
-            if name == "" and torch.is_grad_enabled():
+            if root and torch.is_grad_enabled():
                 for leaf_name, tensor in leaves:
                     if tensor.grad_fn is not None:
                         self._watch_grad(tensor, leaf_name, vpp, micro)
@@ -215,16 +224,15 @@ class NanSentinel:
         backward per pass, not in the order of the forwards)."""
         self._callback_queued = False
         in_pass, self._in_pass = self._in_pass, {}
-        grads = [(name, self._grad(p), vpp) for name, p, vpp in self.params if vpp in in_pass]
-        for vpp in sorted({vpp for _, g, vpp in grads if g is not None}):
-            leaves = [(name, g) for name, g, v in grads if g is not None and v == vpp]
-            self._probe(GRAD_UNREDUCED, leaves, vpp, in_pass[vpp])
+        for vpp in sorted(in_pass):
+            grads = [(name, self._grad(p)) for name, p in self._params_of.get(vpp, ())]
+            self._probe(GRAD_UNREDUCED, [(name, g) for name, g in grads if g is not None], vpp, in_pass[vpp])
 
     # ----------------------------------------------------------------------------- step cycle
     def close_step(self) -> None:
         """Probes the updated weights and hands the step's probes to the collector (training thread)."""
-        for vpp in sorted({vpp for _, _, vpp in self.params}):
-            self._probe(PARAM_UPDATED, [(name, p) for name, p, v in self.params if v == vpp], vpp, None)
+        for vpp, params in self._params_of.items():
+            self._probe(PARAM_UPDATED, params, vpp, None)
         filled = self.probes.filled()
         if filled is not None:
             self.state.collector.add_flags(self.probes.keys, filled)

@@ -12,6 +12,25 @@ from trainmon.monitor.collector import StepCollector
 logger = logging.getLogger("trainmon")
 
 
+def without_torch_function(fn: Callable) -> Callable:
+    """`fn` run with torch-function handling off while a `TorchFunctionMode` is active (a `torch.device`
+    context, a device-mapping shim).
+
+    For trainmon's own work only (hooks, closing a step): it reads tensors on their own device, and the
+    mode would otherwise see every attribute read and small op of it, several per hooked call. Tensor
+    subclasses still dispatch through `__torch_dispatch__`.
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch._C._is_torch_function_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 class HookState:
     """Shared by all hooks of one TrainerMon.
 
@@ -64,23 +83,16 @@ class HookState:
         """Wraps a hook so that an exception disables monitoring of `item` instead of training.
 
         The first failure of an item is logged with its context; the item is then skipped. With
-        `strict` (tests) the exception propagates.
-
-        Under an active `TorchFunctionMode` (a `torch.device` context, a device-mapping shim) the hook
-        runs with torch-function handling off: a hook only reads tensors on their own device, and the
-        mode would otherwise see every attribute read and small op of every hook, several per hooked
-        call. Tensor subclasses still dispatch through `__torch_dispatch__`.
+        `strict` (tests) the exception propagates. The hook runs `without_torch_function`.
         """
+        fn = without_torch_function(fn)
 
         @functools.wraps(fn)
         def hook(*args, **kwargs):
             if item in self._failed:
                 return None
             try:
-                if not torch._C._is_torch_function_mode_enabled():
-                    return fn(*args, **kwargs)
-                with torch._C.DisableTorchFunction():
-                    return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except Exception:
                 if self.strict:
                     raise

@@ -32,7 +32,7 @@ from trainmon.monitor.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDA
 from trainmon.monitor.schedule import CollectionSchedule
 from trainmon.monitor.sentinel import NanSentinel, nan_sentinel
 from trainmon.monitor.selection import watched_modules, watched_params
-from trainmon.monitor.state import HookState
+from trainmon.monitor.state import HookState, without_torch_function
 from trainmon.monitor.structure import StackRecorder, module_structure
 from trainmon.monitor.tensor_dump import TensorDump
 from trainmon.writers.api_sink import ApiSink
@@ -319,6 +319,7 @@ class TrainerMon:
         self._comm = None
 
     # ------------------------------------------------------------------------------ step cycle
+    @without_torch_function
     def _end_step(self) -> None:
         """Closes the step (called after every optimizer.step()) and decides about the next one."""
         state = self._state

@@ -73,10 +73,11 @@ def test_every_module_param_and_update_is_probed(output_dir, write_config):
         assert {("param_updated", p, None) for p in params} <= names
         indices = [k.call_index for k in batch.flag_keys]
         assert indices == sorted(indices) and len(set(indices)) == len(indices)
-    # the probes are the tensors' fp32 sums: check the last step's updated weights directly
+    # a weight's probe is its fp32 L2 norm: check the last step's updated weights directly
     last = {k.name: v for k, v in zip(batches[-1].flag_keys, batches[-1].flags) if k.family == "param_updated"}
     for name, param in params.items():
-        assert abs(last[name] - float(param.detach().sum(dtype=torch.float32))) <= 1e-6 * (1 + abs(last[name]))
+        norm = float(torch.linalg.vector_norm(param.detach(), dtype=torch.float32))
+        assert abs(last[name] - norm) <= 1e-6 * (1 + norm)
     assert (monitor.output_dir / "anomalies.jsonl").read_text() == ""
 
 

@@ -35,7 +35,7 @@ from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
-from trainmon.monitor.tensor_select import floating_leaves, input_places, values_at
+from trainmon.monitor.tensor_select import floating_leaves, input_places, input_values, values_at
 
 
 @dataclass
@@ -206,7 +206,7 @@ class ActivationHooks:
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, name))
             if self.forward:
-                inputs = [_root(t) for t in values_at(input_places(args, kwargs), args, kwargs)]
+                inputs = [_root(t) for t in input_values(args, kwargs)]
                 self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, name, micro,
                                          call.input_index, inputs, output)
 

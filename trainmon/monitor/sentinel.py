@@ -1,9 +1,12 @@
 """The NaN sentinel: a device-side non-finite probe on every module output, module grad, weight grad and
 updated weight, every step, whatever `targets` and the statistic switches say.
 
-A probe is the tensor's sum accumulated in fp32: it is NaN or ±Inf exactly when an element is, except
-that a finite tensor whose sum exceeds fp32's range (|sum| > 3.4e38) also trips it, which is itself a
-numerical fault. Probes stay on the device, one per probed event in the order of the events (each
+An activation or activation-grad probe is the tensor's sum accumulated in fp32: it is NaN or ±Inf exactly
+when an element is, except that a finite tensor whose sum exceeds fp32's range (|sum| > 3.4e38) also
+trips it, which is itself a numerical fault. Weights and weight grads are probed all at once, by their L2
+norms in fp32 (one multi-tensor op instead of a sum per parameter: one kernel on an accelerator):
+non-finite exactly when an element is, or when the norm exceeds ~1.8e19 (its squares are summed in
+fp32). Probes stay on the device, one per probed event in the order of the events (each
 event's `call_index` is kept in its key), and join the step's single device->host copy as one stacked
 tensor. Nothing is read on the host inside the hooks.
 """
@@ -22,13 +25,25 @@ from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
-from trainmon.monitor.tensor_select import floating_leaves, input_places, values_at
+from trainmon.monitor.tensor_select import floating_leaves, input_values
+
+_OWN_ACCUMULATION = (torch.float32, torch.float64)  # dtypes whose sum accumulates in fp32 or wider already
+
 
 def probe(tensor: torch.Tensor) -> torch.Tensor:
     """fp32 sum of `tensor`: non-finite iff one of its elements is (see the module docstring)."""
-    if tensor.dtype == torch.float64:
-        return tensor.detach().sum()
-    return tensor.detach().sum(dtype=torch.float32)
+    tensor = tensor.detach()
+    if tensor.dtype in _OWN_ACCUMULATION:
+        return tensor.sum()  # no dtype argument to parse: a third of the call on a small tensor
+    return tensor.sum(dtype=torch.float32)
+
+
+def norm_probes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 L2 norms of `tensors` (fp64 ones in fp64): non-finite iff an element is, or the norm overflows."""
+    if all(t.dtype != torch.float64 for t in tensors):
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    return [torch.linalg.vector_norm(t) if t.dtype == torch.float64 else torch.linalg.vector_norm(t, dtype=torch.float32)
+            for t in tensors]
 
 
 class _Probes:
@@ -45,6 +60,10 @@ class _Probes:
     def add(self, key: RecordKey, tensor: torch.Tensor) -> None:
         self.keys.append(key)
         self._values.append(probe(tensor))
+
+    def add_norms(self, keys: list[RecordKey], tensors: list[torch.Tensor]) -> None:
+        self.keys.extend(keys)
+        self._values.extend(norm_probes(tensors))
 
     def filled(self) -> Optional[torch.Tensor]:
         """The probes written this step, in key order (a float32 device tensor), or None."""
@@ -132,9 +151,14 @@ class NanSentinel:
                             tuple(tensor.shape), str(tensor.dtype))
             self.probes.add(key, tensor)
 
-    def _probe(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
-        for name, tensor in leaves:
-            self._probe_one(family, name, tensor, vpp_stage, micro)
+    def _probe_weights(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
+        """One probe per (name, tensor) of `leaves`, taken together (see `norm_probes`)."""
+        leaves = [(name, tensor.detach()) for name, tensor in leaves if tensor is not None and tensor.numel()]
+        if leaves:
+            next_call_index = self.state.collector.next_call_index
+            keys = [RecordKey(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), str(t.dtype))
+                    for name, t in leaves]
+            self.probes.add_norms(keys, [t for _, t in leaves])
 
     def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int) -> None:
         """Probes the forward tensors not already probed unchanged this step: a container returning its last
@@ -160,7 +184,7 @@ class NanSentinel:
             if not (root or grad_enabled):  # only the root probes its inputs; the others watch their grads
                 return
             micro = state.forward_micro(vpp)
-            inputs = floating_leaves(values_at(input_places(args, kwargs), args, kwargs), None, prefix)
+            inputs = floating_leaves(input_values(args, kwargs), None, prefix)
             if root:
                 self._probe_first_sights(inputs, vpp, micro)
             if grad_enabled:
@@ -226,13 +250,13 @@ class NanSentinel:
         in_pass, self._in_pass = self._in_pass, {}
         for vpp in sorted(in_pass):
             grads = [(name, self._grad(p)) for name, p in self._params_of.get(vpp, ())]
-            self._probe(GRAD_UNREDUCED, [(name, g) for name, g in grads if g is not None], vpp, in_pass[vpp])
+            self._probe_weights(GRAD_UNREDUCED, grads, vpp, in_pass[vpp])
 
     # ----------------------------------------------------------------------------- step cycle
     def close_step(self) -> None:
         """Probes the updated weights and hands the step's probes to the collector (training thread)."""
         for vpp, params in self._params_of.items():
-            self._probe(PARAM_UPDATED, params, vpp, None)
+            self._probe_weights(PARAM_UPDATED, params, vpp, None)
         filled = self.probes.filled()
         if filled is not None:
             self.state.collector.add_flags(self.probes.keys, filled)

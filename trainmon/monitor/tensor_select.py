@@ -18,6 +18,8 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
         index: Optional[int] = getattr(selector, "index", None)
         if index is not None and isinstance(obj, (tuple, list)):
             obj = obj[index] if index < len(obj) else None
+    if type(obj) in (tuple, list) and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+        obj = obj[0]  # a single leaf keeps the bare prefix
     if isinstance(obj, torch.Tensor):  # the common case, in every hook call: no list to walk
         return [(prefix, obj)] if obj.is_floating_point() else []
     if type(obj) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in obj):
@@ -45,6 +47,14 @@ def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
     if kwargs:
         places += [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
     return places
+
+
+def input_values(args: tuple, kwargs: dict) -> list:
+    """The values at `input_places` of a call, without the places."""
+    values = [a for a in args if isinstance(a, torch.Tensor)]
+    if kwargs:
+        values += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    return values
 
 
 def values_at(places: list[tuple[bool, object]], args: tuple, kwargs: dict) -> list:

@@ -109,10 +109,10 @@ def write_rank(job: tuple) -> None:
     try:
         for step in range(steps):
             values = np.empty((len(keys), stats.N_FIELDS))
-            values[:] = (n, 0, 0, 0, 0.0, n, -1.0, 1.0, 0)
+            values[:] = (n, 0, 0, 0, 0.0, n, -1.0, 1.0, 0, 0)
             values[:, 4] = rng.normal(size=len(keys))
             bad = _nonfinite(keys, rank, step, origin, inf_step)
-            values[bad] = (n - 1, 0, 1, 0, 0.0, n, -1.0, 1.0, 0)  # one Inf element: excluded from the figures
+            values[bad] = (n - 1, 0, 1, 0, 0.0, n, -1.0, 1.0, 0, 1)  # one +Inf element
             batch = StepBatch(step=step, rank=rank, pp_stage=0, keys=keys, values=values, flags=np.empty(0))
             batch.deriver = functools.partial(stats.derive_rows, ops=OPS)
             sinks.write(batch)

@@ -7,6 +7,8 @@ import torch
 
 
 def reference_ops(t: torch.Tensor, eps: float = 1e-8) -> dict:
+    """Every op of `t` computed by torch: norm, mean, min and max over all elements (NaN and Inf propagate
+    as torch propagates them), the `_finite` ops over the finite ones."""
     x = t.detach().double().reshape(-1)
     finite = x[torch.isfinite(x)]
     total = x.numel()
@@ -14,23 +16,30 @@ def reference_ops(t: torch.Tensor, eps: float = 1e-8) -> dict:
         "nans": float(torch.isnan(x).sum()),
         "infs": float(torch.isinf(x).sum()),
         "zeros": float((finite.abs() < eps).sum()) / total if total else None,
-        "norm": float(finite.norm()) if finite.numel() else 0.0,
+        "norm": float(torch.linalg.vector_norm(x)) if total else 0.0,
+        "norm_finite": float(finite.norm()) if finite.numel() else 0.0,
     }
-    if finite.numel():
-        out.update(min=float(finite.min()), max=float(finite.max()), mean=float(finite.mean()))
-    else:
+    out.update(min=float(x.min()), max=float(x.max()), mean=float(x.mean())) if total else \
         out.update(min=None, max=None, mean=None)
+    if finite.numel():
+        out.update(min_finite=float(finite.min()), max_finite=float(finite.max()), mean_finite=float(finite.mean()))
+    else:
+        out.update(min_finite=None, max_finite=None, mean_finite=None)
     return out
 
 
 def assert_ops_close(actual: dict, expected: dict, ops, rel=1e-5, abs_=1e-7, context=""):
-    """`actual` may come from a CSV row (missing cells as NaN) or from the api (None)."""
+    """`actual` may come from a CSV row (missing cells as NaN) or from the api (None). An expected NaN must
+    be NaN, an expected Inf the same Inf."""
     for op in ops:
         a, e = actual[op], expected[op]
-        if a is not None and isinstance(a, float) and math.isnan(a):
-            a = None
+        nan = a is not None and isinstance(a, float) and math.isnan(a)
         if e is None:
-            assert a is None, f"{context} {op}: {a}, expected no value"
+            assert a is None or nan, f"{context} {op}: {a}, expected no value"
+        elif math.isnan(e):
+            assert nan, f"{context} {op}: {a}, expected NaN"
+        elif math.isinf(e):
+            assert a == e, f"{context} {op}: {a}, expected {e}"
         else:
-            assert a is not None and math.isclose(float(a), e, rel_tol=rel, abs_tol=abs_), \
+            assert a is not None and not nan and math.isclose(float(a), e, rel_tol=rel, abs_tol=abs_), \
                 f"{context} {op}: {a} != {e}"

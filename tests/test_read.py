@@ -84,10 +84,10 @@ def test_a_running_jobs_database_is_read_up_to_its_last_commit(run_dir, capsys):
     writer.execute("PRAGMA journal_mode=WAL")
     writer.execute("INSERT INTO batches (step, wall_time, records, scalars) VALUES (99, 0, 0, 0)")
     writer.execute("INSERT INTO records SELECT tag_id, 99, micro_step, call_index, pp_stage, count, nans, infs, "
-                   "zeros, sum, sumsq, min, max, sat, nan_fields FROM records WHERE step = 0")
+                   "zeros, sum, sumsq, min, max, sat, pinfs, nan_fields FROM records WHERE step = 0")
     writer.execute("BEGIN")
     writer.execute("INSERT INTO records SELECT tag_id, 100, micro_step, call_index, pp_stage, count, nans, infs, "
-                   "zeros, sum, sumsq, min, max, sat, nan_fields FROM records WHERE step = 0")
+                   "zeros, sum, sumsq, min, max, sat, pinfs, nan_fields FROM records WHERE step = 0")
     try:
         assert (run_dir / "monitor.db-wal").exists()
         with open_run(run_dir, source="db") as run:

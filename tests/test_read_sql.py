@@ -23,8 +23,8 @@ OPS = ["min", "max", "norm", "mean", "zeros", "nans", "infs", "sat"]
 # family, name: the tags of the fixture (two share a module: layers.1's input and output)
 TAGS = [("actv", "layers.0.output"), ("actv", "layers.1.input"), ("actv", "layers.1.output"),
         ("actv_grad", "layers.1.input"), ("grad_reduced", "layers.1.weight"), ("comm", "all_reduce[0-1]@dp#0.output")]
-GOOD = (4.0, 0, 0, 0, 1.0, 2.0, -1.0, 1.0, 0)
-INF = (3.0, 0, 1, 0, 1.0, 2.0, -1.0, 1.0, 0)
+GOOD = (4.0, 0, 0, 0, 1.0, 2.0, -1.0, 1.0, 0, 0)
+INF = (3.0, 0, 1, 0, 1.0, 2.0, -1.0, 1.0, 0, 1)
 
 
 def _anomaly(step, micro, call, module, phase, tensor, op, value, family, rank=0):
@@ -51,7 +51,7 @@ def _write_rank(rank_dir):
             # the two layers.1 activations of one call share its index
             rows.append((tag, step, micro, min(call, 2), 0, *values, 0))
         conn.execute("INSERT INTO batches VALUES (?, 0, 6, 0)", (step,))
-    rows.append((4, 0, 0, 3, 0, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, math.inf, -math.inf, math.nan, 0))
+    rows.append((4, 0, 0, 3, 0, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, math.inf, -math.inf, math.nan, math.nan, 0))
     conn.executemany(db_schema.INSERT_RECORD, [r[:5] + tuple(None if v != v else v for v in r[5:-1]) + r[-1:]
                                                for r in rows])
     conn.close()

@@ -15,7 +15,7 @@ from trainmon.monitor.stats import (FIELDS, N_FIELDS, OPS, derive_ops, fields_fo
 ALL = frozenset(FIELDS)
 NAN, INF = math.nan, math.inf
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
-COUNT_FIELDS = ("count", "nans", "infs", "zeros", "min", "max", "sat")   # must match exactly
+COUNT_FIELDS = ("count", "nans", "infs", "zeros", "min", "max", "sat", "pinfs")   # must match exactly
 
 
 def reference(x: torch.Tensor, eps: float) -> dict:
@@ -27,6 +27,7 @@ def reference(x: torch.Tensor, eps: float) -> dict:
             "zeros": int((f.abs() < eps).sum()), "sum": float(f.sum()), "sumsq": float((f * f).sum()),
             "min": float(f.min()) if f.numel() else INF, "max": float(f.max()) if f.numel() else -INF,
             "sat": int((f.abs() >= torch.finfo(x.dtype).max).sum()),  # default limit: the dtype's largest
+            "pinfs": int(torch.isposinf(d).sum()),
             "abssum": float(f.abs().sum())}
 
 
@@ -131,7 +132,8 @@ def test_only_requested_fields(ops, dtype):
 
 def test_fields_for_ops():
     assert fields_for_ops([]) == {"count", "nans", "infs"}
-    assert fields_for_ops(["norm", "mean"]) == {"count", "nans", "infs", "sumsq", "sum"}
+    assert fields_for_ops(["norm", "mean"]) == {"count", "nans", "infs", "sumsq", "sum", "pinfs"}
+    assert fields_for_ops(["norm_finite", "mean_finite"]) == {"count", "nans", "infs", "sumsq", "sum"}
     assert fields_for_ops(OPS) == set(FIELDS)
     with pytest.raises(ValueError, match="unknown op 'nrom'"):
         fields_for_ops(["nrom"])
@@ -183,7 +185,7 @@ def test_merged_chunks_equal_whole(dtype, parts):
 
 def test_merge_identities_and_shapes():
     e = merge_records(torch.zeros(0, N_FIELDS, dtype=torch.float64))
-    assert e.tolist() == [0, 0, 0, 0, 0, 0, INF, -INF, 0]
+    assert e.tolist() == [0, 0, 0, 0, 0, 0, INF, -INF, 0, 0]
     a = tensor_records([torch.zeros(0), torch.tensor([1.0, -2.0])], 1e-8, ALL)
     assert merge_records(a).tolist() == a[1].tolist()
     with pytest.raises(ValueError):
@@ -191,24 +193,62 @@ def test_merge_identities_and_shapes():
 
 
 # ---- derive -------------------------------------------------------------------------------------------
+def _same(a, b) -> bool:
+    return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+
+
 def test_derive_ops():
     x = torch.tensor([3.0, -4.0, 0.0, NAN, INF, 1e-9])
     row = tensor_records([x], 1e-8, ALL)[0]
     d = derive_ops(row.numpy(), OPS)
-    assert d["norm"] == pytest.approx(5.0) and d["mean"] == pytest.approx(-1.0 / 4 + 1e-9 / 4)
-    assert d["min"] == -4.0 and d["max"] == 3.0
+    # torch's figures: a NaN element makes them NaN
+    assert math.isnan(d["norm"]) and math.isnan(d["mean"]) and math.isnan(d["min"]) and math.isnan(d["max"])
+    assert math.isnan(float(torch.linalg.vector_norm(x))) and math.isnan(float(x.max()))
+    # the finite-only figures
+    assert d["norm_finite"] == pytest.approx(5.0) and d["mean_finite"] == pytest.approx(-1.0 / 4 + 1e-9 / 4)
+    assert d["min_finite"] == -4.0 and d["max_finite"] == 3.0
     assert d["zeros"] == pytest.approx(2 / 6) and d["nans"] == 1.0 and d["infs"] == 1.0
-    assert derive_ops(row.tolist(), ["norm"]) == {"norm": pytest.approx(5.0)}
-    assert derive_ops(np.asarray(row), ["min"])["min"] == -4.0
+    assert derive_ops(row.tolist(), ["norm_finite"]) == {"norm_finite": pytest.approx(5.0)}
+    assert derive_ops(np.asarray(row), ["min_finite"])["min_finite"] == -4.0
+
+
+@pytest.mark.parametrize("values", [
+    [3.0, -4.0, INF], [3.0, -4.0, -INF], [3.0, INF, -INF], [INF, INF], [-INF], [INF, -INF],
+    [1.0, NAN, INF], [NAN], [2.0, -1.0], [0.0]])
+def test_figures_are_what_torch_computes(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    d = derive_ops(tensor_records([x], 1e-8, ALL)[0].numpy(), OPS)
+    want = {"norm": torch.linalg.vector_norm(x), "mean": x.mean(), "min": x.min(), "max": x.max()}
+    for op, value in want.items():
+        value = float(value)
+        assert _same(d[op], value) or math.isclose(d[op], value, rel_tol=1e-6), (op, values, d[op], value)
+
+
+def test_one_record_and_a_column_derive_the_same_figures():
+    """The plain-Python and numpy derivations of `schema.OP_TABLE` agree row by row, None included; also for
+    records whose fields were not recorded (NaN, as read from an older database)."""
+    tensors = [torch.tensor(v) for v in ([3.0, -4.0, INF], [3.0, INF, -INF], [INF], [-INF], [NAN, 1.0], [NAN],
+                                         [2.0, -1.0], [0.0])] + [torch.zeros(0)]
+    records = tensor_records(tensors, 1e-8, ALL).numpy()
+    unknown_sign = records[:3].copy()
+    unknown_sign[:, FIELDS.index("pinfs")] = NAN
+    records = np.concatenate([records, unknown_sign])
+    columns = stats.derive_rows(records, OPS)
+    for row, column in zip(records, columns):
+        one = derive_ops(row, OPS)
+        assert one.keys() == column.keys()
+        assert all(_same(one[op], column[op]) for op in OPS), (row, one, column)
+    assert math.isnan(columns[-3]["max"]) and columns[-3]["norm"] == INF  # a sign not recorded is not guessed
 
 
 def test_derive_empty_and_all_nonfinite():
     rows = tensor_records([torch.zeros(0), torch.tensor([NAN, INF])], 1e-8, ALL)
     d0 = derive_ops(rows[0].tolist(), OPS)
     assert d0 == {"min": None, "max": None, "norm": 0.0, "mean": None, "zeros": None, "nans": 0.0, "infs": 0.0,
-                  "sat": 0.0}
+                  "sat": 0.0, "norm_finite": 0.0, "mean_finite": None, "min_finite": None, "max_finite": None}
     d1 = derive_ops(rows[1].tolist(), OPS)
-    assert d1["mean"] is None and d1["min"] is None and d1["zeros"] == 0.0 and d1["nans"] == 1.0
+    assert math.isnan(d1["mean"]) and math.isnan(d1["min"]) and math.isnan(d1["norm"])
+    assert d1["mean_finite"] is None and d1["min_finite"] is None and d1["zeros"] == 0.0 and d1["nans"] == 1.0
 
 
 def test_derive_refuses_uncomputed_fields():
@@ -346,7 +386,7 @@ def test_cpu_assume_finite_path_agrees_with_the_exact_kernels():
     fast = tensor_records(mixed, 1e-8, ALL)
     exact = _exact_records([t.detach() for t in mixed], torch.device("cpu"), 1e-8, want)
     torch.testing.assert_close(fast[:, :4], exact[:, :4], rtol=0, atol=0)      # counts: exact
-    torch.testing.assert_close(fast[:, 6:], exact[:, 6:], rtol=0, atol=0)      # extremes: exact
+    torch.testing.assert_close(fast[:, 6:8], exact[:, 6:8], rtol=0, atol=0)    # extremes: exact
     torch.testing.assert_close(fast[:, 4:6], exact[:, 4:6], rtol=1e-5, atol=1e-3)
     for row, t in zip(fast, mixed):
         check(row, t, 1e-8)

@@ -13,6 +13,13 @@ HEADER_ACTV = "vpp_stage,name,step,micro_step,norm,min,max,mean,nans,zeros,shape
 HEADER_PARAM = "vpp_stage,name,step,norm,min,max,mean,nans,zeros,shape,dtype\n"
 
 
+def _mlp_row(rank: int, step: int, micro: int) -> str:
+    if (rank, step, micro) == (1, 1, 0):  # a NaN element: torch's norm, min, max and mean are NaN
+        return f'0,layers.0.mlp.output,{step},{micro},nan,nan,nan,nan,3,0.0,"[2, 32, 64]",torch.float32\n'
+    return (f'0,layers.0.mlp.output,{step},{micro},12.5,-1.0,{"inf" if step else 2.0},0.25,0,0.0,"[2, 32, 64]",'
+            'torch.float32\n')
+
+
 def msprobe_output(root):
     """Two ranks in msprobe's layout `<time>-rank<R>-<uuid>/`, with a NaN, an Inf and an empty cell."""
     for rank in (0, 1):
@@ -20,10 +27,7 @@ def msprobe_output(root):
         d.mkdir(parents=True)
         (d / "actv_0-1.csv").write_text(HEADER_ACTV + "".join(
             f'0,embed.output,{step},{micro},{64.788261023307 + rank + step + micro},-3.472946166992,3.739976406097,'
-            f'0.00294669929,0,0.015625,"[2, 32, 64]",torch.float32\n'
-            f'0,layers.0.mlp.output,{step},{micro},{"nan" if (rank, step, micro) == (1, 1, 0) else 12.5},-1.0,'
-            f'{"inf" if step else 2.0},0.25,{3 if (rank, step, micro) == (1, 1, 0) else 0},0.0,"[2, 32, 64]",'
-            'torch.float32\n'
+            f'0.00294669929,0,0.015625,"[2, 32, 64]",torch.float32\n' + _mlp_row(rank, step, micro)
             for step in (0, 1) for micro in (0, 1)))
         (d / "grad_reduced_0-1.csv").write_text(HEADER_PARAM + "".join(
             f'0,head.weight,{step},{1.008559711228 * (step + 1)},-0.061745397747,0.073422640562,1.9e-11,0,0,'
@@ -51,7 +55,9 @@ def test_reading_msprobe_output_by_family_tag_and_step(tmp_path):
     at_step = run.step(1)
     assert set(at_step.family) == {"actv", "grad_reduced", "exp_avg"} and set(at_step.step) == {1}
     bad = at_step[(at_step["rank"] == 1) & (at_step.name == "layers.0.mlp.output") & (at_step.micro_step == 0)]
-    assert math.isnan(bad.norm.iloc[0]) and bad.nans.iloc[0] == 3 and bad["max"].iloc[0] == math.inf
+    assert math.isnan(bad.norm.iloc[0]) and bad.nans.iloc[0] == 3 and math.isnan(bad["max"].iloc[0])
+    inf = at_step[(at_step["rank"] == 0) & (at_step.name == "layers.0.mlp.output") & (at_step.micro_step == 0)]
+    assert inf["max"].iloc[0] == math.inf
     assert math.isnan(run.family("exp_avg")["min"].iloc[0])  # empty cell: no value
 
 
@@ -74,7 +80,8 @@ def test_csv2db_db2tb_and_csv2tb_round_trip(tmp_path, capsys):
     expected = {}
     for (rank, family, name, step, micro), row in csv.iterrows():
         for op in OPS:
-            if not (math.isnan(row[op]) and not (op == "norm" and row["nans"])):  # "nan" kept, empty cells not
+            # a NaN figure of a tensor with a NaN element is kept; an empty cell is not
+            if not (math.isnan(row[op]) and not (op in ("norm", "min", "max", "mean") and row["nans"])):
                 expected[(f"{row['tag']}_{op}", step)] = row[op]
     for converted in ("db_tb", "csv_tb"):
         events = {}
@@ -94,7 +101,8 @@ def test_csv2db_keeps_nan_apart_from_missing(tmp_path):
                                "AND micro_step = 0").fetchone()
         missing = conn.execute("SELECT r.sumsq, r.\"min\", r.nan_fields FROM records r JOIN tags t "
                                "ON t.id = r.tag_id WHERE t.family = 'exp_avg'").fetchone()
-    assert nan_row == (None, 1 << 5, 3.0, 2 * 32 * 64 - 3)  # sumsq is NaN: bit 5 of nan_fields
+    # the CSV's norm is NaN (torch's norm of a tensor with a NaN): the finite elements' sum of squares is unknown
+    assert nan_row == (None, 0, 3.0, 2 * 32 * 64 - 3)
     assert missing == (0.25, None, 0)  # min not recorded: NULL without its bit
 
 

@@ -75,7 +75,8 @@ def test_nan_and_inf_are_stored_faithfully(output_dir, write_config):
     name = next(iter(run.family(GRAD_REDUCED, steps=0).name))  # the first parameter
     row = run.tag(f"0:{name}/rank0/post_grad", steps=1).iloc[0]
     assert (row["nans"], row["infs"], row["raw_count"]) == (1, 2, math.prod(row["shape"]) - 3)
-    assert math.isfinite(row["raw_sum"]) and math.isfinite(row["norm"])
+    assert math.isfinite(row["raw_sum"]) and math.isfinite(row["raw_sumsq"]) and row["raw_pinfs"] == 1
+    assert math.isnan(row["norm"]) and math.isnan(row["max"])  # as torch gives them
     loss = run.scalars("loss")
     assert loss.value.iloc[0] == 1.0 and math.isnan(loss.value.iloc[1])
     with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
@@ -86,7 +87,7 @@ def test_nan_fields_are_marked_and_inf_is_real(tmp_path):
     db = MonitorDb(tmp_path / "monitor.db")
     key = RecordKey("exp_avg", "w", 0, None, 0, (2,), "torch.float32")
     # a record whose sum overflowed to NaN, and one without finite elements (min +inf, max -inf)
-    values = np.array([[2, 0, 0, 0, np.nan, np.inf, -1.0, 1.0, 0], [0, 2, 0, 0, 0.0, 0.0, np.inf, -np.inf, 0]])
+    values = np.array([[2, 0, 0, 0, np.nan, np.inf, -1.0, 1.0, 0, 0], [0, 2, 0, 0, 0.0, 0.0, np.inf, -np.inf, 0, 0]])
     db.add_step(0, 0, [key, key], values, {})
     db.close()
     with sqlite3.connect(tmp_path / "monitor.db") as conn:

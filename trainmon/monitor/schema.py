@@ -5,14 +5,24 @@ read layer, merging across shards) takes its fields, their order and their merge
 count is one `Field` row plus its kernel in the engine (and an `Op` row when it is shown as a figure);
 the database gets its column from the same row.
 
-The first eight fields are the design's mergeable record; `sat` came later, so existing column
+The first eight fields are the design's mergeable record; `sat` and `pinfs` came later, so existing column
 positions did not move.
+
+The figures a user reads follow torch (design §3): a tensor with a NaN element has NaN norm, mean, min and
+max; with ±Inf and no NaN, norm is +Inf, min/max are the infinities it holds and mean is what their signs
+give. The finite-only figures (`norm_finite`, `mean_finite`, `min_finite`, `max_finite`) are ops of their
+own, for diagnosis. Each op is derived twice from the same rules, next to each other here: one record at a
+time in plain Python (the readers' per-row path, where numpy's per-call cost dominated) and a column of
+records at once with numpy (the writer thread, the database's column reads); `tests/test_stats.py` holds
+the two to the same answers.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+import numpy as np
 
 _INF = math.inf
 
@@ -47,6 +57,7 @@ FIELD_TABLE: tuple[Field, ...] = (
     Field("min", "min", "smallest finite element (+inf when there is none)"),
     Field("max", "max", "largest finite element (-inf when there is none)"),
     Field("sat", "sum", "finite elements with |x| >= the saturation limit (`sat_threshold`, `sat_dtype`)"),
+    Field("pinfs", "sum", "+Inf elements (of `infs`: the rest are -Inf)"),
 )
 FIELDS: tuple[str, ...] = tuple(f.name for f in FIELD_TABLE)
 N_FIELDS = len(FIELDS)
@@ -63,6 +74,89 @@ def _total(r: dict) -> float:
     return r["count"] + r["nans"] + r["infs"]
 
 
+# ---- one record (plain Python; a NaN field was not recorded, and comparisons with it are False) ----------
+def _norm(r: dict) -> Optional[float]:
+    if r["nans"] > 0:
+        return math.nan
+    return math.inf if r["infs"] > 0 else math.sqrt(r["sumsq"])
+
+
+def _signed_infs(r: dict) -> tuple[float, float]:
+    """(+Inf, -Inf) elements; NaN where the sign was not recorded."""
+    return r["pinfs"], r["infs"] - r["pinfs"]
+
+
+def _min(r: dict) -> Optional[float]:
+    if r["nans"] > 0:
+        return math.nan
+    if r["infs"] > 0:
+        pos, neg = _signed_infs(r)
+        if not neg == neg:
+            return math.nan  # an Inf of unknown sign: the smallest element is unknown
+        if neg > 0:
+            return -math.inf
+    if r["count"] > 0:
+        return r["min"]
+    return math.inf if r["infs"] > 0 else None
+
+
+def _max(r: dict) -> Optional[float]:
+    if r["nans"] > 0:
+        return math.nan
+    if r["infs"] > 0:
+        pos, neg = _signed_infs(r)
+        if not pos == pos:
+            return math.nan
+        if pos > 0:
+            return math.inf
+    if r["count"] > 0:
+        return r["max"]
+    return -math.inf if r["infs"] > 0 else None
+
+
+def _mean(r: dict) -> Optional[float]:
+    if r["nans"] > 0:
+        return math.nan
+    if r["infs"] > 0:
+        pos, neg = _signed_infs(r)
+        if not (pos == pos) or (pos > 0 and neg > 0):
+            return math.nan  # +Inf and -Inf (or an unknown sign): torch's mean is NaN
+        return math.inf if pos > 0 else -math.inf
+    return r["sum"] / r["count"] if r["count"] > 0 else None
+
+
+# ---- columns of records (numpy): (figure, has a value; None: every row has one) ------------------------
+def _norm_array(r: dict) -> tuple:
+    return np.where(r["nans"] > 0, np.nan, np.where(r["infs"] > 0, np.inf, np.sqrt(r["sumsq"]))), None
+
+
+def _extreme_array(r: dict, field: str, own_inf: float, pos_of: Callable) -> tuple:
+    """min (own_inf -inf) or max (+inf): NaN wins, then an Inf of the figure's own sign, then the finite
+    extreme, then the other sign's Inf; NaN where an Inf's sign was not recorded."""
+    has_inf = r["infs"] > 0
+    own, other = pos_of(r)
+    value = np.select([r["nans"] > 0, has_inf & np.isnan(own), has_inf & (own > 0), r["count"] > 0,
+                       has_inf & (other > 0)],
+                      [np.nan, np.nan, own_inf, r[field], -own_inf], np.nan)
+    return value, (r["nans"] > 0) | has_inf | (r["count"] > 0)
+
+
+def _mean_array(r: dict) -> tuple:
+    pos, neg = r["pinfs"], r["infs"] - r["pinfs"]
+    has_inf = r["infs"] > 0
+    value = np.select([r["nans"] > 0, has_inf & (np.isnan(pos) | ((pos > 0) & (neg > 0))), has_inf & (pos > 0),
+                       has_inf], [np.nan, np.nan, np.inf, -np.inf], r["sum"] / r["count"])
+    return value, (r["nans"] > 0) | has_inf | (r["count"] > 0)
+
+
+def _positive(r: dict) -> tuple:
+    return r["pinfs"], r["infs"] - r["pinfs"]
+
+
+def _negative(r: dict) -> tuple:
+    return r["infs"] - r["pinfs"], r["pinfs"]
+
+
 @dataclass(frozen=True)
 class Op:
     """A figure derived from a record (a column in CSV, a TensorBoard tag).
@@ -71,22 +165,45 @@ class Op:
         name: the op, as given in the config's `ops`.
         fields: the record fields it needs (the engine computes only the fields some op needs).
         derive: record as {field: value} -> the figure, or None when it has no value.
+        derive_array: records as {field: float64 array} -> (figures, bool array of the rows that have one, or
+            None when all do); the same rules as `derive`.
+        doc: what it shows.
     """
 
     name: str
     fields: tuple[str, ...]
     derive: Callable[[dict], Optional[float]]
+    derive_array: Callable[[dict], tuple]
+    doc: str
+
+
+def _total_array(r: dict):
+    return r["count"] + r["nans"] + r["infs"]
 
 
 OP_TABLE: tuple[Op, ...] = (
-    Op("min", ("min",), lambda r: r["min"] if r["count"] > 0 else None),
-    Op("max", ("max",), lambda r: r["max"] if r["count"] > 0 else None),
-    Op("norm", ("sumsq",), lambda r: math.sqrt(r["sumsq"])),
-    Op("mean", ("sum",), lambda r: r["sum"] / r["count"] if r["count"] > 0 else None),
-    Op("zeros", ("zeros",), lambda r: r["zeros"] / _total(r) if _total(r) > 0 else None),  # a fraction
-    Op("nans", (), lambda r: r["nans"]),
-    Op("infs", (), lambda r: r["infs"]),
-    Op("sat", ("sat",), lambda r: r["sat"]),  # a count, like nans and infs
+    Op("min", ("min", "pinfs"), _min, lambda r: _extreme_array(r, "min", -np.inf, _negative),
+       "smallest element, as torch.min: NaN if any element is, -Inf if one is"),
+    Op("max", ("max", "pinfs"), _max, lambda r: _extreme_array(r, "max", np.inf, _positive),
+       "largest element, as torch.max: NaN if any element is, +Inf if one is"),
+    Op("norm", ("sumsq",), _norm, _norm_array, "L2 norm, as torch.linalg.vector_norm: NaN if any element is, "
+                                               "else +Inf if one is ±Inf"),
+    Op("mean", ("sum", "pinfs"), _mean, _mean_array,
+       "mean, as torch.mean: NaN with a NaN or with both +Inf and -Inf, else the sign of the Inf"),
+    Op("zeros", ("zeros",), lambda r: r["zeros"] / _total(r) if _total(r) > 0 else None,
+       lambda r: (r["zeros"] / _total_array(r), _total_array(r) > 0), "fraction of the elements with |x| < eps"),
+    Op("nans", (), lambda r: r["nans"], lambda r: (r["nans"], None), "NaN elements"),
+    Op("infs", (), lambda r: r["infs"], lambda r: (r["infs"], None), "±Inf elements"),
+    Op("sat", ("sat",), lambda r: r["sat"], lambda r: (r["sat"], None),
+       "finite elements at or beyond the saturation limit"),
+    Op("norm_finite", ("sumsq",), lambda r: math.sqrt(r["sumsq"]), lambda r: (np.sqrt(r["sumsq"]), None),
+       "L2 norm of the finite elements"),
+    Op("mean_finite", ("sum",), lambda r: r["sum"] / r["count"] if r["count"] > 0 else None,
+       lambda r: (r["sum"] / r["count"], r["count"] > 0), "mean of the finite elements"),
+    Op("min_finite", ("min",), lambda r: r["min"] if r["count"] > 0 else None,
+       lambda r: (r["min"], r["count"] > 0), "smallest finite element"),
+    Op("max_finite", ("max",), lambda r: r["max"] if r["count"] > 0 else None,
+       lambda r: (r["max"], r["count"] > 0), "largest finite element"),
 )
 OPS: tuple[str, ...] = tuple(op.name for op in OP_TABLE)
 OP_BY_NAME: dict[str, Op] = {op.name: op for op in OP_TABLE}

@@ -30,6 +30,7 @@ import struct
 import threading
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from trainmon.monitor import schema
@@ -38,6 +39,7 @@ from trainmon.monitor.schema import FIELDS, N_FIELDS, OPS  # the record's defini
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8
 _SAT = schema.INDEX["sat"]
+_PINFS, _INFS = schema.INDEX["pinfs"], schema.INDEX["infs"]
 _ROW = 128                                   # row width of the count code (fields of 8 bits fit fp32)
 CHUNK_ELEMS = {"cpu": 1 << 19}               # per device type (measured); others: _DEFAULT_CHUNK
 _DEFAULT_CHUNK = 1 << 22
@@ -211,6 +213,8 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     rec = _records(uniq, dev, eps, want)
     if "sat" in fields:
         _fill_sat(rec, uniq, dev, want, sat)
+    if "pinfs" in fields:
+        _fill_pinfs(rec, uniq, dev)
     if len(uniq) == len(tensors):
         return rec
     return rec.index_select(0, _meta(rowmap, dev))
@@ -385,6 +389,18 @@ def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, wa
     rec.select(1, _SAT).copy_(_sat_counts(uniq, dev, sat))
 
 
+def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device) -> None:
+    """Fills the `pinfs` column: the +Inf elements, whose sign the packed count code has no room for. Its own
+    pass, and on CPU only over the tensors holding an Inf (reading the count waits for no device there)."""
+    rows = rec.select(1, _INFS).nonzero().flatten().tolist() if dev.type == "cpu" else range(len(uniq))
+    rows = [u for u in rows if uniq[u].numel()]
+    if not rows:
+        return
+    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
+    counts = [torch.stack([(xc == _INF).sum() for xc in _chunks(uniq[u], cap)]).sum() for u in rows]
+    rec.select(1, _PINFS).index_copy_(0, _meta(rows, dev), torch.stack(counts).to(torch.float64))
+
+
 def merge_records(records: torch.Tensor) -> torch.Tensor:
     """``[k, N_FIELDS]`` -> ``[N_FIELDS]`` by the schema's merge rules (counts and sums add, min of mins,
     max of maxes).  Any device, no sync."""
@@ -403,8 +419,9 @@ def merge_records(records: torch.Tensor) -> torch.Tensor:
 
 def derive_ops(record, ops: Sequence[str], fields: frozenset[str] | None = None) -> dict[str, float | None]:
     """Host side: one record row (sequence, numpy row or CPU tensor) -> {op: value}.
-    norm = sqrt(sumsq); mean = sum / count; min/max (None when count == 0); zeros = fraction of all
-    elements (None when there are none); nans/infs = counts.  With ``fields`` (the set passed to
+    norm, mean, min, max as torch computes them (NaN/Inf propagate; `schema`); the `_finite` ops over the
+    finite elements (None when there are none); zeros = fraction of all elements (None when there are
+    none); nans/infs = counts.  With ``fields`` (the set passed to
     tensor_records) an op whose fields were not computed raises ValueError instead of reading 0."""
     v = [float(x) for x in record]
     if len(v) != N_FIELDS:
@@ -413,13 +430,23 @@ def derive_ops(record, ops: Sequence[str], fields: frozenset[str] | None = None)
 
 
 def derive_rows(records, ops: Sequence[str]) -> list[dict[str, float | None]]:
-    """`derive_ops` of every row of a float64 ``[k, N_FIELDS]`` numpy array (a step batch's values): the
-    ops are looked up once and the rows become Python floats in one conversion (the writer thread
+    """`derive_ops` of every row of a float64 ``[k, N_FIELDS]`` numpy array (a step batch's values): each op
+    is derived for the whole column with numpy, then the rows become Python floats (the writer thread
     derives every record of every step)."""
     if records.ndim != 2 or records.shape[1] != N_FIELDS:
         raise ValueError(f"records must be [k, {N_FIELDS}], got {records.shape}")
     resolved = _resolve_ops(ops)
-    return [_derive(resolved, row) for row in records.tolist()]
+    named = {name: records[:, i] for i, name in enumerate(FIELDS)}
+    columns = []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for _, op in resolved:
+            value, has = op.derive_array(named)
+            column = value.tolist()
+            if has is not None:
+                column = [v if ok else None for v, ok in zip(column, has.tolist())]
+            columns.append(column)
+    names = [name for name, _ in resolved]
+    return [dict(zip(names, row)) for row in zip(*columns)] if columns else [{} for _ in range(len(records))]
 
 
 def _resolve_ops(ops: Sequence[str], fields: frozenset[str] | None = None) -> list[tuple[str, schema.Op]]:

@@ -113,8 +113,9 @@ class DbRankReader:
         record = [stored[0], 0.0 if stored[1] != stored[1] else stored[1], 0.0 if stored[2] != stored[2] else stored[2],
                   *stored[3:]]
         figures = stats.derive_ops(record, self.ops)
-        if not row["nan_fields"]:
-            # no field is NaN, so a NaN figure comes from fields that were not recorded: it has no value
+        if not row["nan_fields"] and not (record[1] > 0 or record[2] > 0):
+            # no field is NaN and no element is NaN or Inf, so a NaN figure comes from fields that were not
+            # recorded: it has no value
             figures = {op: None if v is not None and v != v else v for op, v in figures.items()}
         row.update(figures)
         return row

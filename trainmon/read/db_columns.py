@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from trainmon.monitor.records import FIELDS
+from trainmon.monitor.schema import OP_BY_NAME
 from trainmon.writers import db_schema
 
 RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_sat
@@ -95,6 +96,8 @@ def _blocks_cover(conn: sqlite3.Connection, first: Optional[int], last: Optional
     tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "record_blocks" not in tables:
         return False
+    if db_schema.read_meta(conn).get("schema_version", db_schema.SCHEMA_VERSION) < db_schema.BLOCKS_SINCE:
+        return False  # blocks of narrower rows
     where, args = _step_range(first, last)
     (batches,), (blocks,) = (conn.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}", args).fetchone()
                              for table in ("batches", "record_blocks"))
@@ -146,30 +149,15 @@ def _from_records(conn: sqlite3.Connection, family_ids: Optional[list[int]], fir
             "fields": {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}}  # NULL is NaN
 
 
-# op -> (its figure, the rows that can have one; None: all) from the stored fields (`counts`: the NaN and
-# Inf counts, those not recorded counting as none)
-_DERIVATIONS = {
-    "min": lambda s, counts: (s["min"], s["count"] > 0),  # False where count is NaN, as in the scalar comparison
-    "max": lambda s, counts: (s["max"], s["count"] > 0),
-    "norm": lambda s, counts: (np.sqrt(s["sumsq"]), None),
-    "mean": lambda s, counts: (s["sum"] / s["count"], s["count"] > 0),
-    "zeros": lambda s, counts: (s["zeros"] / (s["count"] + sum(counts())), s["count"] + sum(counts()) > 0),
-    "nans": lambda s, counts: (counts()[0], None),
-    "infs": lambda s, counts: (counts()[1], None),
-    "sat": lambda s, counts: (s["sat"], None),
-}
-
-
 def derive_columns(stored: dict, nan_fields: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:
-    """(figure, missing) of every row: `monitor.schema.OP_TABLE`'s derivations over arrays, as
-    `DbRankReader.rows` applies them (NaN and Inf counts that were not recorded count as none; a NaN figure
-    of a row without NaN fields comes from fields that were not recorded, and has no value)."""
-    def counts() -> tuple[np.ndarray, np.ndarray]:
-        return np.nan_to_num(stored["nans"], nan=0.0), np.nan_to_num(stored["infs"], nan=0.0)
-
+    """(figure, missing) of every row: `monitor.schema.OP_TABLE`'s column derivation, as `DbRankReader.rows`
+    applies it (NaN and Inf counts that were not recorded count as none; a NaN figure of a row without NaN
+    fields and without NaN/Inf elements comes from fields that were not recorded, and has no value)."""
+    fields = {**stored, "nans": np.nan_to_num(stored["nans"], nan=0.0), "infs": np.nan_to_num(stored["infs"], nan=0.0)}
     with np.errstate(invalid="ignore", divide="ignore"):
-        value, has = _DERIVATIONS[op](stored, counts)
-    missing = np.isnan(value) & (nan_fields == 0)
+        value, has = OP_BY_NAME[op].derive_array(fields)
+    nonfinite = (fields["nans"] > 0) | (fields["infs"] > 0)
+    missing = np.isnan(value) & (nan_fields == 0) & ~nonfinite
     if has is not None:
         missing |= ~has
     return np.where(missing, np.nan, value), missing

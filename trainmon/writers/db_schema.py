@@ -17,9 +17,11 @@ import numpy as np
 
 from trainmon.monitor.records import FIELDS  # the record's fields, in their order
 DB_NAME = "monitor.db"  # in each rank directory
-# Version 2 added the `sat` column, version 3 the `record_blocks` table; an older database gains them when a
-# job appends to it (its earlier steps have no blocks: readers read those from `records`).
-SCHEMA_VERSION = 3
+# Version 2 added the `sat` column, version 3 the `record_blocks` table, version 4 the `pinfs` column (and
+# with it a wider block row); an older database gains them when a job appends to it (its earlier steps have
+# no blocks: readers read those from `records`).
+SCHEMA_VERSION = 4
+BLOCKS_SINCE = 4  # the first version whose blocks have today's BLOCK_DTYPE
 
 _BITS = 1 << np.arange(len(FIELDS), dtype=np.int64)
 
@@ -122,7 +124,7 @@ def connect(path: str) -> sqlite3.Connection:
         conn.executescript(SCHEMA)
         version = read_meta(conn).get("schema_version", SCHEMA_VERSION)
         if version < SCHEMA_VERSION:
-            _upgrade(conn)
+            _upgrade(conn, version)
             write_meta(conn, {"schema_version": SCHEMA_VERSION})
         elif version != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"{path} has schema version {version}; this trainmon reads version "
@@ -138,12 +140,15 @@ def record_columns(conn: sqlite3.Connection) -> set[str]:
     return {row[1] for row in conn.execute("PRAGMA table_info(records)")}
 
 
-def _upgrade(conn: sqlite3.Connection) -> None:
-    """Adds the fields a database of an older schema version lacks (NULL, "not recorded", in old rows)."""
+def _upgrade(conn: sqlite3.Connection, version: int) -> None:
+    """Adds the fields a database of an older schema version lacks (NULL, "not recorded", in old rows), and
+    drops its record blocks when their rows are narrower than today's (`records` still holds those steps)."""
     present = record_columns(conn)
     for name in FIELDS:
         if name not in present:
             conn.execute(f'ALTER TABLE records ADD COLUMN "{name}" REAL')
+    if version < BLOCKS_SINCE:
+        conn.execute("DELETE FROM record_blocks")
 
 
 def write_meta(conn: sqlite3.Connection, items: dict[str, Any]) -> None:

@@ -6,9 +6,8 @@ dropped: a NaN value makes the max NaN (and names its rank, the smallest one hol
 median are taken over the other values (NaN when there are none). ±Inf is kept as it is. Ties at the
 max name the smallest rank. The values of a chunk of steps of every rank are reduced at once with numpy.
 
-Tags are `<family>/<layer>/<tensor>/<op>_<stat>`: TensorBoard groups tags by their first component and
-its tag filter (a regex) then narrows by layer. Training scalars (loss, ...) and the global grad norm
-are `scalars/<name>/...`, with one series per rank.
+Each step also counts its NaN and Inf elements per family, the (tensor, rank) pairs holding one and the first
+such place; `view` turns all of it into the TensorBoard tags.
 """
 from __future__ import annotations
 
@@ -20,8 +19,10 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from trainmon.monitor.collective_ops import parse_comm_name
 from trainmon.monitor.config_keys import STAT_OPS
-from trainmon.monitor.records import GRAD_REDUCED, GRAD_UNREDUCED
+from trainmon.monitor.records import (ACTV, ACTV_GRAD, COMM, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
+                                      PARAM_ORIGIN, PARAM_UPDATED)
 from trainmon.writers.db_schema import NO_MICRO_STEP
 
 STATS = ("min", "median", "max")
@@ -35,7 +36,10 @@ Key = tuple  # (family, name, vpp_stage, op)
 
 def layer_of(name: str) -> str:
     """The layer group of a tensor name: up to its first numbered component (`decoder.layers.3`,
-    `blocks.0`), else its first component (`head`, `emb`)."""
+    `blocks.0`), else its first component (`head`, `emb`); a collective's op and group, whatever the call."""
+    comm = parse_comm_name(name)
+    if comm is not None:
+        return f"{comm['op']}[{comm['group']}]"
     found = _LAYER.match(name)
     if found:
         return found[1]
@@ -51,12 +55,6 @@ def label_of(name: str, vpp_stage: int) -> str:
 @functools.lru_cache(maxsize=1 << 16)  # one entry per tensor: the same names come back every step
 def tag_base(family: str, name: str, vpp_stage: int) -> str:
     return f"{family}/{layer_of(name)}/{label_of(name, vpp_stage)}"
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def _stat_tags(family: str, name: str, vpp_stage: int, op: str) -> tuple[str, str, str, str]:
-    base = f"{tag_base(family, name, vpp_stage)}/{op}"
-    return f"{base}_min", f"{base}_median", f"{base}_max", f"{base}_{MAX_RANK}"
 
 
 def reduce_groups(group: np.ndarray, rank: np.ndarray, value: np.ndarray) -> tuple:
@@ -153,6 +151,9 @@ class StepFigures:
     grad_sumsq: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> family -> sum of norm²
     nonfinite: bool = False
     rows: Optional[StepRows] = None
+    nonfinite_elements: dict[str, tuple[float, float]] = field(default_factory=dict)  # family -> (NaN, Inf) counts
+    tensors_nonfinite: int = 0  # (tensor, rank) pairs holding a NaN or an Inf
+    worst: Optional[tuple] = None  # (family, name, vpp, rank) of the first NaN/Inf in family, model and rank order
 
     def grad_norms(self) -> dict[int, float]:
         """The global grad norm per rank: the logged `grad_norm` scalar, else from the reduced grads'
@@ -171,22 +172,6 @@ class StepFigures:
         norms = self.grad_norms()
         if norms:
             out[GRAD_NORM] = norms
-        return out
-
-    def tag_values(self) -> list[tuple[str, float]]:
-        """(tag, value) of everything this step writes."""
-        out = []
-        for key, (low, median, high, high_rank) in self.stats.items():
-            tags = _stat_tags(*key)
-            out += [(tags[0], low), (tags[1], median), (tags[2], high), (tags[3], float(high_rank))]
-        for (rank, family, name, vpp, micro, op), value in self.per_rank.items():
-            suffix = "" if micro is None else f":{micro}"
-            out.append((f"rank{rank}/{tag_base(family, name, vpp)}{suffix}/{op}", value))
-        for name, by_rank in self.scalar_series().items():
-            low, median, high, high_rank = cross_rank(by_rank)
-            out += [(f"{SCALARS}/{name}/min", low), (f"{SCALARS}/{name}/median", median),
-                    (f"{SCALARS}/{name}/max", high), (f"{SCALARS}/{name}/{MAX_RANK}", float(high_rank))]
-            out += [(f"{SCALARS}/{name}/rank{rank}", value) for rank, value in sorted(by_rank.items())]
         return out
 
 
@@ -232,6 +217,7 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int,
             for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
                 at(first + int(offsets[begin])).stats.update(
                     zip([op_keys[t] for t in (ids[begin:end] % width).tolist()], figures_of_group[begin:end]))
+        _count_nonfinite(at, keys, step, tag, rank, values, present)
         by_step = np.argsort(step, kind="stable")
         bounds = np.flatnonzero(np.r_[True, np.diff(step[by_step]) != 0, True])
         for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
@@ -251,15 +237,31 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int,
     return figures
 
 
-def margin_charts(keys: Iterable[Key], scalar_names: Iterable[str]) -> dict[str, list[tuple[str, str, str, str]]]:
-    """Per family (and `scalars`), the margin charts (title, median tag, min tag, max tag): the median
-    with a min–max band across ranks."""
-    out: dict[str, list[tuple[str, str, str, str]]] = {}
-    for family, name, vpp, op in sorted(keys):
-        base = f"{tag_base(family, name, vpp)}/{op}"
-        out.setdefault(family, []).append((f"{label_of(name, vpp)} {op}", f"{base}_median", f"{base}_min",
-                                           f"{base}_max"))
-    for name in sorted(scalar_names):
-        base = f"{SCALARS}/{name}"
-        out.setdefault(SCALARS, []).append((name, f"{base}/median", f"{base}/min", f"{base}/max"))
-    return out
+def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np.ndarray, values: dict,
+                     present: dict) -> None:
+    """Per step: the NaN and Inf elements of each family, the (tensor, rank) pairs holding one, and the first
+    such place (families in FAMILY_ORDER, tensors in model order, then ranks)."""
+    counts = [np.where(present[op], values[op], 0.0) if op in values else np.zeros(len(step)) for op in ("nans", "infs")]
+    bad = np.flatnonzero((counts[0] > 0) | (counts[1] > 0))
+    if not len(bad):
+        return
+    families = sorted({key[0] for key in keys}, key=family_rank)
+    family_of = np.array([families.index(key[0]) for key in keys], dtype=np.int64)[tag[bad]]
+    for number in np.unique(step[bad]).tolist():
+        rows = bad[step[bad] == number]
+        figure, fam = at(number), family_of[step[bad] == number]
+        for index in np.unique(fam).tolist():
+            mine = rows[fam == index]
+            figure.nonfinite_elements[families[index]] = (float(counts[0][mine].sum()), float(counts[1][mine].sum()))
+        figure.tensors_nonfinite = len({(t, r) for t, r in zip(tag[rows].tolist(), rank[rows].tolist())})
+        first = rows[np.lexsort((rank[rows], tag[rows], fam))[0]]
+        figure.worst = (*keys[int(tag[first])], int(rank[first]))
+
+
+# The families in the order a fault travels through a step: forward, backward, the update.
+FAMILY_ORDER = (ACTV, ACTV_GRAD, COMM, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, EXP_AVG, EXP_AVG_SQ,
+                PARAM_UPDATED)
+
+
+def family_rank(family: str) -> tuple[int, str]:
+    return (FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER), family)

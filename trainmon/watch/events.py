@@ -60,15 +60,22 @@ class WatchEvents:
                                     metadata=_plugin_metadata(metadata.PLUGIN_NAME))
         self._writer.add_values(step, [value])
 
-    def layout(self, charts: dict[str, list[tuple[str, str, str, str]]]) -> None:
-        """The custom-scalars layout: one category per family, one margin chart per tensor and op."""
+    def layout(self, categories: dict[str, list]) -> None:
+        """The custom-scalars layout, categories in the given order (`view.layout`): each chart is
+        ("multiline", title, [tag regexes]) or ("margin", title, median tag, low tag, high tag)."""
         from tensorboard.plugins.custom_scalar import layout_pb2, metadata
-        categories = [layout_pb2.Category(title=family, closed=True, chart=[
-            layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=[
+
+        def chart(spec):
+            if spec[0] == "multiline":
+                return layout_pb2.Chart(title=spec[1], multiline=layout_pb2.MultilineChartContent(tag=spec[2]))
+            _, title, median, low, high = spec
+            return layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=[
                 layout_pb2.MarginChartContent.Series(value=median, lower=low, upper=high)]))
-            for title, median, low, high in family_charts]) for family, family_charts in sorted(charts.items())]
-        data = layout_pb2.Layout(category=categories).SerializeToString()
-        value = self._summary.Value(tag=metadata.CONFIG_SUMMARY_TAG, tensor=_string_tensor(data),
+
+        data = layout_pb2.Layout(category=[layout_pb2.Category(title=title, closed=index > 0,
+                                                               chart=[chart(spec) for spec in charts])
+                                           for index, (title, charts) in enumerate(categories.items())])
+        value = self._summary.Value(tag=metadata.CONFIG_SUMMARY_TAG, tensor=_string_tensor(data.SerializeToString()),
                                     metadata=_plugin_metadata(metadata.PLUGIN_NAME))
         self._writer.add_values(0, [value])
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
 from trainmon.read.parallel import PARALLEL_FROM
-from trainmon.watch.aggregate import StepFigures, margin_charts, step_figures
+from trainmon.watch.aggregate import StepFigures, step_figures
 from trainmon.watch.alerts import AlertTracker
 from trainmon.watch.chunk import read_chunk
 from trainmon.watch.events import ALERT_TAG, WatchEvents
@@ -23,6 +23,7 @@ from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
 from trainmon.watch.history import History
 from trainmon.watch.state import load_state, save_state
+from trainmon.watch.view import GroupRoles, View, ViewOptions, layout
 
 logger = logging.getLogger("trainmon.watch")
 HEATMAP_DIR = "heatmaps"
@@ -102,6 +103,7 @@ class WatchOptions:
     op: str = "norm"
     window: int = 200
     source: str = "auto"
+    detail: tuple = ()  # regexes of the tensors that get charts of their own
 
     def redraws_at(self, step: int) -> bool:
         """Whether the heatmaps are redrawn after exporting `step` (besides the drawing at exit). A finished
@@ -129,8 +131,11 @@ class RunWatcher:
         self.exported: int = state.get("exported", -1)
         self.drawn_at: Optional[int] = state.get("drawn_at")
         self.events = WatchEvents(logdir, state.get("events"))
-        self.layout_keys = {tuple(k) for k in state.get("layout", [])}
+        self.layout_keys = {tuple(k) for k in state.get("layout", [])}  # the selected tensors' (family, name, vpp, op)
         self.scalar_names = set(state.get("scalar_names", []))
+        self.families = set(state.get("families", []))
+        self.view: Optional[View] = None  # made once the ranks are known: their number and groups shape it
+        self._first_nonfinite = state.get("first_nonfinite")
         self._saved_layout = self._layout_state()  # what the state file holds of them, made when they grow
         self.alerts = AlertTracker(run, logdir, lambda step, text: self.events.text(step, ALERT_TAG, text),
                                    options.on_anomaly, state.get("alerts"))
@@ -224,11 +229,31 @@ class RunWatcher:
         chunks = _ahead(self._readers, figures_of_span, tasks, workers + 1)
         yield from zip((end for _, end in spans), chunks)
 
+    def _make_view(self) -> View:
+        """The view of this run: with its roles of process groups and whether it has one rank. A restarted
+        daemon makes the same, from the same ranks."""
+        metadata = []
+        for follower in self.followers.values():
+            try:
+                metadata.append(follower.rank_dir.metadata())
+            except (InputError, OSError, ValueError):
+                continue  # that rank's run.json is unreadable: its groups are named by size
+        world = max([len(self.followers)] + [int(m.get("world_size") or 0) for m in metadata])
+        view = View(ViewOptions(op=self.options.op, detail=tuple(self.options.detail), single_rank=world == 1,
+                                roles=GroupRoles(metadata)))
+        view.first_nonfinite = tuple(self._first_nonfinite) if self._first_nonfinite else None
+        return view
+
     def _export(self, first: int, last: int, followers: list[RankFollower]) -> None:
+        if self.view is None:
+            self.view = self._make_view()
         for end, figures in self._figures(first, last, followers):
             for step in sorted(figures):
                 figure = figures[step]
-                self.events.scalars(step, figure.tag_values())
+                stalled = sum(f.stalled for f in self.followers.values())
+                self.events.scalars(step, self.view.tag_values(figure, stalled))
+                for tag, text in self.view.texts(figure):
+                    self.events.text(step, tag, text)
                 self.history.add(figure)
                 if figure.nonfinite:
                     self.alerts.note_step(step)
@@ -238,12 +263,16 @@ class RunWatcher:
             self.exported = end
 
     def _grow_layout(self, figure: StepFigures) -> None:
-        keys = set(figure.stats) - self.layout_keys
+        keys = {key for key in figure.stats if self.view.options.selected(key[1])} - self.layout_keys
         names = set(figure.scalar_series()) - self.scalar_names
-        if keys or names:
+        families = {key[0] for key in figure.stats} - self.families
+        if keys or names or families:
             self.layout_keys |= keys
             self.scalar_names |= names
-            self.events.layout(margin_charts(self.layout_keys, self.scalar_names))
+            self.families |= families
+            options = self.view.options
+            self.events.layout(layout(self.scalar_names, self.families, options.op, options.single_rank,
+                                      self.layout_keys))
             self._saved_layout = self._layout_state()
 
     def _refill_history(self) -> None:
@@ -294,10 +323,12 @@ class RunWatcher:
         save_state(self.logdir, {"run": str(self.run), "exported": self.exported, "drawn_at": self.drawn_at,
                                  "drawing": self._drawing[0] if self._drawing else self._redraw,
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
+                                 "first_nonfinite": self.view.first_nonfinite if self.view else self._first_nonfinite,
                                  **self._saved_layout})
 
     def _layout_state(self) -> dict:
-        return {"layout": sorted(list(k) for k in self.layout_keys), "scalar_names": sorted(self.scalar_names)}
+        return {"layout": sorted(list(k) for k in self.layout_keys), "scalar_names": sorted(self.scalar_names),
+                "families": sorted(self.families)}
 
     def finish(self) -> None:
         """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes."""

@@ -23,7 +23,8 @@ class History:
         self.op = op
         self.columns: deque = deque(maxlen=window)  # (step, {family: {label: max across ranks}})
         self.rank_columns: deque = deque(maxlen=window)  # (step, {series: {rank: value}})
-        self.rows: dict[str, dict[str, None]] = {}  # family -> labels in order of first appearance
+        # family -> {label: (name, vpp)} in order of first appearance
+        self.rows: dict[str, dict[str, tuple[str, int]]] = {}
         self._latest: Optional[StepFigures] = None  # the newest step with records of `op`
         self._by_rank: Optional[dict] = None  # its values per rank, once asked for
 
@@ -33,7 +34,7 @@ class History:
             if op != self.op:
                 continue
             label = label_of(name, vpp)
-            self.rows.setdefault(family, {})[label] = None
+            self.rows.setdefault(family, {})[label] = (name, vpp)
             column.setdefault(family, {})[label] = high  # the max: an outlier must not be averaged away
         if column:
             self.columns.append((figures.step, column))

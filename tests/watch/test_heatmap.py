@@ -12,7 +12,7 @@ from synthetic import history
 from test_watch_plot import plot
 from trainmon.watch.canvas import (BOTTOM, MAX_ROWS, MIN_HEIGHT, MISSING_RGB, NAN_RGB, NEG_INF_RGB, POS_INF_RGB,
                                    ROW_PX, TOP)
-from trainmon.watch.grid import MAX_RANKS, buckets, layers, reduce
+from trainmon.watch.grid import MAX_RANKS, MAX_STEPS, buckets, layers, reduce
 from trainmon.watch.heatmap import pictures
 
 from conftest import INF_STEP, STEPS as RUN_STEPS
@@ -84,6 +84,14 @@ def test_ranks_are_bucketed_contiguously_above_64():
     assert len(axis.labels) <= MAX_RANKS and axis.labels[:2] == ["r0-15", "r16-31"] and axis.labels[-1] == "r992-999"
     assert axis.labels[axis.holding(BAD_RANK)] == "r512-527"
     assert buckets([0, 4, 8], MAX_RANKS, "r").labels == ["0", "4", "8"]  # few ranks: one each, as they are
+
+
+def test_a_nan_at_one_step_of_a_long_window_is_not_lost():
+    window = history(2, 1, 1, 600, (1, 333), (0, 10), 0)  # 600 steps: buckets of 3 (at most 250 columns)
+    picture = pictures(window, families=["actv"])[0]
+    columns = len(buckets(list(range(600)), MAX_STEPS).labels)
+    assert columns <= MAX_STEPS and _is(_colour(picture, 2, 333 // 3, columns), NAN_RGB)
+    assert _is(_colour(picture, 1, 10 // 3, columns), POS_INF_RGB) and _finite(_colour(picture, 2, 332 // 3 - 1, columns))
 
 
 def test_a_row_per_layer_each_labelled_nan_and_inf_in_their_cells(big):

@@ -93,12 +93,11 @@ def pictures(history: History, first: Optional[dict] = None, families: Optional[
                       f"{family}: {history.op} (max across tensors and ranks), {rows} x step", (rows, "step"),
                       _mark(hit, step_axis, steps, first and first["step"]), note)
         latest_step, latest = history.latest
-        by_label = latest.get(family, {})
-        ranks = sorted({r for values in by_label.values() for r in values})
-        if len(ranks) > 1:  # one rank: the layer x step picture already says it all
+        grid = latest.get(family)
+        if grid is not None and len(grid.ranks) > 1:  # one rank: the layer x step picture already says it all
+            ranks = grid.ranks
             rank_axis = buckets(ranks, MAX_RANKS, "r")
-            cells = [[by_label.get(label, {}).get(rank) for rank in ranks] for label in tensors]
-            values, missing = reduce(*_matrix(cells), row_axis, 0, magnitude=False)
+            values, missing = reduce(grid.values, grid.missing, row_axis, 0, magnitude=False)
             values, missing = reduce(values, missing, rank_axis, 1, magnitude=True)
             at_first = first is not None and first["step"] == latest_step
             out += _drawn(f"{family}_{rows}_x_rank", values, missing, row_axis, rank_axis,

@@ -90,19 +90,19 @@ def pictures(history: History, first: Optional[dict] = None, families: Optional[
         values, missing = reduce(*_matrix(cells), row_axis, 0, magnitude=False)
         values, missing = reduce(values, missing, step_axis, 1, magnitude=True)
         out += _drawn(f"{family}_{rows}_x_step", values, missing, row_axis, step_axis,
-                      f"{family}: {history.op} (max across tensors and ranks), {rows} x step", (rows, "step"),
+                      f"{family}: {history.op} (max across {'tensors and ' * (rows == 'layer')}ranks), {rows} x step",
+                      (rows, "step"),
                       _mark(hit, step_axis, steps, first and first["step"]), note)
         latest_step, latest = history.latest
         grid = latest.get(family)
         if grid is not None and len(grid.ranks) > 1:  # one rank: the layer x step picture already says it all
-            ranks = grid.ranks
-            rank_axis = buckets(ranks, MAX_RANKS, "r")
+            rank_axis = buckets(grid.ranks, MAX_RANKS, "r")
             values, missing = reduce(grid.values, grid.missing, row_axis, 0, magnitude=False)
             values, missing = reduce(values, missing, rank_axis, 1, magnitude=True)
             at_first = first is not None and first["step"] == latest_step
             out += _drawn(f"{family}_{rows}_x_rank", values, missing, row_axis, rank_axis,
                           f"{family}: {history.op} at step {latest_step}, {rows} x rank", (rows, "rank"),
-                          _mark(hit if at_first else None, rank_axis, ranks, first and first["rank"]))
+                          _mark(hit if at_first else None, rank_axis, grid.ranks, first and first["rank"]))
     for series in RANK_SERIES:
         if families is not None and series not in families:
             continue

@@ -89,7 +89,7 @@ def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
     # the text plugin holds the alert, the custom-scalars plugin the layout
     assert "alerts" in events.Tags()["tensors"] and "custom_scalars__config__" in events.Tags()["tensors"]
     images = events.Tags()["images"]
-    for name in ("heatmaps/actv_module_x_step", "heatmaps/actv_module_x_rank", "heatmaps/loss_rank_x_step",
+    for name in ("heatmaps/actv_layer_x_step", "heatmaps/actv_layer_x_rank", "heatmaps/loss_rank_x_step",
                  "heatmaps/grad_norm_rank_x_step"):
         assert name in images
         last = events.Images(name)[-1]
@@ -102,7 +102,7 @@ def test_heatmap_pngs_have_the_expected_size(job):
     folder = Path(run) / "watch" / "heatmaps"
     names = {p.stem for p in folder.glob("*.png")}
     for family in ("actv", "grad_reduced", "param_origin", "exp_avg"):
-        assert {f"{family}_module_x_step", f"{family}_module_x_rank"} <= names
+        assert {f"{family}_layer_x_step", f"{family}_layer_x_rank"} <= names
     assert {"loss_rank_x_step", "grad_norm_rank_x_step"} <= names
     for path in folder.glob("*.png"):
         with Image.open(path) as image:

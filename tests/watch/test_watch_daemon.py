@@ -98,7 +98,7 @@ def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
     # SIGTERM drew the heatmaps of the last step exported and saved the state
     state = json.loads(state.read_text())
     assert state["drawn_at"] == state["exported"]
-    assert (run / "watch" / "heatmaps" / "actv_module_x_step.png").exists()
+    assert (run / "watch" / "heatmaps" / "actv_layer_x_step.png").exists()
     assert sorted(p.name for p in (run / "rank_0").iterdir()) == ["monitor.db", "run.json"], "the daemon adds nothing"
 
 

@@ -1,5 +1,7 @@
-"""`trainmon plot RUN --family F --op norm -o file.png`: the daemon's module × step heatmap of a finished
-run (max across ranks, log scale; NaN, +Inf and -Inf in their own colours, the first NaN/Inf circled)."""
+"""`trainmon plot RUN --family F --op norm -o file.png`: the daemon's layer × step heatmap of a finished
+run (max across tensors and ranks, log scale; NaN, +Inf and -Inf in their own colours, the first NaN/Inf
+circled); `--columns rank` for layer × rank at the last step, `--rows tensor` for one row per tensor. A
+picture of more rows than fit is written as FILE_part1ofN.png, ..."""
 from __future__ import annotations
 
 import argparse
@@ -10,14 +12,17 @@ from trainmon.commands.arguments import positive_int
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("plot", help="draw a heatmap of a run (module x step, rank x step, module x rank)",
+    parser = subparsers.add_parser("plot", help="draw a heatmap of a run (layer x step, layer x rank, rank x step)",
                                    description=__doc__)
     parser.add_argument("dir", help="a run directory (holding rank_<R>/) or the output root (latest run)")
     parser.add_argument("--family", required=True, help="e.g. actv, grad_reduced, exp_avg; or loss / grad_norm "
                                                         "for the rank x step picture")
     parser.add_argument("--op", default="norm", help="the op to show (default norm)")
-    parser.add_argument("--kind", choices=("module_x_step", "module_x_rank", "rank_x_step"), default=None,
-                        help="default: rank_x_step for loss/grad_norm, else module_x_step")
+    parser.add_argument("--rows", choices=("layer", "tensor"), default="layer",
+                        help="a row per layer (default: the largest of its tensors) or per tensor")
+    parser.add_argument("--columns", choices=("step", "rank"), default="step",
+                        help="a column per step (default) or per rank at the last step; loss and grad_norm are "
+                             "always rank x step")
     parser.add_argument("--window", type=positive_int, default=1000, help="the last N steps (default 1000)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="the PNG file to write")
     parser.set_defaults(handler=run)
@@ -48,17 +53,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainmon plot: no {args.family!r} with op {args.op!r} in {run_dirs.path}; available: "
               f"{', '.join(families) or 'none'}", file=sys.stderr)
         return 2
-    kind = args.kind or ("rank_x_step" if args.family in RANK_SERIES else "module_x_step")
+    kind = "rank_x_step" if args.family in RANK_SERIES else f"{args.rows}_x_{args.columns}"
     wanted = f"{args.family}_{kind}"
-    drawn = {p.name: p for p in pictures(history, analyze(run_dirs.path)["first"], families=[args.family])}
-    if wanted not in drawn:
+    drawn = pictures(history, analyze(run_dirs.path)["first"], families=[args.family], rows=args.rows)
+    chosen = [p for p in drawn if p.name == wanted or p.name.startswith(f"{wanted}_part")]
+    if not chosen:
         print(f"trainmon plot: no {kind} picture of {args.family!r} with op {args.op!r} in {run_dirs.path}; "
-              f"available: {sorted(drawn) or 'none'}", file=sys.stderr)
+              f"available: {sorted(p.name for p in drawn) or 'none'}", file=sys.stderr)
         return 2
-    try:
-        Path(args.output).write_bytes(drawn[wanted].png)
-    except OSError as err:
-        print(f"trainmon plot: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output} ({drawn[wanted].width}x{drawn[wanted].height}, {kind} of {args.family} {args.op})")
+    output = Path(args.output)
+    for picture in chosen:
+        path = output.with_name(output.stem + picture.name[len(wanted):] + output.suffix)
+        try:
+            path.write_bytes(picture.png)
+        except OSError as err:
+            print(f"trainmon plot: cannot write {path}: {err.strerror or err}", file=sys.stderr)
+            return 2
+        print(f"wrote {path} ({picture.width}x{picture.height}, {kind} of {args.family} {args.op})")
     return 0

@@ -126,19 +126,6 @@ class StepRows:
     values: dict  # op -> figures, NaN where `present` is False
     present: dict
 
-    def rank_maxima(self, op: str) -> dict[str, dict[str, dict[int, float]]]:
-        """{family: {label: {rank: value}}}: per rank the largest over its micro-steps (NaN wins)."""
-        out: dict = {}
-        if op not in self.values:
-            return out
-        rows, width = self.present[op], int(self.rank.max(initial=0)) + 1
-        ids, _, _, high, high_rank = reduce_groups(self.tag[rows] * width + self.rank[rows], self.rank[rows],
-                                                   self.values[op][rows])
-        for tag, rank, value in zip((ids // width).tolist(), high_rank.tolist(), high.tolist()):
-            family, name, vpp = self.keys[tag]
-            out.setdefault(family, {}).setdefault(label_of(name, vpp), {})[rank] = value
-        return out
-
 
 @dataclass
 class StepFigures:

@@ -1,106 +1,25 @@
-"""Heatmaps drawn with matplotlib (Agg, no display): module × step, rank × step, module × rank.
+"""The heatmaps of the watch window: per family `<family>_layer_x_step` (the op, max across ranks) and
+`<family>_layer_x_rank` (at the latest step), and `<series>_rank_x_step` of the loss and of the global grad
+norm. With `rows="tensor"`, `<family>_tensor_x_step` and `<family>_tensor_x_rank`: one row per tensor.
 
-Finite values are coloured by log10 |value|; NaN, +Inf and −Inf have their own colours and a cell with
-no record is grey, so a non-finite value is never mistaken for a large one or for a gap. The first
-anomaly (the alert's place) is circled.
+Readable at scale (`grid` says how cells are merged, `canvas` how they are drawn): one row per layer, each
+labelled, the picture growing with its rows; above 64 ranks, contiguous buckets of ranks (`r0-15`), each
+showing its worst rank (NaN, then +Inf, then the largest |value|); above 250 steps, buckets of steps the
+same way. A picture of more than `canvas.MAX_ROWS` rows (tensor rows of a large model) is split into
+`<name>_part1of3`, `<name>_part2of3`, ... of equal size. The first NaN/Inf (the alert's `first`) is circled
+in the row of the layer (or the tensor) holding its module, and the column or row holding its step and rank.
 """
 from __future__ import annotations
 
-import io
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from trainmon.watch.aggregate import layer_of
+from trainmon.watch.canvas import MAX_ROWS, Picture, draw
+from trainmon.watch.grid import MAX_RANKS, MAX_STEPS, Axis, buckets, holds, layers, reduce, single
 from trainmon.watch.history import RANK_SERIES, History
-
-NAN_RGB = (1.0, 0.0, 1.0)  # magenta
-POS_INF_RGB = (0.85, 0.0, 0.0)  # red
-NEG_INF_RGB = (0.0, 0.75, 1.0)  # light blue
-MISSING_RGB = (0.85, 0.85, 0.85)  # grey
-WIDTH_IN, HEIGHT_IN, DPI = 10, 6, 100  # every picture is 1000 x 600 pixels
-MAX_TICKS = 30
-
-
-@dataclass
-class Picture:
-    """One heatmap: its name (the PNG file and the TensorBoard tag) and the PNG."""
-
-    name: str
-    png: bytes
-    height: int = HEIGHT_IN * DPI
-    width: int = WIDTH_IN * DPI
-
-
-def _import_matplotlib():
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError("heatmaps need matplotlib: pip install matplotlib") from err
-    matplotlib.use("Agg", force=False)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    return Figure, FigureCanvasAgg
-
-
-def _colours(matrix: np.ndarray, missing: np.ndarray):
-    """RGB of each cell and the (low, high) of the log10 scale of the finite cells."""
-    from matplotlib import colormaps
-    finite = np.isfinite(matrix) & ~missing
-    logs = np.full(matrix.shape, np.nan)
-    magnitude = np.abs(matrix, where=finite, out=np.zeros_like(matrix))
-    positive = finite & (magnitude > 0)
-    logs[positive] = np.log10(magnitude[positive])
-    low, high = (np.nanmin(logs), np.nanmax(logs)) if positive.any() else (0.0, 1.0)
-    low = low if high > low else high - 1.0
-    logs[finite & ~positive] = low  # exact zeros sit at the bottom of the scale
-    scaled = (logs - low) / (high - low)
-    rgb = colormaps["viridis"](np.nan_to_num(scaled, nan=0.0))[..., :3]
-    rgb[missing] = MISSING_RGB
-    rgb[np.isnan(matrix) & ~missing] = NAN_RGB
-    rgb[np.isposinf(matrix)] = POS_INF_RGB
-    rgb[np.isneginf(matrix)] = NEG_INF_RGB
-    return rgb, (low, high)
-
-
-def draw(matrix: np.ndarray, missing: np.ndarray, rows: Sequence[str], columns: Sequence, title: str,
-         row_axis: str, column_axis: str, mark: Optional[tuple[int, int]] = None, note: str = "") -> bytes:
-    """A PNG of `matrix` (rows × columns; `missing` marks cells with no value)."""
-    Figure, Canvas = _import_matplotlib()
-    from matplotlib import colormaps
-    from matplotlib.colors import Normalize
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.patches import Patch
-    fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI)
-    Canvas(fig)
-    ax = fig.add_axes((0.28, 0.12, 0.55, 0.78))
-    rgb, (low, high) = _colours(matrix, missing)
-    ax.imshow(rgb, aspect="auto", interpolation="nearest")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(column_axis)
-    ax.set_ylabel(row_axis)
-    for axis, labels, setter, label_setter in ((0, rows, ax.set_yticks, ax.set_yticklabels),
-                                               (1, columns, ax.set_xticks, ax.set_xticklabels)):
-        every = max(1, math.ceil(len(labels) / MAX_TICKS))
-        ticks = list(range(0, len(labels), every))
-        setter(ticks)
-        label_setter([str(labels[i]) for i in ticks], fontsize=6, rotation=0 if axis == 0 else 90)
-    if mark is not None:
-        ax.plot([mark[1]], [mark[0]], marker="o", markersize=14, markerfacecolor="none", markeredgecolor="white",
-                markeredgewidth=2.5)
-        ax.plot([mark[1]], [mark[0]], marker="o", markersize=14, markerfacecolor="none", markeredgecolor="black",
-                markeredgewidth=1)
-    if note:
-        fig.text(0.01, 0.01, note, fontsize=8)
-    bar = fig.add_axes((0.85, 0.35, 0.02, 0.55))
-    fig.colorbar(ScalarMappable(Normalize(low, high), colormaps["viridis"]), cax=bar, label="log10 |value|")
-    fig.legend(handles=[Patch(color=NAN_RGB, label="NaN"), Patch(color=POS_INF_RGB, label="+Inf"),
-                        Patch(color=NEG_INF_RGB, label="-Inf"), Patch(color=MISSING_RGB, label="no record")],
-               loc="lower right", fontsize=7, frameon=False)
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=DPI)
-    return out.getvalue()
 
 
 def _matrix(cells: list[list[Optional[float]]]) -> tuple[np.ndarray, np.ndarray]:
@@ -110,47 +29,93 @@ def _matrix(cells: list[list[Optional[float]]]) -> tuple[np.ndarray, np.ndarray]
     return values, missing
 
 
-def pictures(history: History, first: Optional[dict] = None, families: Optional[Sequence[str]] = None) -> list[Picture]:
-    """Every heatmap of the window: module × step and module × rank per family, rank × step per series.
+def _first_row(first: Optional[dict], tensors: dict[str, tuple[str, int]], rows: Axis, kind: str) -> Optional[int]:
+    """The row holding the first anomaly's module: its layer (by `layer_of`, so that `layers.1` is not
+    `layers.10`), or its first tensor."""
+    if first is None:
+        return None
+    module = first["module"] or ""
+    if kind == "layer":
+        matches = (layer_of(name) == layer_of(module) for name, _ in tensors.values())
+    else:
+        matches = (holds(name, module) for name, _ in tensors.values())
+    index = next((i for i, match in enumerate(matches) if match), None)
+    return None if index is None else rows.holding(index)
+
+
+def _mark(row: Optional[int], columns: Axis, items: list, item) -> Optional[tuple[int, int]]:
+    """(row, the column holding `item` of `items`), or None."""
+    if row is None or item not in items:
+        return None
+    return row, columns.holding(items.index(item))
+
+
+def _drawn(name: str, values: np.ndarray, missing: np.ndarray, rows: Axis, columns: Axis, title: str,
+           axes: tuple[str, str], mark: Optional[tuple[int, int]], note: str = "") -> list[Picture]:
+    """The pictures of one matrix: one, or parts of at most MAX_ROWS rows."""
+    count = len(rows.labels)
+    parts = max(1, math.ceil(count / MAX_ROWS))
+    size = math.ceil(count / parts) if count else 0
+    out = []
+    for part in range(parts):
+        start, end = part * size, min(count, (part + 1) * size)
+        suffix, span = (f"_part{part + 1}of{parts}", f" (rows {start + 1}-{end} of {count})") if parts > 1 else ("", "")
+        here = mark if mark is not None and start <= mark[0] < end else None
+        out.append(draw(name + suffix, values[start:end], missing[start:end], rows.labels[start:end], columns.labels,
+                        title + span, *axes, None if here is None else (here[0] - start, here[1]), note))
+    return out
+
+
+def pictures(history: History, first: Optional[dict] = None, families: Optional[Sequence[str]] = None,
+             rows: str = "layer") -> list[Picture]:
+    """Every heatmap of the window.
 
     Args:
         history: the window.
         first: the alert's first place ({rank, step, module, ...}) to circle, or None.
-        families: only these families (default: all).
+        families: only these families and series (default: all).
+        rows: "layer" or "tensor": what a row of a family's pictures is.
     """
     out = []
     steps = history.steps()
+    step_axis = buckets(steps, MAX_STEPS)
     note = "" if first is None else (f"circled: first NaN/Inf, rank {first['rank']} step {first['step']} "
                                      f"{first['module'] or '<root>'} {first['phase']} {first['tensor']}")
-    for family, labels in history.rows.items():
+    for family, tensors in history.rows.items():
         if families is not None and family not in families:
             continue
-        rows = list(labels)
-        cells = [[column.get(family, {}).get(label) for _, column in history.columns] for label in rows]
-        mark = None
-        if first is not None and first["step"] in steps:
-            hit = [i for i, label in enumerate(rows) if label.split(":")[-1].startswith(first["module"])]
-            if hit and first["module"]:
-                mark = (hit[0], steps.index(first["step"]))
-        out.append(Picture(f"{family}_module_x_step", draw(*_matrix(cells), rows, steps,
-                           f"{family}: {history.op} (max across ranks), module x step", "tensor", "step", mark, note)))
+        row_axis = layers(list(tensors.values())) if rows == "layer" else single(tensors)
+        hit = _first_row(first, tensors, row_axis, rows)
+        cells = [[column.get(family, {}).get(label) for _, column in history.columns] for label in tensors]
+        values, missing = reduce(*_matrix(cells), row_axis, 0, magnitude=False)
+        values, missing = reduce(values, missing, step_axis, 1, magnitude=True)
+        out += _drawn(f"{family}_{rows}_x_step", values, missing, row_axis, step_axis,
+                      f"{family}: {history.op} (max across {'tensors and ' * (rows == 'layer')}ranks), {rows} x step",
+                      (rows, "step"),
+                      _mark(hit, step_axis, steps, first and first["step"]), note)
         latest_step, latest = history.latest
-        by_label = latest.get(family, {})
-        ranks = sorted({r for values in by_label.values() for r in values})
-        if len(ranks) > 1:  # one rank: the module x step picture already says it all
-            cells = [[by_label.get(label, {}).get(rank) for rank in ranks] for label in rows]
-            out.append(Picture(f"{family}_module_x_rank", draw(*_matrix(cells), rows, ranks,
-                               f"{family}: {history.op} at step {latest_step}, module x rank", "tensor", "rank")))
+        grid = latest.get(family)
+        if grid is not None and len(grid.ranks) > 1:  # one rank: the layer x step picture already says it all
+            rank_axis = buckets(grid.ranks, MAX_RANKS, "r")
+            values, missing = reduce(grid.values, grid.missing, row_axis, 0, magnitude=False)
+            values, missing = reduce(values, missing, rank_axis, 1, magnitude=True)
+            at_first = first is not None and first["step"] == latest_step
+            out += _drawn(f"{family}_{rows}_x_rank", values, missing, row_axis, rank_axis,
+                          f"{family}: {history.op} at step {latest_step}, {rows} x rank", (rows, "rank"),
+                          _mark(hit if at_first else None, rank_axis, grid.ranks, first and first["rank"]))
     for series in RANK_SERIES:
+        if families is not None and series not in families:
+            continue
         columns = [(step, values[series]) for step, values in history.rank_columns if series in values]
         if not columns:
             continue
         ranks = sorted({r for _, values in columns for r in values})
-        cells = [[values.get(rank) for _, values in columns] for rank in ranks]
-        column_steps = [step for step, _ in columns]
-        mark = None
-        if first is not None and first["step"] in column_steps and first["rank"] in ranks:
-            mark = (ranks.index(first["rank"]), column_steps.index(first["step"]))
-        out.append(Picture(f"{series}_rank_x_step", draw(*_matrix(cells), ranks, column_steps,
-                           f"{series}, rank x step", "rank", "step", mark, note)))
+        rank_axis, column_steps = buckets(ranks, MAX_RANKS, "r"), [step for step, _ in columns]
+        column_axis = buckets(column_steps, MAX_STEPS)
+        values, missing = reduce(*_matrix([[values.get(rank) for _, values in columns] for rank in ranks]),
+                                 rank_axis, 0, magnitude=True)
+        values, missing = reduce(values, missing, column_axis, 1, magnitude=True)
+        hit = rank_axis.holding(ranks.index(first["rank"])) if first is not None and first["rank"] in ranks else None
+        out += _drawn(f"{series}_rank_x_step", values, missing, rank_axis, column_axis, f"{series}, rank x step",
+                      ("rank", "step"), _mark(hit, column_axis, column_steps, first and first["step"]), note)
     return out

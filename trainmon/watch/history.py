@@ -2,12 +2,50 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
-from trainmon.watch.aggregate import GRAD_NORM, StepFigures, label_of
+import numpy as np
+
+from trainmon.watch.aggregate import GRAD_NORM, StepFigures, StepRows, label_of, reduce_groups
 
 LOSS = "loss"
 RANK_SERIES = (LOSS, GRAD_NORM)
+
+
+@dataclass
+class RankGrid:
+    """One family's values at one step: its tensors (in `History.rows` order) × `ranks`, each the largest over
+    the rank's micro-steps (NaN wins); `missing` where a rank has no record of the tensor."""
+
+    ranks: list[int]
+    values: np.ndarray
+    missing: np.ndarray
+
+
+def rank_grids(rows: StepRows, op: str, tensors: dict[str, dict]) -> dict[str, RankGrid]:
+    """The `RankGrid` of each family of `tensors` ({family: {label: ...}}), with numpy: at 1,000 ranks a
+    family holds ~10^5 cells or more."""
+    if op not in rows.values:
+        return {}
+    present = rows.present[op]
+    tag, rank = rows.tag[present], rows.rank[present]
+    width = int(rank.max(initial=0)) + 1
+    ids, _, _, high, _ = reduce_groups(tag * width + rank, rank, rows.values[op][present])
+    tags, ranks = ids // width, ids % width
+    out = {}
+    for family, labels in tensors.items():
+        position = {label: i for i, label in enumerate(labels)}
+        row_of_tag = np.array([position.get(label_of(name, vpp), -1) if key == family else -1
+                               for key, name, vpp in rows.keys] + [-1], dtype=np.int64)
+        row = row_of_tag[tags]
+        kept = row >= 0
+        columns = np.unique(ranks[kept])
+        values, missing = np.full((len(labels), len(columns)), np.nan), np.ones((len(labels), len(columns)), dtype=bool)
+        cells = (row[kept], np.searchsorted(columns, ranks[kept]))
+        values[cells], missing[cells] = high[kept], False
+        out[family] = RankGrid(columns.tolist(), values, missing)
+    return out
 
 
 class History:
@@ -23,7 +61,8 @@ class History:
         self.op = op
         self.columns: deque = deque(maxlen=window)  # (step, {family: {label: max across ranks}})
         self.rank_columns: deque = deque(maxlen=window)  # (step, {series: {rank: value}})
-        self.rows: dict[str, dict[str, None]] = {}  # family -> labels in order of first appearance
+        # family -> {label: (name, vpp)} in order of first appearance
+        self.rows: dict[str, dict[str, tuple[str, int]]] = {}
         self._latest: Optional[StepFigures] = None  # the newest step with records of `op`
         self._by_rank: Optional[dict] = None  # its values per rank, once asked for
 
@@ -33,7 +72,7 @@ class History:
             if op != self.op:
                 continue
             label = label_of(name, vpp)
-            self.rows.setdefault(family, {})[label] = None
+            self.rows.setdefault(family, {})[label] = (name, vpp)
             column.setdefault(family, {})[label] = high  # the max: an outlier must not be averaged away
         if column:
             self.columns.append((figures.step, column))
@@ -44,11 +83,11 @@ class History:
 
     @property
     def latest(self) -> tuple[Optional[int], dict]:
-        """(step, {family: {label: {rank: value}}}) of the newest step, computed when a heatmap is drawn."""
+        """(step, {family: RankGrid}) of the newest step, computed when a heatmap is drawn."""
         if self._latest is None or self._latest.rows is None:
             return None, {}
         if self._by_rank is None:
-            self._by_rank = self._latest.rows.rank_maxima(self.op)
+            self._by_rank = rank_grids(self._latest.rows, self.op, self.rows)
         return self._latest.step, self._by_rank
 
     def steps(self) -> list[int]:

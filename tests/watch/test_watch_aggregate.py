@@ -35,7 +35,7 @@ def test_a_shared_slot_is_left_to_the_sort():
 
 
 def _export(run, logdir, once):
-    watcher = RunWatcher(run, logdir, WatchOptions(once=once, heatmap_every=15))
+    watcher = RunWatcher(run, logdir, WatchOptions(once=once, heatmap_every=15, detail=(".",), ranks=frozenset({5})))
     watcher.poll(final=True)
     watcher.finish()
     return read_events(logdir)

@@ -14,13 +14,14 @@ from conftest import INF_STEP, STEPS
 
 def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_run, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert watch_once(finished_run, "--logdir", whole, "--heatmap-every", 1000).returncode == 0
-    daemon = watch(finished_run, "--logdir", cut, "--interval", 0.2, "--heatmap-every", 1000)
+    detail = ("--detail", "layers", "--ranks", 0, 1)  # more tags than the default view, written in the same rounds
+    assert watch_once(finished_run, "--logdir", whole, "--heatmap-every", 1000, *detail).returncode == 0
+    daemon = watch(finished_run, "--logdir", cut, "--interval", 0.2, "--heatmap-every", 1000, *detail)
     wait_for(lambda: (cut / "watch_state.json").exists() or daemon.poll() is not None)
     daemon.send_signal(signal.SIGKILL)  # mid-export: the state file may be behind the event file
     daemon.communicate(timeout=60)
     state = json.loads((cut / "watch_state.json").read_text())
-    done = watch_once(finished_run, "--logdir", cut, "--heatmap-every", 1000)
+    done = watch_once(finished_run, "--logdir", cut, "--heatmap-every", 1000, *detail)
     assert done.returncode == 0, done.stderr
     assert len(list(cut.glob("events.out.tfevents.*"))) == 1, "the restart appends to the same file"
     (got, got_steps), (want, want_steps) = read_events(cut), read_events(whole)
@@ -51,7 +52,7 @@ def test_corrupt_rank_gives_one_message_and_the_others_go_on(finished_run, tmp_p
     run = tmp_path / "run-b"
     shutil.copytree(finished_run, run)
     (run / "rank_2" / "monitor.db").write_bytes(b"this is not a database" * 100)
-    daemon = watch(run, "--interval", 0.2, "--heatmap-every", 1000)
+    daemon = watch(run, "--interval", 0.2, "--heatmap-every", 1000, "--ranks", 0, 2)
     # the run's ranks did not record a stop (no writer report in run.json): their last step counts as
     # incomplete while the daemon follows them live
     wait_for(lambda: (run / "watch" / "watch_state.json").exists() and
@@ -62,8 +63,8 @@ def test_corrupt_rank_gives_one_message_and_the_others_go_on(finished_run, tmp_p
     assert err.count("rank 2: cannot be read") == 1, err
     assert "monitor.db" in err
     events = read_events(run / "watch")[0]
-    assert [s for s, _ in events["scalars/grad_norm/rank0"]] == list(range(STEPS - 1))
-    assert "scalars/grad_norm/rank2" not in events
+    assert [s for s, _ in events["rank0/scalars/grad_norm"]] == list(range(STEPS - 1))
+    assert not any(tag.startswith("rank2/") for tag in events)
 
 
 def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
@@ -72,7 +73,8 @@ def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
     state = run / "watch" / "watch_state.json"
     for rank in ranks:
         rank.write(0)
-    daemon = watch(run, "--interval", 0.2, "--stall-after", 1.5, "--heatmap-every", 10)
+    daemon = watch(run, "--interval", 0.2, "--stall-after", 1.5, "--heatmap-every", 10, "--ranks", 0, 1,
+                   "--detail", r"layers\.1\.weight")
     try:
         wait_for(state.exists)
         for step in range(1, 30):
@@ -88,13 +90,15 @@ def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
     assert status == 0, err
     assert err.count("rank 1: stalled") == 1, err
     events = read_events(run / "watch")[0]
-    assert [s for s, _ in events["scalars/loss/rank0"]][-1] >= 28, "rank 0 goes on without the stalled rank"
+    assert [s for s, _ in events["rank0/scalars/loss"]][-1] >= 28, "rank 0 goes on without the stalled rank"
     # the export stops waiting for a stalled rank and reads what it committed
-    assert [s for s, _ in events["scalars/loss/rank1"]] == list(range(10))
-    low = dict(events["grad_reduced/layers.1/layers.1.weight/norm_min"])
-    high = dict(events["grad_reduced/layers.1/layers.1.weight/norm_max"])
+    assert [s for s, _ in events["rank1/scalars/loss"]] == list(range(10))
+    low = dict(events["detail/grad_reduced/layers.1.weight/norm_min"])
+    high = dict(events["detail/grad_reduced/layers.1.weight/norm_max"])
     assert (low[3], high[3]) == (pytest.approx(math.sqrt(7.0)), pytest.approx(math.sqrt(11.0)))
-    assert dict(events["grad_reduced/layers.1/layers.1.weight/norm_max_rank"])[3] == 1.0
+    assert dict(events["detail/grad_reduced/layers.1.weight/norm_max_rank"])[3] == 1.0
+    stalled = dict(events["overview/stalled_ranks"])
+    assert stalled[3] == 0 and stalled[max(stalled)] == 1
     # SIGTERM drew the heatmaps of the last step exported and saved the state
     state = json.loads(state.read_text())
     assert state["drawn_at"] == state["exported"]

@@ -1,11 +1,12 @@
 """`trainmon watch RUN_OR_ROOT`: the monitor daemon. It follows every rank's output as it is written and
-exports one TensorBoard view (cross-rank min/median/max per tensor and op, per-rank loss and grad norm),
-heatmaps, and live alerts naming the first NaN/Inf or spike across ranks, into DIR (default
+exports one TensorBoard view (an overview first, then one chart per layer and family; per-tensor and per-rank
+detail for what --detail and --ranks select), heatmaps, and live alerts naming the first NaN/Inf or spike across ranks, into DIR (default
 <run>/watch/). It never writes into rank directories."""
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression ({err})") from None
+    return text
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("watch", help="follow a job's ranks: one TensorBoard view, heatmaps, live alerts",
                                    description=__doc__)
@@ -33,7 +42,10 @@ def register(subparsers) -> None:
                         help="seconds between rounds (default 5)")
     parser.add_argument("--once", action="store_true", help="export what is there and exit (a finished run)")
     parser.add_argument("--ranks", type=non_negative_int, nargs="+", default=[], metavar="R",
-                        help="also write every figure of these ranks as their own series")
+                        help="also write every figure of these ranks as their own series (rank<R>/...)")
+    parser.add_argument("--detail", nargs="+", default=[], metavar="REGEX", type=regex,
+                        help="also chart every op of the tensors whose name matches one of these regular "
+                             "expressions, e.g. 'layers\\.3\\.' (detail/...; default: one chart per layer)")
     parser.add_argument("--on-anomaly", metavar="CMD", help="shell command run with each alert as JSON on stdin")
     parser.add_argument("--exit-on-anomaly", action="store_true", help="exit (status 3) after the first alert")
     parser.add_argument("--stall-after", type=positive_seconds, default=300.0, metavar="S",
@@ -64,5 +76,5 @@ def run(args: argparse.Namespace) -> int:
     options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once, ranks=frozenset(args.ranks),
                            on_anomaly=args.on_anomaly, exit_on_anomaly=args.exit_on_anomaly,
                            stall_after=args.stall_after, heatmap_every=args.heatmap_every, op=args.op,
-                           window=args.window, source=args.source)
+                           window=args.window, source=args.source, detail=tuple(args.detail))
     return Daemon(Path(args.path), options, until_done=args.until_done, follow_pid=args.follow_pid).run()

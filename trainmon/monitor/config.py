@@ -34,8 +34,8 @@ from trainmon.monitor.config_keys import (
     SAT_DTYPES, STAT_OPS,
     WRITER_POLICIES,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
-    check_formats, check_int, check_list, check_number, check_opt_bool, check_optional, check_rule_args, check_str,
-    check_targets,
+    check_formats, check_int, check_list, check_number, check_opt_bool, check_optional, check_regex, check_rule_args,
+    check_str, check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
 )
 
@@ -153,6 +153,9 @@ class WatchConfig:
     """Redraw the heatmaps every this many steps."""
     ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
     """Ranks whose every figure is also written as its own series."""
+    detail: list[str] = _field(check_list(check_regex, "regular expressions"), factory=list)
+    """Tensors (regular expressions over their names) whose every op gets charts of its own; the view
+    otherwise has one chart per layer and family."""
     on_anomaly: str = _field(check_str, default="")
     """A shell command run with each alert as JSON on stdin; empty: none."""
 

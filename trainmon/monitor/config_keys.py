@@ -234,6 +234,16 @@ def check_str(value: Any, key: str) -> str:
     return value
 
 
+def check_regex(value: Any, key: str) -> str:
+    value = check_str(value, key)
+    try:
+        re.compile(value)
+    except re.error as err:
+        raise ConfigError(f"is not a regular expression ({err})", key=key, value=value,
+                          allowed="a Python regular expression, e.g. 'layers\\.3\\.'") from None
+    return value
+
+
 def check_mapping(value: Any, key: str) -> dict:
     if not isinstance(value, Mapping):
         raise ConfigError("must be a JSON object", key=key, value=value, allowed="an object {...}")

@@ -34,6 +34,8 @@ def spawn_watch(run: Path, config, parent_pid: Optional[int] = None) -> Optional
                "--follow-pid", str(parent_pid or os.getpid())]
     if config.ranks:
         command += ["--ranks", *map(str, config.ranks)]
+    if config.detail:
+        command += ["--detail", *config.detail]
     if config.on_anomaly:
         command += ["--on-anomaly", config.on_anomaly]
     try:

@@ -1,6 +1,7 @@
 """The daemon's loop over a run or an output root (new runs under a root are picked up), and its signals.
 
-SIGTERM and SIGINT end the current round, draw the heatmaps, save the state and exit 0.
+SIGTERM and SIGINT end the current round, draw the heatmaps, save the state and exit 0. `--exit-on-anomaly`
+exits (status 3) as soon as the alert is written, without drawing: the job's supervisor waits on it.
 """
 from __future__ import annotations
 
@@ -76,11 +77,13 @@ class Daemon:
     def run(self) -> int:
         """The loop; returns the exit status."""
         previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        status = None
         try:
-            return self._loop()
+            status = self._loop()
+            return status
         finally:
             for watcher in self.watchers.values():
-                watcher.finish()
+                watcher.finish(draw=status != EXIT_ON_ANOMALY_STATUS)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

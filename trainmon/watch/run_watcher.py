@@ -3,11 +3,10 @@ alerts, and the state that lets a restarted daemon go on where this one stopped.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -23,6 +22,7 @@ from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
 from trainmon.watch.history import History
 from trainmon.watch.state import load_state, save_state
+from trainmon.watch.workers import WorkerPool
 
 logger = logging.getLogger("trainmon.watch")
 HEATMAP_DIR = "heatmaps"
@@ -75,7 +75,7 @@ def _skip(follower: RankFollower, err: Exception) -> None:
     logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
 
 
-def _ahead(pool: ProcessPoolExecutor, function: Callable, tasks: list, depth: int) -> Iterator:
+def _ahead(pool: WorkerPool, function: Callable, tasks: list, depth: int) -> Iterator:
     """`function` over `tasks` in the pool, in order, with at most `depth` tasks running or done ahead of
     the caller: memory stays bounded however many tasks there are."""
     pending: deque = deque()
@@ -137,8 +137,8 @@ class RunWatcher:
         self.history = History(options.op, options.window)
         self.followers: dict[int, RankFollower] = {}
         self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
-        self._painter: Optional[ProcessPoolExecutor] = None  # draws the heatmaps beside the export
-        self._readers: Optional[ProcessPoolExecutor] = None  # read the ranks (--once over many ranks)
+        self._painter: Optional[WorkerPool] = None  # draws the heatmaps beside the export
+        self._readers: Optional[WorkerPool] = None  # read the ranks (--once over many ranks)
         self._drawing: Optional[tuple[int, Future]] = None  # (step, pictures being drawn)
         # a draw that an earlier daemon started and never wrote (killed): drawn again after the restart
         self._redraw: Optional[int] = state.get("drawing")
@@ -159,6 +159,9 @@ class RunWatcher:
         self._discover()
         readable = self._poll_followers(final)
         alerts = self.alerts.poll(readable)  # first: an alert must not wait for a long export
+        if alerts and self.options.exit_on_anomaly:
+            self._save()
+            return alerts  # the daemon exits now; a restart exports the rest
         last = self._frontier(readable)
         if last is not None and last > self.exported:
             if self._refill:
@@ -218,7 +221,7 @@ class RunWatcher:
         spans = [(start, min(last, start + size - 1)) for start in range(first, last + 1, size)]
         workers = os.cpu_count() or 1
         if self._readers is None:
-            self._readers = ProcessPoolExecutor(workers, mp_context=_fork_context())
+            self._readers = WorkerPool(workers)
         tasks = [(followers, start, end, ranks, {s for s in range(start, end + 1) if self.options.redraws_at(s)})
                  for start, end in spans]
         chunks = _ahead(self._readers, figures_of_span, tasks, workers + 1)
@@ -266,7 +269,7 @@ class RunWatcher:
         self._collect_pictures(wait=True)
         alert = self.alerts.current
         if self._painter is None:
-            self._painter = ProcessPoolExecutor(1, mp_context=_fork_context())
+            self._painter = WorkerPool(1)
         # pickled now: the export goes on changing the history while the painter draws
         snapshot = pickle.dumps((self.history, alert["first"] if alert else None))
         self._drawing = (step, self._painter.submit(_paint, snapshot))
@@ -299,14 +302,24 @@ class RunWatcher:
     def _layout_state(self) -> dict:
         return {"layout": sorted(list(k) for k in self.layout_keys), "scalar_names": sorted(self.scalar_names)}
 
-    def finish(self) -> None:
-        """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes."""
-        self._collect_pictures(wait=True)
-        if self.exported >= 0 and self.drawn_at != self.exported:
-            self.draw(self.exported, wait=True)
+    def finish(self, draw: bool = True) -> None:
+        """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes.
+
+        Args:
+            draw: False: an exit that must not wait (--exit-on-anomaly); a drawing under way is dropped, and
+                the state file keeps its step, so a restarted daemon draws it.
+        """
+        if draw:
+            self._collect_pictures(wait=True)
+            if self.exported >= 0 and self.drawn_at != self.exported:
+                self.draw(self.exported, wait=True)
         for pool in (self._painter, self._readers):
-            if pool is not None:
+            if pool is None:
+                continue
+            if draw:
                 pool.shutdown()
+            else:
+                pool.kill()
         self._save()
         self.events.close()
 
@@ -314,8 +327,3 @@ class RunWatcher:
 def _paint(snapshot: bytes) -> list:
     """The heatmaps of a pickled (history, place of the first anomaly)."""
     return pictures(*pickle.loads(snapshot))
-
-
-def _fork_context():
-    """fork where there is one: workers start at once, with trainmon already imported."""
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)

@@ -19,7 +19,7 @@ from trainmon.watch.run_watcher import RunWatcher, WatchOptions
 logger = logging.getLogger("trainmon.watch")
 WATCH_DIR = "watch"  # the default log directory, inside the run (or the root)
 EXIT_ON_ANOMALY_STATUS = 3
-_TICK_S = 0.2  # how often the wait between rounds looks at signals
+_TICK_S = 0.2  # how often the wait between rounds looks at signals and at stalls that fall due
 
 
 def is_run(path: Path) -> bool:
@@ -103,6 +103,8 @@ class Daemon:
                 return 0
             while time.monotonic() < deadline and not self._stopping:
                 time.sleep(min(_TICK_S, self.options.interval))
+                for watcher in self.watchers.values():
+                    watcher.check_stalls()
 
 
 def _alive(pid: int) -> bool:

@@ -180,9 +180,17 @@ class RunWatcher:
         self._save()
         return alerts
 
-    def _poll_followers(self, final: bool) -> list[RankFollower]:
-        """Reads every rank's progress (saying once when one stalls, or cannot be read); returns the readable."""
-        for follower in self.followers.values():
+    def check_stalls(self) -> None:
+        """Between rounds: the ranks whose stall is due are read again, and said to have stalled if they still
+        have not committed, at once rather than at the next round."""
+        due = [f for f in self.followers.values() if f.stall_due(self.options.stall_after)]
+        if due:
+            self._poll_followers(False, due)
+
+    def _poll_followers(self, final: bool, followers: Optional[list[RankFollower]] = None) -> list[RankFollower]:
+        """Reads the progress of `followers` (default: every rank), saying once when one stalls or cannot be
+        read; returns every readable rank."""
+        for follower in self.followers.values() if followers is None else followers:
             message = follower.poll(final)
             if message is None and not final:
                 message = follower.check_stall(self.options.stall_after)

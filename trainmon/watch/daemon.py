@@ -66,10 +66,23 @@ class Daemon:
             runs = [self.path]
         else:
             runs = sorted(child for child in self.path.iterdir() if child.is_dir() and is_run(child))
+        if not runs and self.options.once:
+            raise InputError.at(self.path, "no run here: no rank_<R> directory with monitor output (monitor.db, "
+                                           "<family>_<a>-<b>.csv) in it or one level below; pass a run directory "
+                                           "($MONITOR_OUTPUT_DIR/<run>) or the output root")
         for run in runs:
             if run not in self.watchers and run != self.options.logdir:
                 self.watchers[run] = RunWatcher(run, self._logdir(run), self.options)
                 logger.info("trainmon watch: following %s, writing %s", run, self.watchers[run].logdir)
+
+    def _check_read(self) -> None:
+        """`--once` never exits 0 on a run it could not read whole: the ranks it could not read are an error
+        (after the others were exported)."""
+        unreadable = [f"{run.name} rank {rank}: {error}" for run, watcher in self.watchers.items()
+                      for rank, error in watcher.unreadable().items()]
+        if unreadable:
+            raise InputError(f"could not read {'; '.join(unreadable)}. The other ranks were exported; repair or "
+                             "remove those files and run again")
 
     def stop(self, *_) -> None:
         self._stopping = True
@@ -97,6 +110,8 @@ class Daemon:
                 alerts = watcher.poll(final=self.options.once)
                 if alerts and self.options.exit_on_anomaly:
                     return EXIT_ON_ANOMALY_STATUS
+            if self.options.once:
+                self._check_read()
             if self.options.once or self._stopping or parent_gone:
                 return 0
             if self.until_done and self.watchers and all(w.done for w in self.watchers.values()):

@@ -148,6 +148,8 @@ class RunWatcher:
         try:
             ranks = find_run(self.run).ranks
         except InputError:
+            if self.options.once:
+                raise  # a finished run without output: nothing will come
             return  # no rank has written anything yet
         for rank_dir in ranks:
             if rank_dir.rank not in self.followers:
@@ -197,6 +199,10 @@ class RunWatcher:
             if message:
                 logger.warning("trainmon watch: %s: %s", self.run.name, message)
         return [f for f in self.followers.values() if f.error is None]
+
+    def unreadable(self) -> dict[int, str]:
+        """{rank: why} of the ranks that cannot be read."""
+        return {f.rank: f.error for f in self.followers.values() if f.error is not None}
 
     @staticmethod
     def _frontier(readable: list[RankFollower]) -> Optional[int]:

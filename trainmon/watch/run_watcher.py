@@ -136,6 +136,7 @@ class RunWatcher:
                                    options.on_anomaly, state.get("alerts"))
         self.history = History(options.op, options.window)
         self.followers: dict[int, RankFollower] = {}
+        self.missing_ranks: list[int] = []
         self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
         self._painter: Optional[WorkerPool] = None  # draws the heatmaps beside the export
         self._readers: Optional[WorkerPool] = None  # read the ranks (--once over many ranks)
@@ -146,12 +147,16 @@ class RunWatcher:
     # ------------------------------------------------------------------------------- following
     def _discover(self) -> None:
         try:
-            ranks = find_run(self.run).ranks
+            found = find_run(self.run)
         except InputError:
             if self.options.once:
                 raise  # a finished run without output: nothing will come
             return  # no rank has written anything yet
-        for rank_dir in ranks:
+        if found.missing_ranks != self.missing_ranks:  # said again only when it changes (ranks start one by one)
+            self.missing_ranks = found.missing_ranks
+            if found.missing_warning:
+                logger.warning("trainmon watch: warning: %s", found.missing_warning)
+        for rank_dir in found.ranks:
             if rank_dir.rank not in self.followers:
                 self.followers[rank_dir.rank] = RankFollower(rank_dir, self.options.source)
 
@@ -311,6 +316,7 @@ class RunWatcher:
         save_state(self.logdir, {"run": str(self.run), "exported": self.exported, "drawn_at": self.drawn_at,
                                  "drawing": self._drawing[0] if self._drawing else self._redraw,
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
+                                 "missing_ranks": self.missing_ranks,
                                  **self._saved_layout})
 
     def _layout_state(self) -> dict:

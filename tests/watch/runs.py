@@ -3,6 +3,7 @@ step by step while a daemon follows them."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -43,10 +44,19 @@ class LiveRank:
                           "fields": list(db_schema.FIELDS)})
         self.rank = rank
 
-    def write(self, step: int) -> None:
-        fields = {"count": 16.0, "sum": 1.0, "sumsq": 4.0 * (1 + self.rank) + step, "min": -1.0, "max": 1.0}
+    def write(self, step: int, nan: bool = False) -> None:
+        """Commits `step`; `nan`: every tensor is all NaN (no finite element: min, max and mean have no value)."""
+        if nan:
+            fields = {"nans": 16.0, "min": math.inf, "max": -math.inf}
+        else:
+            fields = {"count": 16.0, "sum": 1.0, "sumsq": 4.0 * (1 + self.rank) + step, "min": -1.0, "max": 1.0}
         values = np.tile([fields.get(f, 0.0) for f in db_schema.FIELDS], (len(KEYS), 1))
-        self.db.add_step(step, 0, KEYS, values, {"loss": 1.0 / (1 + step)})
+        self.db.add_step(step, 0, KEYS, values, {"loss": math.nan if nan else 1.0 / (1 + step)})
+
+    def finish(self) -> None:
+        """What TrainerMon.stop() does: the writer's report in run.json says the rank has finished."""
+        self.close()
+        (self.dir / "run.json").write_text(json.dumps({"rank": self.rank, "pp_stage": 0, "writer": {"steps": 1}}))
 
     def close(self) -> None:
         self.db.close()

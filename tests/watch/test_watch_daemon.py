@@ -71,13 +71,13 @@ def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
     run = tmp_path / "run-c"
     ranks = [LiveRank(run, 0), LiveRank(run, 1)]
     state = run / "watch" / "watch_state.json"
-    for rank in ranks:
-        rank.write(0)
+    # the ranks start writing once the daemon runs: a stall counts from a rank's last commit, and the
+    # daemon's start-up can take longer than --stall-after
     daemon = watch(run, "--interval", 0.2, "--stall-after", 1.5, "--heatmap-every", 10, "--ranks", 0, 1,
                    "--detail", r"layers\.1\.weight")
     try:
         wait_for(state.exists)
-        for step in range(1, 30):
+        for step in range(30):
             for rank in ranks:
                 if rank.rank == 0 or step < 10:  # rank 1 stops writing after step 9
                     rank.write(step)

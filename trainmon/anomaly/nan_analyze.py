@@ -30,7 +30,7 @@ from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.ordering import order_key, stage_place
 from trainmon.anomaly.rank_summary import RankSummary, summarize, summarize_rank_dir
 from trainmon.monitor.records import COMM
-from trainmon.read.layout import find_run
+from trainmon.read.layout import RunDirs, find_run
 from trainmon.read.parallel import map_ranks
 
 # The config key that records collectives' inputs, without which a collective's non-finite outputs
@@ -39,21 +39,21 @@ INPUTS_KEY = "cc_distribution.cc_pre_hook"
 
 
 def _summaries(path: Path, progress: bool, ranks: Optional[Collection[int]] = None
-               ) -> tuple[str, dict, list[str], list[RankSummary]]:
-    """(run, sources {rank: [files]}, notes, one summary per rank) of an msprobe dump or a trainmon run
-    (only `ranks` of a trainmon run, when given)."""
+               ) -> tuple[str, dict, list[str], list[RankSummary], Optional[RunDirs]]:
+    """(run, sources {rank: [files]}, notes, one summary per rank, the run's directories (None for a dump)) of
+    an msprobe dump or a trainmon run (only `ranks` of a trainmon run, when given)."""
     dump = read_dump(path)
     if dump:
         by_rank: dict[int, list[AnomalyEvent]] = {}
         for event in dump.events:
             by_rank.setdefault(event.rank, []).append(event)
         summaries = [summarize(rank, events) for rank, events in sorted(by_rank.items())]
-        return dump.run, dump.sources, list(dump.notes), summaries
+        return dump.run, dump.sources, list(dump.notes), summaries, None
     run = find_run(path)
     rank_dirs = [r for r in run.ranks if ranks is None or r.rank in ranks]
     summaries = map_ranks(summarize_rank_dir, rank_dirs, progress, "nan-analyze")
     notes = ([run.note] if run.note else []) + [n for s in summaries for n in s.notes]
-    return str(run.path), {str(s.rank): s.sources for s in summaries}, notes, summaries
+    return str(run.path), {str(s.rank): s.sources for s in summaries}, notes, summaries, run
 
 
 def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection[int]] = None) -> dict:
@@ -69,7 +69,8 @@ def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection
 
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
-        crash, read up to their last whole record), nonfinite_records, first
+        crash, read up to their last whole record), missing_ranks and missing_warning (`RunDirs`'s: ranks of
+        the run without a directory), nonfinite_records, first
         ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
         (first plus op, value, rule, family), ties and chain (lists shaped like first), cross_rank
         (`cross_rank.attribute`'s result plus `inputs_not_recorded_on`, the ranks that ran with
@@ -78,7 +79,7 @@ def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection
     Raises:
         InputError: a missing directory, or a truncated or corrupt file (named in the message).
     """
-    run, sources, notes, summaries = _summaries(Path(path), progress, ranks)
+    run, sources, notes, summaries, run_dirs = _summaries(Path(path), progress, ranks)
     # every rank's first appearances, in key order: each rank's list is sorted, so a merge is enough
     firsts = list(heapq.merge(*(s.firsts for s in summaries), key=order_key))
     first: Optional[AnomalyEvent] = firsts[0] if firsts else None
@@ -104,6 +105,8 @@ def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection
         "sources": sources,
         "notes": notes,
         "warnings": [w for s in summaries for w in s.warnings],
+        "missing_ranks": run_dirs.missing_ranks if run_dirs else [],
+        "missing_warning": run_dirs.missing_warning if run_dirs else None,
         "nonfinite_records": sum(s.records for s in summaries),
         "first": first.where() if first else None,
         "first_record": ({**first.where(), "op": first.op, "value": _json_value(first.value), "rule": first.rule,

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from trainmon import conversions, export
+from trainmon.commands.notices import warn
 from trainmon.read.layout import find_run
 
 
@@ -26,8 +27,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"trainmon export: {err}", file=sys.stderr)
         return 2
-    conversions.prepare_output(find_run(args.src).path, Path(args.out), args.overwrite,
-                               export.PARTITION_DIR)  # cli.main reports an InputError
+    run = find_run(args.src)  # cli.main reports an InputError
+    warn("export", run.missing_warning)
+    conversions.prepare_output(run.path, Path(args.out), args.overwrite, export.PARTITION_DIR)
     records = export.export(args.src, args.out, progress=not args.quiet)
     print(f"trainmon export: {records} records written to {args.out}")
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from trainmon.anomaly import overflow
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.nan_analyze import analyze, format_report
+from trainmon.commands.notices import warn
 
 
 def register(subparsers) -> None:
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = analyze(args.dir, progress=not args.quiet)  # cli.main reports an InputError
+    warn("nan-analyze", result["missing_warning"])
     result["overflow"] = _overflow(args.dir, result) if args.overflow else None
     text = json.dumps(result, indent=1, default=str) if args.json else format_report(result)
     if result["overflow"] and not args.json:

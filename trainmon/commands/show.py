@@ -6,6 +6,7 @@ import sqlite3
 import sys
 
 from trainmon.commands.arguments import non_negative_int
+from trainmon.commands.notices import warn
 from trainmon.read import open_run
 
 
@@ -38,6 +39,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         with open_run(args.dir, args.source) as monitor_run:
+            warn("show", monitor_run.missing_warning)
             if args.scalars:
                 table = monitor_run.scalars(steps=args.step)
                 if args.rank:

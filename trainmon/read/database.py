@@ -128,6 +128,10 @@ class DbRankReader:
         """The steps whose batch was committed."""
         return self._guard(lambda: {s for (s,) in self.conn.execute("SELECT DISTINCT step FROM batches")})
 
+    def last_commit(self) -> tuple[Optional[int], Optional[float]]:
+        """(the newest committed step, the wall-clock time of the newest commit), (None, None) before any."""
+        return self._guard(lambda: self.conn.execute("SELECT MAX(step), MAX(wall_time) FROM batches").fetchone())
+
     def step_count(self) -> int:
         return len(self.steps())
 

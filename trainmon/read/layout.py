@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -87,6 +88,26 @@ class RunDirs:
     ranks: list[RankDir]
     note: Optional[str] = None
 
+    @cached_property
+    def missing_ranks(self) -> list[int]:
+        """The ranks of the run that have no directory with output: those below the highest rank found, and
+        below the world size run.json records. [] for one rank's directory given on its own."""
+        if not self.ranks or self.ranks[0].path == self.path:
+            return []
+        found = {rank_dir.rank for rank_dir in self.ranks}
+        expected = max(_world_size(self.ranks[0]), self.ranks[-1].rank + 1)
+        return [rank for rank in range(expected) if rank not in found]
+
+    @property
+    def missing_warning(self) -> Optional[str]:
+        """One line naming the missing ranks (None when none is)."""
+        if not self.missing_ranks:
+            return None
+        expected = len(self.ranks) + len(self.missing_ranks)
+        return (f"{self.path}: rank(s) {', '.join(map(str, self.missing_ranks))} of {expected} missing (no rank_<R> "
+                f"directory with output); the results cover the other {len(self.ranks)}. Copy the missing "
+                "directories in, or check whether those ranks failed before their first step")
+
 
 def find_run(path: str | Path) -> RunDirs:
     """The run at `path`: a run directory, one rank directory, msprobe's output root (holding
@@ -128,6 +149,15 @@ def _rank_dirs(root: Path) -> list[RankDir]:
                                       "several runs, give one run's directory")
         ranks[rank] = child
     return [RankDir(rank, ranks[rank]) for rank in sorted(ranks)]
+
+
+def _world_size(rank_dir: RankDir) -> int:
+    """The world size one rank's run.json records (0: not known; every rank records the same)."""
+    try:
+        size = rank_dir.metadata().get("world_size", 0)
+    except InputError:
+        return 0  # the commands that read run.json report it
+    return size if isinstance(size, int) else 0
 
 
 def _has_output(d: Path) -> bool:

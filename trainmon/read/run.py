@@ -70,6 +70,7 @@ class Run:
         if found.note:
             warnings.warn(found.note, stacklevel=3)
         self.path = found.path
+        self.missing_ranks, self.missing_warning = found.missing_ranks, found.missing_warning  # said by the caller
         self._readers = {}
         try:
             for rank_dir in found.ranks:

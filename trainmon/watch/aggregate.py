@@ -197,6 +197,8 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int,
             reduced = reduce_matrix(group[rows], slot[rows], np.repeat(ranks_read, micros), values[op][rows])
             if reduced is None:
                 reduced = reduce_groups(group[rows], rank[rows], values[op][rows])
+            if not rows.any():
+                continue  # no value of this op in the chunk (min of all-NaN tensors): nothing to reduce
             op_keys = [(*key, op) for key in keys]
             ids, figures_of_group = reduced[0], list(zip(*(column.tolist() for column in reduced[1:])))
             offsets = ids // width

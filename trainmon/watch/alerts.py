@@ -6,7 +6,8 @@ the collectives' path), so an alert's `first` is what `trainmon nan-analyze --js
 output. Runs whose anomalies are all spikes or threshold crossings get the earliest anomaly in the
 ordering key. Until every rank that is being followed has committed the alert's step, a later report
 may name an earlier place (a rank that was behind): the alert is then refined, and the refinement is
-written as such. After that the alert is final; the ordering key starts with the step, so no later step
+written as such. The same place seen through another record (the sentinel's probe, another rule or op)
+is the same incident, and gives no second alert. After that the alert is final; the ordering key starts with the step, so no later step
 can change it.
 """
 from __future__ import annotations
@@ -148,6 +149,11 @@ class AlertTracker:
                          done.stderr.strip()[-500:])
 
 
+# What names an incident. The call index is not part of it: the sentinel's probe and the statistic of one tensor
+# are separate records with call indexes of their own, and may arrive in different rounds.
+_PLACE = ("rank", "step", "micro_step", "module", "phase", "tensor")
+
+
 def _same(a: dict, b: dict) -> bool:
-    return (a["first"], a.get("cross_rank") and a["cross_rank"].get("origin_rank")) == (
-        b["first"], b.get("cross_rank") and b["cross_rank"].get("origin_rank"))
+    """Whether two alerts name the same place (one incident, perhaps seen through another record or rule)."""
+    return [a["first"].get(k) for k in _PLACE] == [b["first"].get(k) for k in _PLACE]

@@ -1,6 +1,7 @@
 """The daemon's loop over a run or an output root (new runs under a root are picked up), and its signals.
 
-SIGTERM and SIGINT end the current round, draw the heatmaps, save the state and exit 0.
+SIGTERM and SIGINT end the current round, draw the heatmaps, save the state and exit 0. `--exit-on-anomaly`
+exits (status 3) as soon as the alert is written, without drawing: the job's supervisor waits on it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from trainmon.watch.run_watcher import RunWatcher, WatchOptions
 logger = logging.getLogger("trainmon.watch")
 WATCH_DIR = "watch"  # the default log directory, inside the run (or the root)
 EXIT_ON_ANOMALY_STATUS = 3
-_TICK_S = 0.2  # how often the wait between rounds looks at signals
+_TICK_S = 0.2  # how often the wait between rounds looks at signals and at stalls that fall due
 
 
 def is_run(path: Path) -> bool:
@@ -65,10 +66,23 @@ class Daemon:
             runs = [self.path]
         else:
             runs = sorted(child for child in self.path.iterdir() if child.is_dir() and is_run(child))
+        if not runs and self.options.once:
+            raise InputError.at(self.path, "no run here: no rank_<R> directory with monitor output (monitor.db, "
+                                           "<family>_<a>-<b>.csv) in it or one level below; pass a run directory "
+                                           "($MONITOR_OUTPUT_DIR/<run>) or the output root")
         for run in runs:
             if run not in self.watchers and run != self.options.logdir:
                 self.watchers[run] = RunWatcher(run, self._logdir(run), self.options)
                 logger.info("trainmon watch: following %s, writing %s", run, self.watchers[run].logdir)
+
+    def _check_read(self) -> None:
+        """`--once` never exits 0 on a run it could not read whole: the ranks it could not read are an error
+        (after the others were exported)."""
+        unreadable = [f"{run.name} rank {rank}: {error}" for run, watcher in self.watchers.items()
+                      for rank, error in watcher.unreadable().items()]
+        if unreadable:
+            raise InputError(f"could not read {'; '.join(unreadable)}. The other ranks were exported; repair or "
+                             "remove those files and run again")
 
     def stop(self, *_) -> None:
         self._stopping = True
@@ -76,11 +90,13 @@ class Daemon:
     def run(self) -> int:
         """The loop; returns the exit status."""
         previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        status = None
         try:
-            return self._loop()
+            status = self._loop()
+            return status
         finally:
             for watcher in self.watchers.values():
-                watcher.finish()
+                watcher.finish(draw=status != EXIT_ON_ANOMALY_STATUS)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -94,12 +110,16 @@ class Daemon:
                 alerts = watcher.poll(final=self.options.once)
                 if alerts and self.options.exit_on_anomaly:
                     return EXIT_ON_ANOMALY_STATUS
+            if self.options.once:
+                self._check_read()
             if self.options.once or self._stopping or parent_gone:
                 return 0
             if self.until_done and self.watchers and all(w.done for w in self.watchers.values()):
                 return 0
             while time.monotonic() < deadline and not self._stopping:
                 time.sleep(min(_TICK_S, self.options.interval))
+                for watcher in self.watchers.values():
+                    watcher.check_stalls()
 
 
 def _alive(pid: int) -> bool:

@@ -4,6 +4,9 @@ A database is opened for each poll and closed again, so the daemon never holds a
 job's database and sees every transaction committed since. A step is complete when a later step has
 been committed (a step's scalars are committed before its records, in their own transaction), or when
 the rank has finished (its run.json carries the writer's report, written at `stop()`).
+
+A stall is measured from the commit of the rank's newest step (the database's `batches.wall_time`, a CSV
+file's modification time), not from when the daemon saw it: a daemon started late reports it on time.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class RankFollower:
         self.finished = False
         self.error: Optional[str] = None  # the message of a rank that cannot be read, said once
         self.stalled = False
-        self._progress_at = time.monotonic()
+        self._progress_at = time.time()  # the commit of the newest step (until one is seen: the daemon's start)
 
     @property
     def rank(self) -> int:
@@ -53,7 +56,7 @@ class RankFollower:
         try:
             reader = self.open()
             try:
-                latest = _latest_step(reader)
+                latest, committed_at = _progress(reader)
             finally:
                 reader.close()
             self.finished = final or bool(self.rank_dir.metadata().get(WRITER_REPORT))
@@ -68,19 +71,23 @@ class RankFollower:
             self.error = None
         if latest is not None and latest != self.latest:
             self.latest = latest
-            self._progress_at = time.monotonic()
+            self._progress_at = time.time() if committed_at is None else committed_at
             if self.stalled:
                 self.stalled = False
                 message = f"rank {self.rank}: writing again (step {latest})"
         return message
 
+    def stall_due(self, stall_after: float) -> bool:
+        """Whether the rank, not reported as stalled yet, has committed nothing for `stall_after` seconds (as of
+        its last poll)."""
+        return not (self.finished or self.error is not None or self.stalled) and \
+            time.time() - self._progress_at >= stall_after
+
     def check_stall(self, stall_after: float) -> Optional[str]:
         """A message the first time the rank has committed nothing for `stall_after` seconds."""
-        if self.finished or self.error is not None or self.stalled:
+        if not self.stall_due(stall_after):
             return None
-        idle = time.monotonic() - self._progress_at
-        if idle < stall_after:
-            return None
+        idle = time.time() - self._progress_at
         self.stalled = True
         at = "nothing yet" if self.latest is None else f"step {self.latest}"
         return (f"rank {self.rank}: stalled, no step committed for {idle:.0f} s (last: {at}); the other ranks "
@@ -102,15 +109,15 @@ class RankFollower:
             reader.close()
 
 
-def _latest_step(reader) -> Optional[int]:
-    if hasattr(reader, "steps"):  # a database: its committed batches
-        steps = reader.steps()
-        return max(steps) if steps else None
+def _progress(reader) -> tuple[Optional[int], Optional[float]]:
+    """(the newest committed step, when it was committed as a wall-clock time; None: not known)."""
+    if hasattr(reader, "last_commit"):  # a database: its committed batches
+        return reader.last_commit()
     files = reader.rank_dir.family_files()  # CSV: the rows of the newest file say how far it got
     if not files:
-        return None
+        return None, None
     newest = max(files, key=lambda f: f.first)
     last = None
     for step, _ in reader.rows(newest.family, newest.first, None):
         last = step
-    return last
+    return last, max(f.path.stat().st_mtime for f in files)

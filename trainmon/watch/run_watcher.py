@@ -3,11 +3,10 @@ alerts, and the state that lets a restarted daemon go on where this one stopped.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -24,6 +23,7 @@ from trainmon.watch.heatmap import pictures
 from trainmon.watch.history import History
 from trainmon.watch.state import load_state, save_state
 from trainmon.watch.view import GroupRoles, View, ViewOptions, layout
+from trainmon.watch.workers import WorkerPool
 
 logger = logging.getLogger("trainmon.watch")
 HEATMAP_DIR = "heatmaps"
@@ -76,7 +76,7 @@ def _skip(follower: RankFollower, err: Exception) -> None:
     logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
 
 
-def _ahead(pool: ProcessPoolExecutor, function: Callable, tasks: list, depth: int) -> Iterator:
+def _ahead(pool: WorkerPool, function: Callable, tasks: list, depth: int) -> Iterator:
     """`function` over `tasks` in the pool, in order, with at most `depth` tasks running or done ahead of
     the caller: memory stays bounded however many tasks there are."""
     pending: deque = deque()
@@ -141,9 +141,10 @@ class RunWatcher:
                                    options.on_anomaly, state.get("alerts"))
         self.history = History(options.op, options.window)
         self.followers: dict[int, RankFollower] = {}
+        self.missing_ranks: list[int] = []
         self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
-        self._painter: Optional[ProcessPoolExecutor] = None  # draws the heatmaps beside the export
-        self._readers: Optional[ProcessPoolExecutor] = None  # read the ranks (--once over many ranks)
+        self._painter: Optional[WorkerPool] = None  # draws the heatmaps beside the export
+        self._readers: Optional[WorkerPool] = None  # read the ranks (--once over many ranks)
         self._drawing: Optional[tuple[int, Future]] = None  # (step, pictures being drawn)
         # a draw that an earlier daemon started and never wrote (killed): drawn again after the restart
         self._redraw: Optional[int] = state.get("drawing")
@@ -151,10 +152,16 @@ class RunWatcher:
     # ------------------------------------------------------------------------------- following
     def _discover(self) -> None:
         try:
-            ranks = find_run(self.run).ranks
+            found = find_run(self.run)
         except InputError:
+            if self.options.once:
+                raise  # a finished run without output: nothing will come
             return  # no rank has written anything yet
-        for rank_dir in ranks:
+        if found.missing_ranks != self.missing_ranks:  # said again only when it changes (ranks start one by one)
+            self.missing_ranks = found.missing_ranks
+            if found.missing_warning:
+                logger.warning("trainmon watch: warning: %s", found.missing_warning)
+        for rank_dir in found.ranks:
             if rank_dir.rank not in self.followers:
                 self.followers[rank_dir.rank] = RankFollower(rank_dir, self.options.source)
 
@@ -164,6 +171,9 @@ class RunWatcher:
         self._discover()
         readable = self._poll_followers(final)
         alerts = self.alerts.poll(readable)  # first: an alert must not wait for a long export
+        if alerts and self.options.exit_on_anomaly:
+            self._save()
+            return alerts  # the daemon exits now; a restart exports the rest
         last = self._frontier(readable)
         if last is not None and last > self.exported:
             if self._refill:
@@ -182,15 +192,27 @@ class RunWatcher:
         self._save()
         return alerts
 
-    def _poll_followers(self, final: bool) -> list[RankFollower]:
-        """Reads every rank's progress (saying once when one stalls, or cannot be read); returns the readable."""
-        for follower in self.followers.values():
+    def check_stalls(self) -> None:
+        """Between rounds: the ranks whose stall is due are read again, and said to have stalled if they still
+        have not committed, at once rather than at the next round."""
+        due = [f for f in self.followers.values() if f.stall_due(self.options.stall_after)]
+        if due:
+            self._poll_followers(False, due)
+
+    def _poll_followers(self, final: bool, followers: Optional[list[RankFollower]] = None) -> list[RankFollower]:
+        """Reads the progress of `followers` (default: every rank), saying once when one stalls or cannot be
+        read; returns every readable rank."""
+        for follower in self.followers.values() if followers is None else followers:
             message = follower.poll(final)
             if message is None and not final:
                 message = follower.check_stall(self.options.stall_after)
             if message:
                 logger.warning("trainmon watch: %s: %s", self.run.name, message)
         return [f for f in self.followers.values() if f.error is None]
+
+    def unreadable(self) -> dict[int, str]:
+        """{rank: why} of the ranks that cannot be read."""
+        return {f.rank: f.error for f in self.followers.values() if f.error is not None}
 
     @staticmethod
     def _frontier(readable: list[RankFollower]) -> Optional[int]:
@@ -223,7 +245,7 @@ class RunWatcher:
         spans = [(start, min(last, start + size - 1)) for start in range(first, last + 1, size)]
         workers = os.cpu_count() or 1
         if self._readers is None:
-            self._readers = ProcessPoolExecutor(workers, mp_context=_fork_context())
+            self._readers = WorkerPool(workers)
         tasks = [(followers, start, end, ranks, {s for s in range(start, end + 1) if self.options.redraws_at(s)})
                  for start, end in spans]
         chunks = _ahead(self._readers, figures_of_span, tasks, workers + 1)
@@ -295,7 +317,7 @@ class RunWatcher:
         self._collect_pictures(wait=True)
         alert = self.alerts.current
         if self._painter is None:
-            self._painter = ProcessPoolExecutor(1, mp_context=_fork_context())
+            self._painter = WorkerPool(1)
         # pickled now: the export goes on changing the history while the painter draws
         snapshot = pickle.dumps((self.history, alert["first"] if alert else None))
         self._drawing = (step, self._painter.submit(_paint, snapshot))
@@ -324,20 +346,31 @@ class RunWatcher:
                                  "drawing": self._drawing[0] if self._drawing else self._redraw,
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
                                  "first_nonfinite": self.view.first_nonfinite if self.view else self._first_nonfinite,
+                                 "missing_ranks": self.missing_ranks,
                                  **self._saved_layout})
 
     def _layout_state(self) -> dict:
         return {"layout": sorted(list(k) for k in self.layout_keys), "scalar_names": sorted(self.scalar_names),
                 "families": sorted(self.families)}
 
-    def finish(self) -> None:
-        """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes."""
-        self._collect_pictures(wait=True)
-        if self.exported >= 0 and self.drawn_at != self.exported:
-            self.draw(self.exported, wait=True)
+    def finish(self, draw: bool = True) -> None:
+        """Draws the heatmaps of the last step exported (when not drawn yet), saves the state, closes.
+
+        Args:
+            draw: False: an exit that must not wait (--exit-on-anomaly); a drawing under way is dropped, and
+                the state file keeps its step, so a restarted daemon draws it.
+        """
+        if draw:
+            self._collect_pictures(wait=True)
+            if self.exported >= 0 and self.drawn_at != self.exported:
+                self.draw(self.exported, wait=True)
         for pool in (self._painter, self._readers):
-            if pool is not None:
+            if pool is None:
+                continue
+            if draw:
                 pool.shutdown()
+            else:
+                pool.kill()
         self._save()
         self.events.close()
 
@@ -345,8 +378,3 @@ class RunWatcher:
 def _paint(snapshot: bytes) -> list:
     """The heatmaps of a pickled (history, place of the first anomaly)."""
     return pictures(*pickle.loads(snapshot))
-
-
-def _fork_context():
-    """fork where there is one: workers start at once, with trainmon already imported."""
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)

@@ -36,9 +36,9 @@ def test_once_on_a_corrupt_database_exports_the_other_ranks(finished_run, tmp_pa
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     _corrupt_db(run)
-    assert watch_once(run, "--heatmap-every", 1000).returncode == 2
+    assert watch_once(run, "--heatmap-every", 1000, "--ranks", 0, 2).returncode == 2
     events = read_events(run / "watch")[0]
-    assert len(events["scalars/grad_norm/rank0"]) == 60 and "scalars/grad_norm/rank2" not in events
+    assert len(events["rank0/scalars/grad_norm"]) == 60 and not any(t.startswith("rank2/") for t in events)
 
 
 @pytest.mark.parametrize("content", [[], ["notes.txt"], ["logs/"]], ids=["empty", "a file", "a directory"])

@@ -59,7 +59,7 @@ def test_demo_inject_nan_names_the_module_and_prints_commands_that_work(tmp_path
         assert done.returncode == 0, (command, done.stderr[-2000:])
         assert "Traceback" not in done.stderr
         if command.startswith("tensorboard"):
-            assert "heatmaps/" in done.stdout and "alerts" in done.stdout
+            assert "heatmaps/" in done.stdout and "alerts" in done.stdout and "overview/loss" in done.stdout
         if "nan-analyze" in command:
             assert place in done.stdout
 
@@ -68,3 +68,15 @@ def test_cli_help_lists_the_commands():
     out = subprocess.run([sys.executable, "-m", "trainmon.cli", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_the_demos_view_is_smaller_than_its_database(tmp_path):
+    """The view's budgets on the demo: a fixed set of tags, and an event file no bigger than the database."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    _demo(tmp_path, "--steps", "40", "--inject", "nan")
+    run = next(tmp_path.glob("run-*"))
+    events = list((run / "watch").glob("events.out.tfevents.*"))
+    tags = {value.tag for path in events for event in EventFileLoader(str(path)).Load()
+            for value in event.summary.value}
+    assert sum(p.stat().st_size for p in events) <= sum(p.stat().st_size for p in run.glob("rank_*/monitor.db"))
+    assert len(tags) < 150 and len([t for t in tags if t.startswith("overview/")]) <= 30

@@ -59,7 +59,7 @@ def test_demo_inject_nan_names_the_module_and_prints_commands_that_work(tmp_path
         assert done.returncode == 0, (command, done.stderr[-2000:])
         assert "Traceback" not in done.stderr
         if command.startswith("tensorboard"):
-            assert "heatmaps/" in done.stdout and "alerts" in done.stdout and "overview/loss" in done.stdout
+            assert "heatmaps/" in done.stdout and "alerts" in done.stdout and "Overview/loss" in done.stdout
         if "nan-analyze" in command:
             assert place in done.stdout
 
@@ -79,4 +79,4 @@ def test_the_demos_view_is_smaller_than_its_database(tmp_path):
     tags = {value.tag for path in events for event in EventFileLoader(str(path)).Load()
             for value in event.summary.value}
     assert sum(p.stat().st_size for p in events) <= sum(p.stat().st_size for p in run.glob("rank_*/monitor.db"))
-    assert len(tags) < 150 and len([t for t in tags if t.startswith("overview/")]) <= 30
+    assert len(tags) < 150 and len([t for t in tags if t.startswith("Overview/")]) <= 30

@@ -95,3 +95,15 @@ def test_the_daemons_cross_rank_max_is_the_non_finite_value(poisoned):
     assert stats[(GRAD_REDUCED, both, 0, "norm")][2] == math.inf
     assert stats[(GRAD_REDUCED, plus, 0, "max")][2] == math.inf
     assert stats[(GRAD_REDUCED, first, 0, "norm_finite")][2] == pytest.approx(expected[first]["norm_finite"])
+
+
+def test_the_global_grad_norm_is_nan_when_a_grad_is(poisoned):
+    from trainmon.watch.follow import RankFollower
+    from trainmon.watch.run_watcher import read_figures
+    from trainmon.read.layout import find_run
+    rank_dir, _ = poisoned
+    followers = [RankFollower(r) for r in find_run(rank_dir).ranks]
+    for follower in followers:
+        follower.poll(final=True)
+    figures = read_figures(followers, 0, FAULT_STEP)
+    assert math.isfinite(figures[0].grad_norms()[0]) and math.isnan(figures[FAULT_STEP].grad_norms()[0])

@@ -83,9 +83,9 @@ def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
             assert got[step] == pytest.approx(want, rel=1e-6, abs=1e-30), (tag, step)
         else:
             assert got[step] == want or (math.isnan(got[step]) and math.isnan(want)), (tag, step)
-    steps = {e.step for e in events.Scalars("overview/loss")}
+    steps = {e.step for e in events.Scalars("Overview/loss")}
     assert steps == set(range(STEPS)), "the loss at every step, NaN kept"
-    assert math.isnan(events.Scalars("overview/loss")[-1].value)
+    assert math.isnan(events.Scalars("Overview/loss")[-1].value)
     assert {e.step for e in events.Scalars("scalars/loss/median")} == set(range(STEPS))  # the spread over 2 ranks
     assert len(tags) < 200, "no tag per tensor, rank or call"
     assert any(t.startswith("actv/blocks.0/") for t in tags) and any(t.startswith("grad_reduced/head/") for t in tags)

@@ -97,7 +97,7 @@ def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
     high = dict(events["detail/grad_reduced/layers.1.weight/norm_max"])
     assert (low[3], high[3]) == (pytest.approx(math.sqrt(7.0)), pytest.approx(math.sqrt(11.0)))
     assert dict(events["detail/grad_reduced/layers.1.weight/norm_max_rank"])[3] == 1.0
-    stalled = dict(events["overview/stalled_ranks"])
+    stalled = dict(events["Overview/stalled_ranks"])
     assert stalled[3] == 0 and stalled[max(stalled)] == 1
     # SIGTERM drew the heatmaps of the last step exported and saved the state
     state = json.loads(state.read_text())

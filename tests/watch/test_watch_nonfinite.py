@@ -6,7 +6,7 @@ RANKS, STEPS, NAN_STEPS = 8, 220, 200
 
 
 def _exported_steps(logdir):
-    return [s for s, _ in read_events(logdir)[0]["overview/loss"]]
+    return [s for s, _ in read_events(logdir)[0]["Overview/loss"]]
 
 
 def test_all_nan_steps_are_exported_live_and_with_once(tmp_path):
@@ -26,5 +26,5 @@ def test_all_nan_steps_are_exported_live_and_with_once(tmp_path):
     done = watch_once(run, "--logdir", tmp_path / "once", "--heatmap-every", 1000)
     assert done.returncode == 0, done.stderr
     assert _exported_steps(tmp_path / "once") == list(range(STEPS))
-    nans = dict(read_events(tmp_path / "once")[0]["overview/nan_elements"])
+    nans = dict(read_events(tmp_path / "once")[0]["Overview/nan_elements"])
     assert nans[STEPS - NAN_STEPS - 1] == 0 and all(nans[s] > 0 for s in range(STEPS - NAN_STEPS, STEPS))

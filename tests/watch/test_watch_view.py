@@ -24,15 +24,15 @@ def test_the_tag_count_does_not_depend_on_the_number_of_ranks(tmp_path):
 
 def test_the_overview_shows_the_fault_where_it_happens(tmp_path):
     events = _tags(generate(tmp_path / "run", ranks=3, steps=12, inf_step=8, origin=1), tmp_path / "w")
-    overview = sorted(tag for tag in events if tag.startswith("overview/"))
+    overview = sorted(tag for tag in events if tag.startswith("Overview/"))
     assert len(overview) <= 30, overview
-    inf = dict(events["overview/inf_elements"])
+    inf = dict(events["Overview/inf_elements"])
     assert all(inf[s] == 0 for s in range(8)) and all(inf[s] > 0 for s in range(8, 12))
-    assert dict(events["overview/tensors_nonfinite"])[8] > 0
-    assert dict(events["overview/first_nonfinite_rank"])[8] == 1.0  # the origin rank's layers.3, first in model order
+    assert dict(events["Overview/tensors_nonfinite"])[8] > 0
+    assert dict(events["Overview/first_nonfinite_rank"])[8] == 1.0  # the origin rank's layers.3, first in model order
     norm = dict(events["actv/layers.3/norm"])
     assert math.isfinite(norm[7]) and norm[8] == math.inf  # an Inf is drawn as +Inf, not as a finite norm
-    assert dict(events["overview/actv_norm_max"])[8] == math.inf
+    assert dict(events["Overview/actv_norm_max"])[8] == math.inf
     assert dict(events["actv/inf_elements"])[8] >= 1
 
 
@@ -60,8 +60,8 @@ def test_worst_and_the_overview_reduction_let_nan_win():
                                    ("actv", "a.1.x", 0, "max"): (3.0, 3.0, 5.0, 0)},
                          scalars={"loss": {0: 1.5, 1: math.nan}})
     values = dict(View(ViewOptions()).tag_values(figure))
-    assert math.isnan(values["overview/actv_norm_max"]) and math.isnan(values["overview/loss"])
-    assert values["overview/actv_absmax"] == 7.0
+    assert math.isnan(values["Overview/actv_norm_max"]) and math.isnan(values["Overview/loss"])
+    assert values["Overview/actv_absmax"] == 7.0
     assert values["actv/a.0/norm"] == 2.0 and math.isnan(values["actv/a.1/norm"])
 
 

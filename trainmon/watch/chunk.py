@@ -78,9 +78,11 @@ def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
     chunk.nonfinite_steps = set(np.unique(data["step"][bad]).tolist())
     whole_step = data["micro_step"] == NO_MICRO_STEP
     families = np.array([key[0] for key in columns.tags], dtype=object)[columns.tag_at]
+    # the squared norm as torch gives it: NaN with a NaN element, +Inf with an Inf (the record's is finite-only)
+    sumsq = np.where(data["raw_nans"] > 0, np.nan, np.where(data["raw_infs"] > 0, np.inf, data["raw_sumsq"]))
     for family in GRAD_FAMILIES:
         rows = whole_step & (families == family)
-        _add_sumsq(chunk.grad_sumsq, family, data["step"][rows], data["raw_sumsq"][rows])
+        _add_sumsq(chunk.grad_sumsq, family, data["step"][rows], sumsq[rows])
     if keep:
         for i in range(len(columns)):
             family, name, vpp = chunk.keys[chunk.tag[i]]

@@ -1,9 +1,9 @@
 """What the daemon's TensorBoard view holds: a bounded set of tags, whatever the ranks, micro-steps or calls.
 
-- `overview/`: the first screen. The logged scalars and the global grad norm (the largest across ranks), per
+- `Overview/`: the first screen. The logged scalars and the global grad norm (the largest across ranks), per
   family the largest `<op>` (norm by default) and the largest |value| over every tensor and rank, the NaN and
   Inf elements, the (tensor, rank) pairs holding one, the rank of the first of them, and the stalled ranks.
-  The place of the first NaN/Inf is written as text (`overview/first_nonfinite`) whenever it changes.
+  The place of the first NaN/Inf is written as text (`Overview/first_nonfinite`) whenever it changes.
 - `<family>/`: one chart per layer (`<family>/<layer>/<op>`: the layer's tensors reduced, the largest across
   tensors and ranks), and the family's NaN and Inf elements. Collectives are layers of their own, one per op
   and group, named by the group's role (`all_reduce@dp`, `send@pp`) from the ranks' `parallel` metadata.
@@ -25,7 +25,7 @@ from trainmon.monitor.records import COMM
 from trainmon.watch.aggregate import (MAX_RANK, SCALARS, StepFigures, cross_rank, family_rank, label_of, layer_of,
                                       tag_base)
 
-OVERVIEW = "overview"
+OVERVIEW = "Overview"  # capitalised: TensorBoard sorts tag groups by code point, so it comes first
 DETAIL = "detail"
 NAN_ELEMENTS, INF_ELEMENTS = "nan_elements", "inf_elements"
 FIRST_NONFINITE_TAG = f"{OVERVIEW}/first_nonfinite"

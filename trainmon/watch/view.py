@@ -131,8 +131,9 @@ class View:
         elements = figure.nonfinite_elements.get(family, (0.0, 0.0))
         return [(FIRST_NONFINITE_TAG,
                  f"step {figure.step}: first NaN/Inf in **{self.options.layer(family, name, vpp)}** "
-                 f"({family} `{label_of(name, vpp)}`) on rank {rank}; {family} holds {elements[0]:.0f} NaN and "
-                 f"{elements[1]:.0f} Inf elements, {figure.tensors_nonfinite} tensor(s) on all ranks")]
+                 f"({family} `{label_of(name, vpp)}`) on rank {rank}. This step: {figure.tensors_nonfinite} "
+                 f"tensor(s) hold a NaN or Inf over all ranks; {family} holds {elements[0]:.0f} NaN and "
+                 f"{elements[1]:.0f} Inf elements")]
 
     # --------------------------------------------------------------------------------------- parts
     def _overview(self, figure: StepFigures, stalled: int) -> list[tuple[str, float]]:

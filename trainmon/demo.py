@@ -194,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
     if inject_step is not None:
         _show_injection(run_dir, logdir)
     print("\nnext steps:")
-    print(f"  1. tensorboard --logdir {logdir}      # one view of all ranks: scalars, custom scalars, "
-          "heatmaps (images), alerts (text)")
+    print(f"  1. tensorboard --logdir {logdir}      # opens on Overview (loss, grad norm, NaN/Inf counts); "
+          "one chart per layer, heatmaps (images), alerts (text)")
     print(f"  2. trainmon nan-analyze {run_dir}      # where a NaN/Inf first appeared")
     print(f"  3. trainmon show {run_dir} --family grad_reduced --step {len(losses) - 1}      # the figures as a table")
     return 0

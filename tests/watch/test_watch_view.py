@@ -76,3 +76,11 @@ def test_groups_are_named_by_their_role():
     assert options.layer("comm", "all_reduce[1,3]@7#12.output", 0) == "all_reduce@dp"
     assert options.layer("comm", "send[0->4]@9#0.input", 0) == "send@pp"
     assert options.layer("actv", "decoder.layers.3.mlp.output", 1) == "1:decoder.layers.3"
+
+
+def test_a_selection_past_the_budget_is_said_once(tmp_path):
+    run = generate(tmp_path / "run", ranks=3, steps=4, inf_step=2, origin=1)
+    done = watch_once(run, "--logdir", tmp_path / "all", "--heatmap-every", 1000, "--detail", ".")
+    assert done.returncode == 0 and done.stderr.count("narrow --detail or --ranks") == 1, done.stderr
+    done = watch_once(run, "--logdir", tmp_path / "some", "--heatmap-every", 1000, "--detail", r"layers\.3")
+    assert done.returncode == 0 and "narrow --detail" not in done.stderr, done.stderr

@@ -34,6 +34,7 @@ HEATMAP_TAG = "heatmaps"
 CHUNK_STEPS = 16
 CHUNK_RANK_STEPS = 1 << 14
 MAX_CHUNK_STEPS = 64
+TAGS_WARNING = 500  # tags a step from which TensorBoard's dashboards take seconds to answer
 
 
 def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset = frozenset(),
@@ -136,6 +137,7 @@ class RunWatcher:
         self.families = set(state.get("families", []))
         self.view: Optional[View] = None  # made once the ranks are known: their number and groups shape it
         self._first_nonfinite = state.get("first_nonfinite")
+        self._warned_size = False
         self._saved_layout = self._layout_state()  # what the state file holds of them, made when they grow
         self.alerts = AlertTracker(run, logdir, lambda step, text: self.events.text(step, ALERT_TAG, text),
                                    options.on_anomaly, state.get("alerts"))
@@ -273,7 +275,9 @@ class RunWatcher:
             for step in sorted(figures):
                 figure = figures[step]
                 stalled = sum(f.stalled for f in self.followers.values())
-                self.events.scalars(step, self.view.tag_values(figure, stalled))
+                values = self.view.tag_values(figure, stalled)
+                self._check_size(len(values))
+                self.events.scalars(step, values)
                 for tag, text in self.view.texts(figure):
                     self.events.text(step, tag, text)
                 self.history.add(figure)
@@ -283,6 +287,14 @@ class RunWatcher:
                 if self.options.redraws_at(step):
                     self.draw(step)
             self.exported = end
+
+    def _check_size(self, tags: int) -> None:
+        """Says once when --detail or --ranks make the view larger than TensorBoard serves quickly (its pages
+        fetch one tag a request: about 10 ms a tag at 1,000 steps, benchmarks/README.md)."""
+        if tags > TAGS_WARNING and not self._warned_size:
+            self._warned_size = True
+            logger.warning("trainmon watch: %s: the view holds %d tags a step; TensorBoard's pages take seconds "
+                           "from about %d on: narrow --detail or --ranks", self.run.name, tags, TAGS_WARNING)
 
     def _grow_layout(self, figure: StepFigures) -> None:
         keys = {key for key in figure.stats if self.view.options.selected(key[1])} - self.layout_keys

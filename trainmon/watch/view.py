@@ -215,8 +215,8 @@ class View:
 
 def layout(scalar_names: Iterable[str], families: Iterable[str], op: str, single_rank: bool,
            detail_keys: Iterable[tuple]) -> dict[str, list]:
-    """The custom-scalars layout: `overview` first (per family in one chart each: the largest `op`, NaN and
-    Inf elements), the scalars' spread across ranks, and margin charts of the selected tensors.
+    """The custom-scalars layout: `Overview` first (per family in one chart each: the largest `op`, NaN and
+    Inf elements), the scalars' spread across ranks, and the selected tensors' largest value per family and op.
     Each chart is ("multiline", title, [tag regexes]) or ("margin", title, median, low, high)."""
     families = sorted(families, key=family_rank)
     overview = [("multiline", f"largest {op} per family", [rf"^{OVERVIEW}/.*_{op}_max$"]),
@@ -229,9 +229,11 @@ def layout(scalar_names: Iterable[str], families: Iterable[str], op: str, single
     if not single_rank:
         out[SCALARS] = [("margin", name, f"{SCALARS}/{name}/median", f"{SCALARS}/{name}/min", f"{SCALARS}/{name}/max")
                         for name in sorted(scalar_names)]
-        for family, name, vpp, key_op in sorted(detail_keys):
-            base = f"{DETAIL}/{family}/{label_of(name, vpp)}/{key_op}"
-            out.setdefault(f"{DETAIL} {family}", []).append(
-                ("margin", f"{label_of(name, vpp)} {key_op}", f"{base}_median", f"{base}_min", f"{base}_max"))
+    # one chart per family and op, every selected tensor a line in it: a custom-scalars chart costs a pass over
+    # the whole run in TensorBoard, whatever it matches
+    suffix = "" if single_rank else "_max"
+    for family, key_op in sorted({(key[0], key[3]) for key in detail_keys}):
+        out.setdefault(f"{DETAIL} {family}", []).append(
+            ("multiline", f"{family} {key_op}{suffix}", [rf"^{DETAIL}/{re.escape(family)}/.*/{key_op}{suffix}$"]))
     return out
 

@@ -73,11 +73,13 @@ def test_every_module_param_and_update_is_probed(output_dir, write_config):
         assert {("param_updated", p, None) for p in params} <= names
         indices = [k.call_index for k in batch.flag_keys]
         assert indices == sorted(indices) and len(set(indices)) == len(indices)
-    # a weight's probe is its fp32 L2 norm: check the last step's updated weights directly
+    # a weight's probe is its fp32 L2 norm (twice: a pair per key): check the last step's updated weights directly
     last = {k.name: v for k, v in zip(batches[-1].flag_keys, batches[-1].flags) if k.family == "param_updated"}
     for name, param in params.items():
         norm = float(torch.linalg.vector_norm(param.detach(), dtype=torch.float32))
-        assert abs(last[name] - norm) <= 1e-6 * (1 + norm)
+        assert last[name][0] == last[name][1] and abs(last[name][0] - norm) <= 1e-6 * (1 + norm)
+    # an activation's probe is its (min, max)
+    assert all(low <= high for k, (low, high) in zip(batches[-1].flag_keys, batches[-1].flags) if k.family == "actv")
     assert (monitor.output_dir / "anomalies.jsonl").read_text() == ""
 
 

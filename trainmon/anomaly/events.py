@@ -34,6 +34,11 @@ PARAM_TENSORS = {
     MG_DIRECTION: "mg_direction",
 }
 SCALAR_PHASE = "scalar"  # anomalies of values given to `log_scalar`
+SENTINEL_RULE = "sentinel"
+# What the sentinel found (its event's `op`; `monitor.sentinel.verdict`), with the event's value: INF is an
+# Inf whose sign was not probed (weights). "nonfinite" is the op of older runs, whose value is the probe.
+NAN, POS_INF, NEG_INF, BOTH_INF, INF = "nan", "+inf", "-inf", "+inf/-inf", "inf"
+SENTINEL_VALUES = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf, BOTH_INF: math.inf, INF: math.inf}
 
 
 def split_name(family: str, name: str) -> tuple[str, str]:
@@ -91,7 +96,7 @@ class AnomalyEvent:
         call = "" if self.call_index is None else f", call {self.call_index}"
         origin = f" - {INPUT_BATCH_ORIGIN}" if came_with_input_batch(self.where()) else ""
         return (f"rank {self.rank} step {self.step}{micro}: {self.module or '<root>'} {self.phase} "
-                f"{self.tensor} ({self.rule}: {self.op}={_show(self.value)}{call}){origin}")
+                f"{self.tensor} ({self.rule}: {finding(self.op, self.value, self.rule)}{call}){origin}")
 
     def to_json(self) -> dict:
         """A JSON-safe dict; NaN and ±Inf values are written as the strings "nan", "inf", "-inf"."""
@@ -131,5 +136,8 @@ def came_with_input_batch(where: dict) -> bool:
     return where["module"] == "" and where["phase"] == "forward" and where["tensor"].startswith("input")
 
 
-def _show(value: float) -> str:
-    return format(value, ".6g")
+def finding(op: str, value, rule: str) -> str:
+    """`op=value` as reports write it; the sentinel's `nonfinite=<what it found>` (nan, +inf, -inf, +inf/-inf)."""
+    if rule == SENTINEL_RULE and op in SENTINEL_VALUES:
+        return f"nonfinite={op}"
+    return f"{op}={value if isinstance(value, str) else format(value, '.6g')}"

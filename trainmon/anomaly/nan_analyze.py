@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Collection, Optional
 
 from trainmon.anomaly.cross_rank import attribute, format_chain
-from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch
+from trainmon.anomaly.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch, finding
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.ordering import order_key, stage_place
 from trainmon.anomaly.rank_summary import RankSummary, summarize, summarize_rank_dir
@@ -160,7 +160,8 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")
         return "\n".join(lines)
-    lines.append(f"first non-finite tensor: {describe_place(first)} [{first['op']}={first['value']}, {first['rule']}]")
+    lines.append(f"first non-finite tensor: {describe_place(first)} "
+                 f"[{finding(first['op'], first['value'], first['rule'])}, {first['rule']}]")
     if came_with_input_batch(first):
         lines.append(f"  {INPUT_BATCH_ORIGIN}")
     if result["ties"]:

@@ -13,6 +13,7 @@ loss scaler is reachable) give the rate of skipped steps.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -41,11 +42,20 @@ class _Row:
         self.call_index = row.get("call_index")
 
     def what(self) -> Optional[str]:
-        """"saturated (sat=3)", "Inf (infs=2)", "NaN (nans=1)" joined, or None for a clean record."""
+        """"saturated (sat=3)", "+Inf (infs=2)", "NaN (nans=1)" joined, or None for a clean record."""
         parts = [f"{label} ({op}={int(getattr(self, op))})" for op, label in
-                 (("sat", "saturated"), ("infs", "Inf"), ("nans", "NaN"))
+                 (("sat", "saturated"), ("infs", self._inf_label()), ("nans", "NaN"))
                  if (getattr(self, op, None) or 0) > 0]
         return ", ".join(parts) or None
+
+    def _inf_label(self) -> str:
+        """"+Inf", "-Inf" or "+Inf/-Inf" (the sentinel's wording) from the min and max figures, which hold the
+        infinities (schema); "Inf" where they do not tell: not among the ops, or NaN with a NaN element."""
+        low, high = getattr(self, "min", None), getattr(self, "max", None)
+        if low is None or high is None or low != low or high != high:
+            return "Inf"
+        neg, pos = low == -math.inf, high == math.inf
+        return "+Inf/-Inf" if neg and pos else "-Inf" if neg else "+Inf"
 
 
 def _first_bad_step(run: Run, rank: int, steps) -> Optional[list[_Row]]:

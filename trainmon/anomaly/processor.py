@@ -17,8 +17,9 @@ from typing import Optional, Sequence
 
 from trainmon.anomaly.db_anomalies import AnomalyTable
 from trainmon.anomaly.dump import DumpRequest, write_dump
-from trainmon.anomaly.events import SCALAR_PHASE, AnomalyEvent, phase_of, split_name
+from trainmon.anomaly.events import SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent, phase_of, split_name
 from trainmon.anomaly.rules import Rule
+from trainmon.monitor.sentinel import verdict
 from trainmon.monitor.records import RecordKey, StepBatch
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.writers.db_schema import DB_NAME
@@ -27,7 +28,6 @@ from trainmon.writers.tags import tag_of
 logger = logging.getLogger("trainmon")
 
 ANOMALIES_FILE = "anomalies.jsonl"
-SENTINEL_RULE = "sentinel"
 
 
 class AlertRateLimit:
@@ -124,9 +124,10 @@ class AnomalyProcessor(Sink):
 
     def _judge(self, batch: StepBatch) -> list[AnomalyEvent]:
         events = []
-        for key, probe_value in zip(batch.flag_keys, batch.flags):
-            if not math.isfinite(probe_value):
-                events.append(self._event(batch, key, "nonfinite", float(probe_value), SENTINEL_RULE))
+        for key, (low, high) in zip(batch.flag_keys, batch.flags):
+            found = verdict(key.family, low, high)
+            if found is not None:
+                events.append(self._event(batch, key, found, SENTINEL_VALUES[found], SENTINEL_RULE))
         if self.rules:
             for key, row, ops in zip(batch.keys, batch.values, batch.derived):
                 tag = tag_of(key, self._rank)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -53,6 +54,7 @@ class StepCollector:
         self._flags: list[torch.Tensor] = []
         self._seen: dict[int, tuple] = {}  # id -> (tensor, version, pending slot or record row), until the next batch
         self._call_index = 0
+        self._indexed: dict[tuple, tuple] = {}  # call_index_of: (family, name, vpp, micro, id) -> (weakref, index)
         self._pending_keys: list[RecordKey] = []
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
         self._pending_tensors: list[tuple[torch.Tensor, int]] = []  # (tensor, version when recorded)
@@ -63,6 +65,18 @@ class StepCollector:
         """Reserves the ordering position of one hooked event."""
         index = self._call_index
         self._call_index += 1
+        return index
+
+    def call_index_of(self, family: str, name: str, vpp_stage: int, micro: Optional[int],
+                      tensor: torch.Tensor) -> int:
+        """The call index of one tensor event, the same for every hook that reports it: the NaN sentinel and
+        the statistic hooks each see a module's output (or grad) and would otherwise reserve one index each."""
+        where = (family, name, vpp_stage, micro, id(tensor))
+        seen = self._indexed.get(where)
+        if seen is not None and seen[0]() is tensor:
+            return seen[1]
+        index = self.next_call_index()
+        self._indexed[where] = (weakref.ref(tensor), index)
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
@@ -170,7 +184,7 @@ class StepCollector:
         self._blocks.append(rows)
 
     def add_flags(self, keys: Sequence[RecordKey], probes: torch.Tensor) -> None:
-        """Adds the NaN sentinel's probes (1-D, one per key, on the device) to the step's transfer."""
+        """Adds the NaN sentinel's probes ([len(keys), 2] on the device, see `sentinel`) to the step's transfer."""
         self._flag_keys.extend(keys)
         self._flags.append(probes)
 
@@ -200,7 +214,7 @@ class StepCollector:
                           scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)},
                           flag_keys=self._flag_keys)
         # Layout of the host buffer (StepBatch.wait): records, sentinel probes, tensor-valued scalars.
-        parts = [b.reshape(-1) for b in self._blocks] + [f.to(torch.float64) for f in self._flags] + \
+        parts = [b.reshape(-1) for b in self._blocks] + [f.reshape(-1).to(torch.float64) for f in self._flags] + \
             [v.reshape(1) for _, v in tensor_scalars]
         if parts:
             batch.host, batch.ready = _to_host(torch.cat(parts) if len(parts) > 1 else parts[0])

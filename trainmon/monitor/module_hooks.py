@@ -248,7 +248,8 @@ class ActivationHooks:
         if not self.state.collecting or not named_grads:
             return
         collector = self.state.collector
-        keys = [RecordKey(ACTV_GRAD, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
+        vpp = watched.vpp_stage
+        keys = [RecordKey(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
                           tuple(grad.shape), str(grad.dtype)) for leaf_name, grad in named_grads]
         collector.record(keys, [grad for _, grad in named_grads], defer=True)
 
@@ -260,6 +261,7 @@ class ActivationHooks:
             return
         keys = [RecordKey(family, leaf_name, watched.vpp_stage, micro, input_index, tuple(t.shape), str(t.dtype))
                 for leaf_name, t in input_leaves]
-        keys += [RecordKey(family, leaf_name, watched.vpp_stage, micro, collector.next_call_index(),
+        vpp = watched.vpp_stage
+        keys += [RecordKey(family, leaf_name, vpp, micro, collector.call_index_of(family, leaf_name, vpp, micro, t),
                            tuple(t.shape), str(t.dtype)) for leaf_name, t in output_leaves]
         collector.record(keys, [t for _, t in input_leaves + output_leaves], defer=True)

@@ -92,7 +92,7 @@ class StepBatch:
     # values -> per key {op: float | None}: set by the writer thread, run by the first sink that reads `derived`
     deriver: Optional[Callable[[np.ndarray], list]] = None
     _derived: Optional[list] = None
-    # NaN sentinel: one probe per key, non-finite exactly when the tensor had a NaN/Inf element.
+    # NaN sentinel: a (low, high) probe pair per key, read by `sentinel.verdict`.
     flag_keys: list = field(default_factory=list)
     flags: Optional[np.ndarray] = None
 
@@ -113,13 +113,13 @@ class StepBatch:
         if self.host is not None:
             flat = self.host.numpy()
             n = len(self.keys) * N_FIELDS
-            m = n + len(self.flag_keys)
+            m = n + 2 * len(self.flag_keys)
             self.values = flat[:n].reshape(len(self.keys), N_FIELDS)
-            self.flags = flat[n:m]
+            self.flags = flat[n:m].reshape(len(self.flag_keys), 2)
             self.scalars.update(zip(self.host_scalar_names, (float(v) for v in flat[m:])))
             self.host = None
         if self.values is None:
             self.values = np.empty((0, N_FIELDS))
         if self.flags is None:
-            self.flags = np.empty(0)
+            self.flags = np.empty((0, 2))
         return self

@@ -1,18 +1,20 @@
 """The NaN sentinel: a device-side non-finite probe on every module output, module grad, weight grad and
 updated weight, every step, whatever `targets` and the statistic switches say.
 
-An activation or activation-grad probe is the tensor's sum accumulated in fp32: it is NaN or ±Inf exactly
-when an element is, except that a finite tensor whose sum exceeds fp32's range (|sum| > 3.4e38) also
-trips it, which is itself a numerical fault. Weights and weight grads are probed all at once, by their L2
-norms in fp32 (one multi-tensor op instead of a sum per parameter: one kernel on an accelerator):
-non-finite exactly when an element is, or when the norm exceeds ~1.8e19 (its squares are summed in
-fp32). Probes stay on the device, one per probed event in the order of the events (each
-event's `call_index` is kept in its key), and join the step's single device->host copy as one stacked
-tensor. Nothing is read on the host inside the hooks.
+An activation or activation-grad probe is the tensor's (min, max), one `torch.aminmax` call (cheaper than
+a sum, and exact): a NaN element makes both NaN, a -Inf makes the min -Inf, a +Inf makes the max +Inf, so
+NaN, +Inf, -Inf and both infinities are told apart (a sum is NaN for +Inf plus -Inf). Weights and weight
+grads are probed all at once, by their L2 norms in fp32 (one multi-tensor op instead of a call per
+parameter: one kernel on an accelerator): NaN exactly when an element is, +Inf when one is ±Inf (its sign
+is not probed) or when the norm exceeds ~1.8e19 (its squares are summed in fp32). Probes stay on the
+device, a (low, high) pair per probed event in the order of the events (each event's `call_index` is kept
+in its key), and join the step's single device->host copy as one stacked tensor. Nothing is read on the
+host inside the hooks; `verdict` reads a pair in the writer thread.
 """
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Callable, Optional
 
@@ -20,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from trainmon.anomaly.dump import DumpRequest, capture
+from trainmon.anomaly.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
@@ -27,15 +30,12 @@ from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_values
 
-_OWN_ACCUMULATION = (torch.float32, torch.float64)  # dtypes whose sum accumulates in fp32 or wider already
+NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))  # families probed by an L2 norm: no Inf sign
 
 
-def probe(tensor: torch.Tensor) -> torch.Tensor:
-    """fp32 sum of `tensor`: non-finite iff one of its elements is (see the module docstring)."""
-    tensor = tensor.detach()
-    if tensor.dtype in _OWN_ACCUMULATION:
-        return tensor.sum()  # no dtype argument to parse: a third of the call on a small tensor
-    return tensor.sum(dtype=torch.float32)
+def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of `tensor`, in its dtype: NaN if an element is, else they hold its infinities."""
+    return torch.aminmax(tensor.detach())
 
 
 def norm_probes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -46,8 +46,19 @@ def norm_probes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for t in tensors]
 
 
+def verdict(family: str, low: float, high: float) -> Optional[str]:
+    """What a probe pair found: None (finite), NAN, POS_INF, NEG_INF, BOTH_INF, or INF for a norm-probed
+    family (an Inf of either sign, or a norm past fp32's range)."""
+    if low != low or high != high:
+        return NAN
+    if family in NORM_PROBED:
+        return INF if high == math.inf else None
+    neg, pos = low == -math.inf, high == math.inf
+    return BOTH_INF if neg and pos else NEG_INF if neg else POS_INF if pos else None
+
+
 class _Probes:
-    """One step's probes: a device scalar per key, stacked into one tensor when the step's probes are read.
+    """One step's probes: two device scalars per key, stacked into one tensor when the step's probes are read.
 
     A list append per probe is the cheapest write: a preallocated buffer would cost an indexing op and
     a copy per probe, where the stack costs well under a microsecond per probe once per step.
@@ -59,17 +70,19 @@ class _Probes:
 
     def add(self, key: RecordKey, tensor: torch.Tensor) -> None:
         self.keys.append(key)
-        self._values.append(probe(tensor))
+        self._values.extend(probe(tensor))
 
     def add_norms(self, keys: list[RecordKey], tensors: list[torch.Tensor]) -> None:
         self.keys.extend(keys)
-        self._values.extend(norm_probes(tensors))
+        for norm in norm_probes(tensors):
+            self._values += (norm, norm)
 
     def filled(self) -> Optional[torch.Tensor]:
-        """The probes written this step, in key order (a float32 device tensor), or None."""
+        """The probes written this step, [keys, 2] in key order on the device, or None. Not cast to fp32: an
+        fp64 tensor's finite extremes may exceed its range (the stack promotes mixed dtypes exactly)."""
         if not self._values:
             return None
-        return torch.stack(self._values).to(torch.float32)
+        return torch.stack(self._values).view(-1, 2)
 
     def reset(self) -> None:
         self.keys = []
@@ -147,8 +160,8 @@ class NanSentinel:
     # ------------------------------------------------------------------------------------ hooks
     def _probe_one(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int, micro: Optional[int]) -> None:
         if tensor.numel():
-            key = RecordKey(family, name, vpp_stage, micro, self.state.collector.next_call_index(),
-                            tuple(tensor.shape), str(tensor.dtype))
+            index = self.state.collector.call_index_of(family, name, vpp_stage, micro, tensor)
+            key = RecordKey(family, name, vpp_stage, micro, index, tuple(tensor.shape), str(tensor.dtype))
             self.probes.add(key, tensor)
 
     def _probe_weights(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
@@ -315,9 +328,9 @@ class _ForwardDump:
         if self.done:
             return
         filled = probes.filled()
-        if filled is None or filled.numel() <= self._first_slot:
+        if filled is None or len(filled) <= self._first_slot:
             return
-        bad = ~torch.isfinite(filled[self._first_slot:])
+        bad = ~torch.isfinite(filled[self._first_slot:]).all(1)
         if not bool(bad.any()):  # the documented host read
             return
         key = probes.keys[self._first_slot + int(bad.nonzero()[0, 0])]

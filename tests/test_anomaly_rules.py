@@ -146,7 +146,8 @@ def test_turbulence_uses_finite_running_mean():
 
 
 @pytest.mark.parametrize("args, key", [({"windw": 3}, "args.windw"), ({"warmup": 80}, "args.warmup"),
-                                       ({"threshold": -1}, "args.threshold"), ({"ops": ["norn"]}, "args.ops[0]")])
+                                       ({"threshold": -1}, "args.threshold"), ({"ops": ["norn"]}, "args.ops[0]"),
+                                       ({"noise": 1}, "args.noise"), ({"noise": "1e-6"}, "args.noise")])
 def test_bad_rule_args_are_config_errors(args, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         load_config({"alert": {"rules": [{"rule_name": "AnomalySpike", "args": args}]}})

@@ -129,8 +129,10 @@ class AnomalyProcessor(Sink):
             if found is not None:
                 events.append(self._event(batch, key, found, SENTINEL_VALUES[found], SENTINEL_RULE))
         if self.rules:
-            for key, row, ops in zip(batch.keys, batch.values, batch.derived):
-                tag = tag_of(key, self._rank)
+            records = [(tag_of(key, self._rank), key.family, ops) for key, ops in zip(batch.keys, batch.derived)]
+            for rule in self.rules:
+                rule.begin_step(records)
+            for key, row, (tag, _, ops) in zip(batch.keys, batch.values, records):
                 for rule in self.rules:
                     events += [self._event(batch, key, op, float(v), rule.name)
                                for op, v in rule.check_record(tag, row, ops)]

@@ -3,7 +3,8 @@
 A rule sees one series at a time: a tag (one tensor of one family, per micro-step where records are
 per micro-step) or a scalar name, and returns the (op, value) pairs it finds anomalous. Rules with
 history keep it per (tag, op); a NaN or Inf never enters a history, so one bad step cannot poison
-the baseline of later ones.
+the baseline of later ones. Before a step's records are checked, `begin_step` shows a rule all of them,
+so a rule can judge a record against the rest of its step (AnomalySpike's noise level).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import statistics
 from typing import Iterable, Mapping, Optional, Sequence
 
 from trainmon.monitor import stats
+from trainmon.monitor.records import EXP_AVG_SQ
 
 NANS, INFS = stats.FIELDS.index("nans"), stats.FIELDS.index("infs")
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
@@ -22,6 +24,9 @@ class Rule:
     """A rule; `check_record` gets a record's raw fields and derived ops, `check_scalar` a scalar."""
 
     name = "Rule"
+
+    def begin_step(self, records: Sequence[tuple[str, str, Mapping[str, Optional[float]]]]) -> None:
+        """Sees the step's records, (tag, family, ops) each, before any of them is checked."""
 
     def check_record(self, tag: str, row: Sequence[float], ops: Mapping[str, Optional[float]]) -> list:
         return []
@@ -61,10 +66,11 @@ class _SeriesRule(Rule):
     def __init__(self, ops: Optional[Iterable[str]]):
         self.ops = None if ops is None else frozenset(ops)
 
+    def _judges(self, op: str) -> bool:
+        return (self.ops is None or op in self.ops) and op not in ("nans", "infs", "zeros")
+
     def check_record(self, tag, row, ops) -> list:
-        return [(op, v) for op, v in ops.items()
-                if (self.ops is None or op in self.ops) and op not in ("nans", "infs", "zeros")
-                and v is not None and self._judge((tag, op), v)]
+        return [(op, v) for op, v in ops.items() if self._judges(op) and v is not None and self._judge((tag, op), v)]
 
     def check_scalar(self, name, value) -> list:
         return [("value", value)] if self._judge((name, "value"), value) else []
@@ -130,26 +136,55 @@ class AnomalySpike(_SeriesRule):
     warm-up (growth slowing down) or a decay stays below its trend. Nothing fires before `warmup` finite
     values are seen; a NaN or Inf never enters the history.
 
+    A record's value at numerical-noise level is no spike: below `noise` x the largest |value| of the same
+    family and op at that step (`noise`² for `exp_avg_sq`, whose values are squared grads). Such values
+    are float rounding or fp32 underflow: an attention key bias, whose grad is mathematically zero, or a
+    norm whose squares underflow, reads 0 for steps and then ~1e-23 (sqrt of the smallest denormal). A
+    noise-level value never fires and clears its series' history, so a series leaving noise level warms up
+    again: judged against its noise (or its zeros), its first real values would look like spikes.
+    Scalars have no family and are always judged.
+
     Args:
         threshold: robust z-score that fires, and the relative excess over the trend (default 6).
         window: finite values the trend is fitted to (default 50).
         warmup: values needed before the rule can fire (default min(window, 10)).
         min_relative: scales the relative excess that is required (default 1.0).
+        noise: the noise level relative to the family's largest value, 0 <= noise < 1 (default 1e-6;
+            0 judges every value).
         ops: ops to judge (default ["norm"]; scalars are always judged).
     """
 
     name = "AnomalySpike"
 
     def __init__(self, threshold: float = 6.0, window: int = 50, warmup: Optional[int] = None,
-                 min_relative: float = 1.0, ops: Optional[Iterable[str]] = ("norm",)):
+                 min_relative: float = 1.0, noise: float = 1e-6, ops: Optional[Iterable[str]] = ("norm",)):
         super().__init__(ops)
         if warmup is not None and warmup > window:
             raise ValueError(f"AnomalySpike warmup ({warmup}) must not exceed window ({window})")
+        if not 0 <= noise < 1:
+            raise ValueError(f"AnomalySpike noise ({noise}) must be >= 0 and < 1")
         self.threshold = threshold
         self.window = window
         self.warmup = max(2, min(window, 10) if warmup is None else warmup)
         self.min_relative = min_relative
+        self.noise = noise
         self._history: dict[tuple, collections.deque] = {}
+        self._floors: dict[tuple, float] = {}  # (tag, op) -> noise level of this step
+
+    def begin_step(self, records) -> None:
+        largest: dict[tuple, float] = collections.defaultdict(float)
+        for _, family, ops in records:
+            for op, v in ops.items():
+                if self._judges(op) and v is not None and math.isfinite(v):
+                    largest[family, op] = max(largest[family, op], abs(v))
+        self._floors = {(tag, op): largest[family, op] * (self.noise ** 2 if family == EXP_AVG_SQ else self.noise)
+                        for tag, family, ops in records for op in ops if (family, op) in largest}
+
+    def _judge(self, series, value) -> bool:
+        if abs(value) < self._floors.get(series, 0.0):
+            self._history.pop(series, None)  # what came before the noise is no baseline for what follows it
+            return False
+        return super()._judge(series, value)
 
     def _anomalous(self, series, value) -> bool:
         history = self._history.get(series)

@@ -80,7 +80,7 @@ class RuleConfig:
     (NaN, or |value| > threshold when given) or AnomalySpike (trainmon)."""
     args: dict = _field(check_rule_args, factory=dict)
     """Rule arguments (RULE_ARGS lists each rule's): `threshold` a number >= 0, `window`/`warmup` ints >= 1,
-    `min_relative` a number >= 0, `ops` a list of op names."""
+    `min_relative` a number >= 0, `noise` a number from 0 to below 1, `ops` a list of op names."""
 
     def __post_init__(self) -> None:
         _validate_fields(self)

@@ -40,7 +40,7 @@ RULE_NAMES: tuple[str, ...] = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike"
 RULE_ARGS: dict[str, tuple[str, ...]] = {
     "AnomalyNan": ("threshold",),
     "AnomalyTurbulence": ("threshold", "ops"),
-    "AnomalySpike": ("threshold", "window", "warmup", "min_relative", "ops"),
+    "AnomalySpike": ("threshold", "window", "warmup", "min_relative", "noise", "ops"),
 }
 ALERT_ACTIONS: tuple[str, ...] = ("warn", "skip_step", "stop")
 # The keys of one `targets` entry (msprobe: forward input/output, backward grads of both).
@@ -187,16 +187,16 @@ def check_int(low: int, high: int | None = None) -> Check:
     return check
 
 
-def check_number(low: float) -> Check:
-    """A finite number >= low (int or float, not bool)."""
-    allowed = f"a finite number >= {low:g}"
+def check_number(low: float, below: float | None = None) -> Check:
+    """A finite number >= low, and < below when given (int or float, not bool)."""
+    allowed = f"a finite number >= {low:g}" + ("" if below is None else f" and < {below:g}")
 
     def check(value: Any, key: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             guess = _as_number(value)
             fix = guess if guess is not None else ConfigError._NO_VALUE
             raise ConfigError("must be a number", key=key, value=value, allowed=allowed, closest=fix)
-        if not math.isfinite(value) or value < low:
+        if not math.isfinite(value) or value < low or (below is not None and value >= below):
             raise ConfigError("is out of range", key=key, value=value, allowed=allowed)
         return float(value)
     return check
@@ -362,6 +362,8 @@ def check_rule_args(value: Any, key: str) -> dict:
             args[name] = check_int(1)(args[name], f"{key}.{name}")
     if "min_relative" in args:
         args["min_relative"] = check_number(0.0)(args["min_relative"], f"{key}.min_relative")
+    if "noise" in args:
+        args["noise"] = check_number(0.0, below=1.0)(args["noise"], f"{key}.noise")
     if "ops" in args:
         args["ops"] = check_list(check_choice(STAT_OPS), "op names")(args["ops"], f"{key}.ops")
     return args

@@ -71,6 +71,7 @@ def test_groups_are_named_by_their_role():
                         {"world_size": 8, "parallel": {"dp": {"ranks": [1, 3]}, "tp": {"ranks": [0, 1]}}}])
     assert roles.name([1, 3], p2p=False) == "dp" and roles.name([0, 1], p2p=False) == "tp"
     assert roles.name(list(range(8)), p2p=False) == "world" and roles.name([5, 6, 7], p2p=False) == "3ranks"
+    assert roles.name([5], p2p=False) == "self"
     assert roles.name([0, 4], p2p=True) == "pp" and roles.name([6, 7], p2p=True) == "p2p"
     options = ViewOptions(roles=roles)
     assert options.layer("comm", "all_reduce[1,3]@7#12.output", 0) == "all_reduce@dp"

@@ -45,7 +45,8 @@ def worst(values: Iterable[float]) -> float:
 
 class GroupRoles:
     """Names process groups by their role (`dp`, `tp`, `pp`, `ep`, ...) from the ranks' `parallel` metadata
-    (a role is any entry holding `ranks`), the whole world as `world`, else by their size."""
+    (a role is any entry holding `ranks`), the whole world as `world`, a group of one rank as `self`, else by
+    their size."""
 
     def __init__(self, metadata: Iterable[dict] = ()):
         self.roles: dict[frozenset, str] = {}
@@ -66,6 +67,8 @@ class GroupRoles:
             return next((role for members, role in self.roles.items() if group <= members), "p2p")
         if group in self.roles:
             return self.roles[group]
+        if len(group) == 1:
+            return "self"  # every role of size 1 is this group: which one called is not known
         return "world" if self.world and len(group) == self.world else f"{len(group)}ranks"
 
 

@@ -30,6 +30,9 @@ def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_
         assert [s for s, _ in got[tag]] == [s for s, _ in values], tag  # no duplicate, none missing
         assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(got[tag], values)), tag
     assert got_steps == want_steps  # images, text and the layout too
+    for spread in ("ranks_min", "ranks_median"):  # the sibling runs resume from the state file too
+        assert len(list((cut / spread).glob("events.out.tfevents.*"))) == 1
+        assert read_events(cut / spread) == read_events(whole / spread), spread
     assert state["exported"] <= STEPS - 1
 
 

@@ -50,6 +50,7 @@ def test_one_rank_gets_one_value_not_a_spread(tmp_path):
                    "--detail", r"layers\.0\.output")
     assert "detail/actv/layers.0.output/norm" in events and not any(t.endswith("_median") for t in events)
     assert not any(t.startswith("scalars/") for t in events)
+    assert not (tmp_path / "w" / "ranks_min").exists()
 
 
 def test_worst_and_the_overview_reduction_let_nan_win():
@@ -85,3 +86,32 @@ def test_a_selection_past_the_budget_is_said_once(tmp_path):
     assert done.returncode == 0 and done.stderr.count("narrow --detail or --ranks") == 1, done.stderr
     done = watch_once(run, "--logdir", tmp_path / "some", "--heatmap-every", 1000, "--detail", r"layers\.3")
     assert done.returncode == 0 and "narrow --detail" not in done.stderr, done.stderr
+
+
+def test_each_layer_chart_draws_the_spread_over_ranks(tmp_path):
+    """The sibling runs ranks_min and ranks_median hold each layer's per-rank value (the largest of its
+    tensors) reduced over ranks, the run itself the max: computed here from the databases."""
+    import numpy as np
+    from trainmon import open_run
+    run = generate(tmp_path / "run", ranks=4, steps=10, inf_step=6, origin=2)
+    logdir = tmp_path / "w"
+    assert watch_once(run, "--logdir", logdir, "--heatmap-every", 1000).returncode == 0
+    runs = {stat: read_events(logdir / f"ranks_{stat}")[0] for stat in ("min", "median")}
+    runs["max"] = read_events(logdir)[0]
+    assert runs["min"].keys() == runs["median"].keys() and runs["min"].keys() <= runs["max"].keys()
+    with open_run(run, "db") as monitor_run:
+        frame = monitor_run.records()
+    grads = frame[frame.family == "grad_reduced"]
+    grads = grads.assign(layer=[".".join(name.split(".")[:2]) for name in grads.name])  # layers.<i>.mlp.<j>.weight
+    checked = 0
+    for (layer, step), group in grads.groupby(["layer", "step"]):
+        per_rank = group.groupby("rank")["norm"].apply(lambda v: np.nan if v.isna().any() else v.max())
+        finite = per_rank.dropna()
+        tag = f"grad_reduced/{layer}/norm"
+        got = {stat: dict(runs[stat][tag])[step] for stat in ("min", "median", "max")}
+        assert got["min"] == float(np.float32(finite.min()))
+        assert got["median"] == float(np.float32(finite.median()))
+        assert (math.isnan(got["max"]) if per_rank.isna().any() else got["max"] == float(np.float32(per_rank.max())))
+        checked += 1
+    assert checked > 20
+    assert any(math.isinf(dict(runs["max"]["actv/layers.3/norm"])[s]) for s in range(6, 10))

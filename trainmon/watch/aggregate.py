@@ -141,6 +141,7 @@ class StepFigures:
     nonfinite_elements: dict[str, tuple[float, float]] = field(default_factory=dict)  # family -> (NaN, Inf) counts
     tensors_nonfinite: int = 0  # (tensor, rank) pairs holding a NaN or an Inf
     worst: Optional[tuple] = None  # (family, name, vpp, rank) of the first NaN/Inf in family, model and rank order
+    layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)  # (family, layer) -> min, median, max, rank
 
     def grad_norms(self) -> dict[int, float]:
         """The global grad norm per rank: the logged `grad_norm` scalar, else from the reduced grads'
@@ -162,9 +163,15 @@ class StepFigures:
         return out
 
 
-def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int, StepFigures]:
+def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Optional[tuple] = None
+                 ) -> dict[int, StepFigures]:
     """The figures of each step of one chunk of steps read from every rank (`chunk.RankChunk`s), reduced
-    across ranks with numpy: memory is ranks x tags x the chunk's steps."""
+    across ranks with numpy: memory is ranks x tags x the chunk's steps.
+
+    Args:
+        spread: (op, layer_of): also each layer's spread over ranks of that op (`StepFigures.layer_spread`);
+            `layer_of(family, name, vpp)` names a tensor's layer.
+    """
     index: dict = {}  # (family, name, vpp) -> its number across ranks
     parts = []
     for chunk in chunks:
@@ -207,6 +214,8 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int,
                 at(first + int(offsets[begin])).stats.update(
                     zip([op_keys[t] for t in (ids[begin:end] % width).tolist()], figures_of_group[begin:end]))
         _count_nonfinite(at, keys, step, tag, rank, values, present)
+        if spread is not None and spread[0] in values:
+            _spread_layers(at, keys, spread, step - first, tag, rank, values, present, first)
         by_step = np.argsort(step, kind="stable")
         bounds = np.flatnonzero(np.r_[True, np.diff(step[by_step]) != 0, True])
         for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
@@ -224,6 +233,26 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset()) -> dict[int,
             for number, family, name, vpp, micro, op, value in chunk.kept:
                 at(number).per_rank[(chunk.rank, family, name, vpp, micro, op)] = value
     return figures
+
+
+def _spread_layers(at, keys: list, spread: tuple, offset: np.ndarray, tag: np.ndarray, rank: np.ndarray,
+                   values: dict, present: dict, first: int) -> None:
+    """Per step and (family, layer): the layer's value on each rank (the largest `op` of its tensors over
+    micro-steps, NaN winning), reduced over ranks to (min, median, max, rank of the max)."""
+    op, layer_of = spread
+    rows = present[op]
+    if not rows.any():
+        return
+    layers: dict = {}
+    layer_id = np.array([layers.setdefault((key[0], layer_of(*key)), len(layers)) for key in keys], dtype=np.int64)
+    names, n_layers = list(layers), len(layers)
+    ranks = rank[rows]
+    n_ranks = int(ranks.max()) + 1
+    cell = (offset[rows] * n_layers + layer_id[tag[rows]]) * n_ranks + ranks
+    cells, _, _, per_rank, _ = reduce_groups(cell, ranks, values[op][rows])
+    groups, low, median, high, high_rank = reduce_groups(cells // n_ranks, cells % n_ranks, per_rank)
+    for group, figures in zip(groups.tolist(), zip(low.tolist(), median.tolist(), high.tolist(), high_rank.tolist())):
+        at(first + group // n_layers).layer_spread[names[group % n_layers]] = figures
 
 
 def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np.ndarray, values: dict,

@@ -22,7 +22,7 @@ from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
 from trainmon.watch.history import History
 from trainmon.watch.state import load_state, save_state
-from trainmon.watch.view import GroupRoles, View, ViewOptions, layout
+from trainmon.watch.view import SPREAD_RUN, SPREAD_STATS, GroupRoles, View, ViewOptions, layout
 from trainmon.watch.workers import WorkerPool
 
 logger = logging.getLogger("trainmon.watch")
@@ -38,7 +38,8 @@ TAGS_WARNING = 500  # tags a step from which TensorBoard's dashboards take secon
 
 
 def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset = frozenset(),
-                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None) -> dict[int, StepFigures]:
+                 on_error: Optional[Callable[[RankFollower, Exception], None]] = None,
+                 spread: Optional[tuple] = None) -> dict[int, StepFigures]:
     """The figures of steps first..last of the followed ranks, by step, read in this process.
 
     Args:
@@ -56,16 +57,16 @@ def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kep
             raise chunk.error
         else:
             on_error(follower, chunk.error)
-    return step_figures(read, ranks_kept)
+    return step_figures(read, ranks_kept, spread)
 
 
 def figures_of_span(task: tuple) -> dict[int, StepFigures]:
-    """(followers, first, last, ranks_kept, drawn) -> `read_figures` of those steps, in a worker process: the
+    """(followers, first, last, ranks_kept, drawn, spread) -> `read_figures` of those steps, in a worker process: the
     values of every rank (`StepFigures.rows`) are kept only for the steps a heatmap of the latest step may be
     drawn at (the last one, and those in `drawn`), so that what comes back is small. Ranks that cannot be
     read are left out."""
-    followers, first, last, ranks_kept, drawn = task
-    figures = read_figures(followers, first, last, ranks_kept, _skip)
+    followers, first, last, ranks_kept, drawn, spread = task
+    figures = read_figures(followers, first, last, ranks_kept, _skip, spread)
     for step, figure in figures.items():
         if step != last and step not in drawn:
             figure.rows = None
@@ -137,6 +138,9 @@ class RunWatcher:
         self.families = set(state.get("families", []))
         self.view: Optional[View] = None  # made once the ranks are known: their number and groups shape it
         self._first_nonfinite = state.get("first_nonfinite")
+        # the layers' spread over ranks: sibling runs `ranks_min`, `ranks_median` beside this one (the max)
+        self.spread_events: dict[str, WatchEvents] = {}
+        self._spread_state = state.get("spread_events", {})
         self._warned_size = False
         self._saved_layout = self._layout_state()  # what the state file holds of them, made when they grow
         self.alerts = AlertTracker(run, logdir, lambda step, text: self.events.text(step, ALERT_TAG, text),
@@ -237,21 +241,27 @@ class RunWatcher:
         the chunks are read and reduced across ranks in worker processes, a few chunks ahead of the export:
         that is most of the export's work, and a finished run has all its steps there. (A live daemon reads a
         few steps a poll, in this process.)"""
-        ranks = self.options.ranks
+        ranks, spread = self.options.ranks, self._spread()
         if not self.options.once or len(followers) < PARALLEL_FROM:
             for start in range(first, last + 1, CHUNK_STEPS):
                 end = min(last, start + CHUNK_STEPS - 1)
-                yield end, read_figures(followers, start, end, ranks, _skip)
+                yield end, read_figures(followers, start, end, ranks, _skip, spread)
             return
         size = max(CHUNK_STEPS, min(MAX_CHUNK_STEPS, CHUNK_RANK_STEPS // len(followers)))
         spans = [(start, min(last, start + size - 1)) for start in range(first, last + 1, size)]
         workers = os.cpu_count() or 1
         if self._readers is None:
             self._readers = WorkerPool(workers)
-        tasks = [(followers, start, end, ranks, {s for s in range(start, end + 1) if self.options.redraws_at(s)})
-                 for start, end in spans]
+        tasks = [(followers, start, end, ranks, {s for s in range(start, end + 1) if self.options.redraws_at(s)},
+                  spread) for start, end in spans]
         chunks = _ahead(self._readers, figures_of_span, tasks, workers + 1)
         yield from zip((end for _, end in spans), chunks)
+
+    def _spread(self) -> Optional[tuple]:
+        """What `step_figures` needs for the layers' spread over ranks: none with one rank (or no view yet)."""
+        if self.view is None or self.view.options.single_rank:
+            return None
+        return self.view.options.op, self.view.options.layer
 
     def _make_view(self) -> View:
         """The view of this run: with its roles of process groups and whether it has one rank. A restarted
@@ -271,6 +281,9 @@ class RunWatcher:
     def _export(self, first: int, last: int, followers: list[RankFollower]) -> None:
         if self.view is None:
             self.view = self._make_view()
+            if not self.view.options.single_rank:
+                self.spread_events = {stat: WatchEvents(self.logdir / f"{SPREAD_RUN}{stat}", self._spread_state.get(stat))
+                                      for stat in SPREAD_STATS}
         for end, figures in self._figures(first, last, followers):
             for step in sorted(figures):
                 figure = figures[step]
@@ -278,6 +291,8 @@ class RunWatcher:
                 values = self.view.tag_values(figure, stalled)
                 self._check_size(len(values))
                 self.events.scalars(step, values)
+                for stat, spread in self.view.spread_values(figure).items():
+                    self.spread_events[stat].scalars(step, spread)
                 for tag, text in self.view.texts(figure):
                     self.events.text(step, tag, text)
                 self.history.add(figure)
@@ -359,6 +374,8 @@ class RunWatcher:
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
                                  "first_nonfinite": self.view.first_nonfinite if self.view else self._first_nonfinite,
                                  "missing_ranks": self.missing_ranks,
+                                 "spread_events": {stat: events.checkpoint() for stat, events in
+                                                   self.spread_events.items()} or self._spread_state,
                                  **self._saved_layout})
 
     def _layout_state(self) -> dict:
@@ -385,6 +402,8 @@ class RunWatcher:
                 pool.kill()
         self._save()
         self.events.close()
+        for events in self.spread_events.values():
+            events.close()
 
 
 def _paint(snapshot: bytes) -> list:

@@ -5,7 +5,9 @@
   Inf elements, the (tensor, rank) pairs holding one, the rank of the first of them, and the stalled ranks.
   The place of the first NaN/Inf is written as text (`Overview/first_nonfinite`) whenever it changes.
 - `<family>/`: one chart per layer (`<family>/<layer>/<op>`: the layer's tensors reduced, the largest across
-  tensors and ranks), and the family's NaN and Inf elements. Collectives are layers of their own, one per op
+  tensors and ranks), and the family's NaN and Inf elements. With more than one rank, the sibling runs
+  `ranks_min` and `ranks_median` hold the same tags: each rank's layer value (the largest of its tensors)
+  reduced over ranks, so each layer chart draws the min, median and max over ranks. Collectives are layers of their own, one per op
   and group, named by the group's role (`all_reduce@dp`, `send@pp`) from the ranks' `parallel` metadata.
 - `scalars/<name>/{min,median,max}`: the spread across ranks of each logged scalar (more than one rank only).
 - What the user selects: `detail/<family>/<tensor>/<op>` for every tensor whose name matches a `--detail`
@@ -29,6 +31,10 @@ OVERVIEW = "Overview"  # capitalised: TensorBoard sorts tag groups by code point
 DETAIL = "detail"
 NAN_ELEMENTS, INF_ELEMENTS = "nan_elements", "inf_elements"
 FIRST_NONFINITE_TAG = f"{OVERVIEW}/first_nonfinite"
+# The layer charts' spread over ranks goes into sibling runs of these names: TensorBoard then draws the min
+# and the median in the same chart as the max (this run), and the tags stay one per layer.
+SPREAD_RUN = "ranks_"
+SPREAD_STATS = ("min", "median")
 
 
 def worst(values: Iterable[float]) -> float:
@@ -177,6 +183,16 @@ class View:
         for family in families:
             nans, infs = figure.nonfinite_elements.get(family, (0.0, 0.0))
             out += [(f"{family}/{NAN_ELEMENTS}", nans), (f"{family}/{INF_ELEMENTS}", infs)]
+        return out
+
+    def spread_values(self, figure: StepFigures) -> dict[str, list[tuple[str, float]]]:
+        """Per stat of SPREAD_STATS, the layer charts' values over ranks: each rank's layer value (the largest of
+        its tensors) reduced over ranks. Empty with one rank."""
+        out: dict[str, list] = {stat: [] for stat in SPREAD_STATS} if figure.layer_spread else {}
+        for (family, layer), (low, median, _, _) in figure.layer_spread.items():
+            tag = f"{family}/{layer}/{self.options.op}"
+            out["min"].append((tag, low))
+            out["median"].append((tag, median))
         return out
 
     def _spread(self, figure: StepFigures) -> list[tuple[str, float]]:

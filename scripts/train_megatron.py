@@ -4,6 +4,7 @@
       scripts/train_megatron.py --tp 2 --config configs/megatron.json
   # --pp 2 (1F1B pipeline), --pp 2 --vpp 2 (interleaved, 2 model chunks per stage),
   # --distopt (DistributedOptimizer over DP), --bf16 (Float16Module); 4 processes: --tp 2 --pp 2.
+  # --optimizer torch: torch.optim.AdamW on unwrapped chunks, as Megatron-Core's quick-start trains.
   # --config none trains unmonitored; --timings PATH writes step times (benchmarks/frameworks.py).
 
 Output: $MONITOR_OUTPUT_DIR (default ./monitor_output)/<run>/rank_<R>/.
@@ -25,6 +26,8 @@ def parse_args(argv=None):
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (needs --pp > 1)")
     parser.add_argument("--distopt", action="store_true", help="DistributedOptimizer (shards over DP)")
+    parser.add_argument("--optimizer", choices=["megatron", "torch"], default="megatron",
+                        help="megatron: DDP-wrapped chunks and get_megatron_optimizer; torch: AdamW, no DDP")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
     parser.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
     parser.add_argument("--steps", type=int, default=5)
@@ -41,7 +44,8 @@ def parse_args(argv=None):
 
 
 def setup(args):
-    """Process groups, the DDP-wrapped GPT model chunks and Megatron's optimizer; returns (chunks, optimizer)."""
+    """Process groups, the GPT model chunks (DDP-wrapped for Megatron's optimizer) and the optimizer; returns
+    (chunks, optimizer)."""
     import cpu_shims
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -66,6 +70,9 @@ def setup(args):
         pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        # Under VPP on 2 stages a stage's previous and next stage are the same rank; a batched p2p then posts two
+        # sends to one peer, which gloo matches to the receives in posting order: activations and grads swap.
+        batch_p2p_comm=vpp is None,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
            if args.recompute else {}))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt)
@@ -79,13 +86,24 @@ def setup(args):
                          vp_stage=stage if vpp else None)
         if args.bf16:
             model = Float16Module(config, model)
-        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model))
+        chunks.append(model)
+    if args.optimizer == "torch":
+        return chunks, torch.optim.AdamW([p for chunk in chunks for p in chunk.parameters()], lr=1e-3,
+                                         weight_decay=0.0)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model) for model in chunks]
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=args.bf16, params_dtype=torch.float32,
         use_distributed_optimizer=args.distopt, clip_grad=1.0), chunks)
     config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return chunks, optimizer
+
+
+def data_iterators(args, chunks):
+    """The schedule's data: one iterator per model chunk, each drawing the same batches. The interleaved
+    schedule runs the chunks' micro-batches in its own order; a shared iterator would give a chunk
+    another micro-batch than the one its neighbouring chunks (and the labels on the last stage) work on."""
+    return [batches(args) for _ in chunks] if len(chunks) > 1 else batches(args)
 
 
 def batches(args):
@@ -118,10 +136,11 @@ def train_step(args, chunks, optimizer, data):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in chunks:
-        chunk.zero_grad_buffer()
+        if hasattr(chunk, "zero_grad_buffer"):  # Megatron's DDP
+            chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[data] * len(chunks) if len(chunks) > 1 else data,
+        forward_step_func=forward_step, data_iterator=data,
         model=chunks, num_microbatches=args.micro_batches,
         seq_length=args.seq, micro_batch_size=args.mbs, decoder_seq_length=args.seq, forward_only=False)
     optimizer.step()
@@ -139,7 +158,7 @@ def main() -> None:
         monitor = TrainerMon(args.config)
         monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
     timer = StepTimer(args.timings, dist.get_rank()) if args.timings else None
-    data = batches(args)
+    data = data_iterators(args, chunks)
     for step in range(args.steps):
         loss = train_step(args, chunks, optimizer, data)
         if timer:

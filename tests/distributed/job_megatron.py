@@ -107,7 +107,7 @@ config.finalize_model_grads_func = finalize_and_record
 main_of = {p: main for model_group, main_group in zip(getattr(chained, "float16_groups", []),
                                                       getattr(chained, "fp32_from_float16_groups", []))
            for p, main in zip(model_group, main_group)}
-data = train_megatron.batches(args)
+data = train_megatron.data_iterators(args, chunks)
 for step in range(args.steps):
     train_megatron.train_step(args, chunks, optimizer, data)
     for name, p in named:

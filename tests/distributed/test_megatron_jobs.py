@@ -112,6 +112,22 @@ def test_virtual_pipeline_2_by_2(tmp_path):
     assert layers == {0: ["0", "1", "4", "5"], 1: ["2", "3", "6", "7"]}
 
 
+
+def losses(log: str) -> list[float]:
+    """The last stage's loss per step, as scripts/train_megatron.py prints it."""
+    return [float(line.rsplit(" ", 1)[1]) for line in log.splitlines() if " loss " in line]
+
+
+def test_virtual_pipeline_trains_like_the_pipeline_without_it(tmp_path):
+    """The interleaved example learns as the 1F1B one does: each chunk draws its own micro-batches, and no
+    batched p2p on gloo swaps activations and grads (8 micro-batches reach the schedule's steady state)."""
+    options = ["--pp", "2", "--layers", "4", "--micro-batches", "8", "--steps", "20", "--config", "none"]
+    script = os.path.join("..", "..", "scripts", "train_megatron.py")
+    plain, interleaved = (losses(torchrun(script, 2, options + vpp, tmp_path)) for vpp in ([], ["--vpp", "2"]))
+    assert len(plain) == len(interleaved) == 20
+    assert plain[-1] < 0.8 * plain[0]
+    assert interleaved[0] == pytest.approx(plain[0], rel=0.01) and interleaved[-1] == pytest.approx(plain[-1], rel=0.05)
+
 def test_data_parallel_2_distributed_optimizer(tmp_path):
     run, coords = run_job(tmp_path, 2, "--distopt")
     assert [c["dp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
@@ -195,6 +211,27 @@ def test_inf_on_a_later_stage_is_named_first(tmp_path, layout, cc):
         assert "could not attribute" in report and "all_reduce[2,3]" in report, report
         assert "rank(s) 0, 1, 2, 3 did not record collectives' inputs: set cc_distribution.cc_pre_hook" in report
 
+
+
+def test_torch_optimizer_on_a_megatron_pipeline_names_global_layers(tmp_path):
+    """Megatron-Core's quick-start way, torch.optim.AdamW on PP2 chunks: the adapter comes from the model, so an
+    inf in stage 1's first layer (decoder.layers.0 there) is named as global layer 2, on rank 1, stage 1."""
+    output_dir = tmp_path / "monitor_output"
+    log = torchrun("job_megatron_torch_optim.py", 2,
+                   ["--out", str(tmp_path), "--pp", "2", "--layers", "4", "--inject", "1:1:1",
+                    "--inject-module", "0:decoder.layers.0.mlp.linear_fc1"], output_dir)
+    assert "anomaly at rank 1 step 1 micro-step 1: decoder.layers.2.mlp.linear_fc1 forward output_0 (sentinel" in log
+    run = the_run(output_dir)
+    expected = dict(rank=1, step=1, micro_step=1, module="decoder.layers.2.mlp.linear_fc1", phase="forward")
+    assert_injection_named(run, tmp_path, expected, "off")
+    for rank in (0, 1):
+        meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
+        assert meta["adapter"] == "plain on a Megatron-Core model" and meta["pp_stage"] == rank
+        assert meta["parallel"]["pp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
+        for family in ("actv", "grad_reduced", "exp_avg"):
+            names = set(read_family(os.path.join(run, f"rank_{rank}"), family).name)
+            layers = {n.split(".")[2] for n in names if n.startswith("decoder.layers.")}
+            assert layers == ({"0", "1"} if rank == 0 else {"2", "3"}), (rank, family, sorted(names)[:5])
 
 def test_hooks_and_records_stay_constant_over_100_steps(tmp_path):
     """Megatron's linear layers return their bias Parameter as an output: no hook is left on it per forward,

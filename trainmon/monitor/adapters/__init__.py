@@ -19,7 +19,9 @@ def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:
 
     Optimizer wrappers of training loops (accelerate, Lightning) are taken off first. An optimizer of a
     kind no adapter knows is monitored as a plain one: its `step()` ends a step, weights and grads are
-    read from the model, and Adam moments only where it keeps them as torch optimizers do.
+    read from the model, and Adam moments only where it keeps them as torch optimizers do. A Megatron-Core
+    model trained by any optimizer but Megatron's is recognised from its modules and parallel_state: its
+    names, pipeline stage and coordinates are Megatron's, its grads and state as that optimizer keeps them.
     """
     from trainmon.monitor.adapters.deepspeed import DeepSpeedAdapter, is_deepspeed_optimizer
 
@@ -36,24 +38,47 @@ def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:
     elif is_megatron_optimizer(optimizer):
         adapter = MegatronAdapter(optimizer, chunks)
         reason = f"the optimizer is Megatron-Core's {type(optimizer).__name__}"
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        from trainmon.monitor.adapters.fsdp2 import FSDP2Adapter, is_fsdp2
-
-        ddp = next((c for c in chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)), None)
-        if is_fsdp2(chunks):
-            adapter = FSDP2Adapter(optimizer, chunks)
-            reason = "the model is sharded with fully_shard (FSDP2)"
-        elif ddp is not None:
-            from trainmon.monitor.adapters.ddp import DDPAdapter
-
-            adapter = DDPAdapter(optimizer, ddp)
-            reason = "the model is wrapped in DistributedDataParallel"
-        else:
-            adapter = PlainAdapter(optimizer)
-            reason = f"a torch optimizer ({type(optimizer).__name__}) on a plain module"
     else:
-        adapter = PlainAdapter(optimizer)
-        reason = (f"{type(optimizer).__module__}.{type(optimizer).__name__} is no optimizer trainmon knows: its "
-                  "step() ends a step, weights and grads are read from the model")
+        adapter, reason = _on_megatron_model(*_torch_side_adapter(optimizer, chunks), chunks)
     logger.info("trainmon: %s adapter (%s); unreduced grads: %s", adapter.name, reason, adapter.unreduced_capture)
     return adapter
+
+
+def _torch_side_adapter(optimizer, chunks: list[torch.nn.Module]):
+    """(adapter, reason) for an optimizer that is neither DeepSpeed's nor Megatron's, from the model's wrapper."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return PlainAdapter(optimizer), (
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} is no optimizer trainmon knows: its step() "
+            "ends a step, weights and grads are read from the model")
+    from trainmon.monitor.adapters.fsdp2 import FSDP2Adapter, is_fsdp2
+
+    ddp = next((c for c in chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)), None)
+    if is_fsdp2(chunks):
+        return FSDP2Adapter(optimizer, chunks), "the model is sharded with fully_shard (FSDP2)"
+    if ddp is not None:
+        from trainmon.monitor.adapters.ddp import DDPAdapter
+
+        return DDPAdapter(optimizer, ddp), "the model is wrapped in DistributedDataParallel"
+    return PlainAdapter(optimizer), f"a torch optimizer ({type(optimizer).__name__}), no DDP or FSDP2 wrapper"
+
+
+def _on_megatron_model(adapter, reason: str, chunks: list[torch.nn.Module]):
+    """A Megatron-Core model trained by an optimizer that is not Megatron's still names global layers and its
+    pipeline stage: the torch-side adapter, placed on the model (FSDP2 shards are left as they are)."""
+    from trainmon.monitor.adapters.fsdp2 import FSDP2Adapter
+
+    if isinstance(adapter, FSDP2Adapter):
+        return adapter, reason
+    from trainmon.monitor.adapters.megatron_model import megatron_module, parallel_state_initialized
+
+    module = megatron_module(chunks)
+    if module is None:
+        return adapter, reason
+    if not parallel_state_initialized():
+        return adapter, (f"{reason}; the model has Megatron-Core modules ({module}) but parallel_state is not "
+                         "initialised, so names stay as the chunks give them")
+    from trainmon.monitor.adapters.megatron_torch import TorchOptimizerOnMegatron
+
+    return TorchOptimizerOnMegatron(adapter, chunks), (
+        f"{reason}; the model is Megatron-Core's ({module}, parallel_state initialised): global layer names, "
+        "pipeline stage and coordinates from it")

@@ -6,6 +6,7 @@
   this data-parallel rank's range of each parameter is reduced, so that range is the piece.
 - Main params and Adam state come from the optimizer: the fp32 main param (a shard under
   DistributedOptimizer, mapped back by its range map) and the inner torch optimizer's state of it.
+- Names, the pipeline stage, coordinates and the unreduced-grad capture are the model's (`megatron_model`).
 - Tensor-parallel shards merge across the TP group; TP duplicates (layer norms) count on TP rank 0
   only; without DistributedOptimizer the data-parallel replicas count on DP rank 0 only. Pieces
   therefore merge over the tensor-and-data-parallel group of the pipeline stage. The ranks that do not
@@ -13,26 +14,13 @@
 """
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam, group_coordinates
-from trainmon.monitor.patching import patch_attribute
-
-
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
-
-
-def _layer_offset(chunk: torch.nn.Module) -> int:
-    """Global index of the chunk's first transformer layer (`layer_number` is global and 1-based)."""
-    for name, module in chunk.named_modules():
-        if name.endswith("layers.0") and hasattr(module, "layer_number"):
-            return module.layer_number - 1
-    return 0
+from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam
+from trainmon.monitor.adapters.megatron_model import GradBufferCapture, MegatronPlacement
 
 
 def is_megatron_optimizer(optimizer) -> bool:
@@ -49,47 +37,23 @@ class _Location:
     grad_range: Optional[tuple]  # (start, end) of main_grad.view(-1) that this rank owns, or None: all of it
 
 
-class MegatronAdapter:
+class MegatronAdapter(MegatronPlacement):
     """Args: optimizer (what get_megatron_optimizer returned), chunks (the DDP-wrapped model chunks)."""
 
     unreduced_capture = ADAPTER
 
     def __init__(self, optimizer, chunks: list[torch.nn.Module]):
-        from megatron.core import parallel_state
-
-        self.ps = parallel_state
+        super().__init__(chunks)
         self.optimizer = optimizer
-        self.chunks = chunks
         self.optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         self.distributed = any(type(o).__name__ == "DistributedOptimizer" for o in self.optimizers)
         self.name = "megatron ({})".format(", ".join(type(o).__name__ for o in self.optimizers))
-        self.shard_group = parallel_state.get_tensor_and_data_parallel_group()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.shard_group = self.ps.get_tensor_and_data_parallel_group()
+        self.tp_group = self.ps.get_tensor_model_parallel_group()
+        self.tp_rank = self.ps.get_tensor_model_parallel_rank()
+        self.dp_rank = self.ps.get_data_parallel_rank()
         self._where: dict[int, _Location] = {}
-        self._restores: list = []
-        self._layer_offsets = [_layer_offset(chunk) for chunk in chunks]
-
-    def describe(self) -> dict:
-        import torch.distributed as dist
-
-        ps = self.ps
-        return {"global_rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "tp": group_coordinates(ps.get_tensor_model_parallel_group()),
-                "pp": group_coordinates(ps.get_pipeline_model_parallel_group()),
-                "dp": group_coordinates(ps.get_data_parallel_group()),
-                "vpp": {"size": len(self.chunks)}}
-
-    def pp_stage(self) -> int:
-        return self.ps.get_pipeline_model_parallel_rank()
-
-    def rename(self, vpp_stage: int, name: str) -> str:
-        """`layers.<i>` with the global layer number: Megatron numbers each stage's (and chunk's) layers from 0."""
-        offset = self._layer_offsets[vpp_stage]
-        if not offset:
-            return name
-        return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}", name)
+        self._buffers = GradBufferCapture(chunks, lambda p: _counted(p.main_grad, self._counts_tp(p)), self.tp_group)
 
     # ------------------------------------------------------------------------------ mapping
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
@@ -175,32 +139,10 @@ class MegatronAdapter:
 
     # ---------------------------------------------------------------------- unreduced grads
     def install_unreduced(self, params, record) -> None:
-        watched = {id(w.param): w for w in params}
-        for chunk in self.chunks:
-            groups = getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", [])
-            for bucket_group in groups:
-                members = [watched[id(p)] for bucket in bucket_group.buckets for p in bucket.params_list
-                           if id(p) in watched]
-                if members:
-                    self._wrap_start_grad_sync(bucket_group, members, record)
-
-    def _wrap_start_grad_sync(self, bucket_group, members: list[WatchedParam], record) -> None:
-        original = bucket_group.start_grad_sync
-
-        @functools.wraps(original)
-        def start_grad_sync(*args, **kwargs):
-            # A handle still pending means this call is a no-op (the collective was already started).
-            if bucket_group.grad_reduce_handle is None:
-                pieces = [_counted(w.param.main_grad, self._counts_tp(w.param)) for w in members]
-                record(members, pieces, self.tp_group)
-            return original(*args, **kwargs)
-
-        self._restores.append(patch_attribute(bucket_group, "start_grad_sync", start_grad_sync))
+        self._buffers.install_unreduced(params, record)
 
     def remove(self) -> None:
-        for restore in self._restores:
-            restore()
-        self._restores.clear()
+        self._buffers.remove()
 
 
 def _counted(tensor: torch.Tensor, counts: bool) -> torch.Tensor:

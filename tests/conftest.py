@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,3 +26,13 @@ def write_config(tmp_path):
         return str(path)
 
     return write
+
+
+_SLOW = ("distributed", "loops")  # real multi-process jobs and third-party training loops
+
+
+def pytest_collection_modifyitems(items):
+    """Marks the tests of tests/distributed and tests/loops `slow`: `pytest -m "not slow"` is the fast set."""
+    for item in items:
+        if Path(str(item.fspath)).parent.name in _SLOW:
+            item.add_marker(pytest.mark.slow)

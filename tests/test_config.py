@@ -389,3 +389,6 @@ def test_watch_section_is_validated_with_its_dotted_key():
     assert "interval" in str(info.value)
     with pytest.raises(ConfigError, match="'watch.stall_after'"):
         load_config({"watch": {"stall_after": -1}})
+    assert load_config({"watch": {"detail": [r"layers\.3\."]}}).watch.detail == [r"layers\.3\."]
+    with pytest.raises(ConfigError, match=r"'watch.detail\[0\]'.*not a regular expression"):
+        load_config({"watch": {"detail": ["(("]}})

@@ -39,7 +39,7 @@ model = torch.nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 config = write_config(os.path.join(args.out, f"config.rank{rank}.json"), format="db", xy_distribution=True,
                       sentinel=True, ops=["norm", "min", "max", "nans", "infs"],
-                      watch={"enable": True, "interval": 0.5, "heatmap_every": 15})
+                      watch={"enable": True, "interval": 0.5, "heatmap_every": 15, "detail": [r"^head\."]})
 monitor = TrainerMon(config)
 monitor.set_monitor(model, optimizer=optimizer)
 if rank == 0:

@@ -87,7 +87,9 @@ def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
     assert steps == set(range(STEPS)), "the loss at every step, NaN kept"
     assert math.isnan(events.Scalars("Overview/loss")[-1].value)
     assert {e.step for e in events.Scalars("scalars/loss/median")} == set(range(STEPS))  # the spread over 2 ranks
-    assert len(tags) < 200, "no tag per tensor, rank or call"
+    assert len([t for t in tags if not t.startswith("detail/")]) < 200, "no tag per tensor, rank or call"
+    assert {t for t in tags if t.startswith("detail/")} >= {"detail/actv/head.output/norm_median", "detail/actv/head.output/norm_max"}, \
+        "the config's watch.detail reaches the spawned daemon"
     assert any(t.startswith("actv/blocks.0/") for t in tags) and any(t.startswith("grad_reduced/head/") for t in tags)
     # the text plugin holds the alert, the custom-scalars plugin the layout
     assert "alerts" in events.Tags()["tensors"] and "custom_scalars__config__" in events.Tags()["tensors"]

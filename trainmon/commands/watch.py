@@ -1,7 +1,7 @@
-"""`trainmon watch RUN_OR_ROOT`: the monitor daemon. It follows every rank's output as it is written and
-exports one TensorBoard view (an overview first, then one chart per layer and family; per-tensor and per-rank
-detail for what --detail and --ranks select), heatmaps, and live alerts naming the first NaN/Inf or spike across ranks, into DIR (default
-<run>/watch/). It never writes into rank directories."""
+"""`trainmon watch RUN_OR_ROOT`: the monitor daemon. It follows every rank's output as it is written and exports
+one TensorBoard view (an overview first, then one chart per layer and family; per-tensor and per-rank detail
+for what --detail and --ranks select), heatmaps, and live alerts naming the first NaN/Inf or spike across
+ranks, into DIR (default <run>/watch/). It never writes into rank directories."""
 from __future__ import annotations
 
 import argparse

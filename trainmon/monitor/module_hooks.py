@@ -249,8 +249,9 @@ class ActivationHooks:
             return
         collector = self.state.collector
         vpp = watched.vpp_stage
-        keys = [RecordKey(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
-                          tuple(grad.shape), str(grad.dtype)) for leaf_name, grad in named_grads]
+        keys = [RecordKey(ACTV_GRAD, leaf_name, vpp, micro,
+                          collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad), tuple(grad.shape),
+                          str(grad.dtype)) for leaf_name, grad in named_grads]
         collector.record(keys, [grad for _, grad in named_grads], defer=True)
 
     def _record_activations(self, collector: StepCollector, family: str, watched: WatchedModule, name: str,

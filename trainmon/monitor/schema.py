@@ -86,32 +86,21 @@ def _signed_infs(r: dict) -> tuple[float, float]:
     return r["pinfs"], r["infs"] - r["pinfs"]
 
 
-def _min(r: dict) -> Optional[float]:
+def _extreme(r: dict, field: str, own_inf: float) -> Optional[float]:
+    """min (own_inf -inf) or max (+inf) as torch gives it: NaN wins, then an Inf of the figure's own sign, then
+    the finite extreme, then the other sign's Inf; NaN where an Inf's sign was not recorded."""
     if r["nans"] > 0:
         return math.nan
     if r["infs"] > 0:
         pos, neg = _signed_infs(r)
-        if not neg == neg:
-            return math.nan  # an Inf of unknown sign: the smallest element is unknown
-        if neg > 0:
-            return -math.inf
-    if r["count"] > 0:
-        return r["min"]
-    return math.inf if r["infs"] > 0 else None
-
-
-def _max(r: dict) -> Optional[float]:
-    if r["nans"] > 0:
-        return math.nan
-    if r["infs"] > 0:
-        pos, neg = _signed_infs(r)
-        if not pos == pos:
+        own = pos if own_inf > 0 else neg
+        if not own == own:
             return math.nan
-        if pos > 0:
-            return math.inf
+        if own > 0:
+            return own_inf
     if r["count"] > 0:
-        return r["max"]
-    return -math.inf if r["infs"] > 0 else None
+        return r[field]
+    return -own_inf if r["infs"] > 0 else None
 
 
 def _mean(r: dict) -> Optional[float]:
@@ -130,13 +119,11 @@ def _norm_array(r: dict) -> tuple:
     return np.where(r["nans"] > 0, np.nan, np.where(r["infs"] > 0, np.inf, np.sqrt(r["sumsq"]))), None
 
 
-def _extreme_array(r: dict, field: str, own_inf: float, pos_of: Callable) -> tuple:
-    """min (own_inf -inf) or max (+inf): NaN wins, then an Inf of the figure's own sign, then the finite
-    extreme, then the other sign's Inf; NaN where an Inf's sign was not recorded."""
+def _extreme_array(r: dict, field: str, own_inf: float) -> tuple:
+    """`_extreme` over columns."""
     has_inf = r["infs"] > 0
-    own, other = pos_of(r)
-    value = np.select([r["nans"] > 0, has_inf & np.isnan(own), has_inf & (own > 0), r["count"] > 0,
-                       has_inf & (other > 0)],
+    own = r["pinfs"] if own_inf > 0 else r["infs"] - r["pinfs"]
+    value = np.select([r["nans"] > 0, has_inf & np.isnan(own), has_inf & (own > 0), r["count"] > 0, has_inf],
                       [np.nan, np.nan, own_inf, r[field], -own_inf], np.nan)
     return value, (r["nans"] > 0) | has_inf | (r["count"] > 0)
 
@@ -147,14 +134,6 @@ def _mean_array(r: dict) -> tuple:
     value = np.select([r["nans"] > 0, has_inf & (np.isnan(pos) | ((pos > 0) & (neg > 0))), has_inf & (pos > 0),
                        has_inf], [np.nan, np.nan, np.inf, -np.inf], r["sum"] / r["count"])
     return value, (r["nans"] > 0) | has_inf | (r["count"] > 0)
-
-
-def _positive(r: dict) -> tuple:
-    return r["pinfs"], r["infs"] - r["pinfs"]
-
-
-def _negative(r: dict) -> tuple:
-    return r["infs"] - r["pinfs"], r["pinfs"]
 
 
 @dataclass(frozen=True)
@@ -182,9 +161,9 @@ def _total_array(r: dict):
 
 
 OP_TABLE: tuple[Op, ...] = (
-    Op("min", ("min", "pinfs"), _min, lambda r: _extreme_array(r, "min", -np.inf, _negative),
+    Op("min", ("min", "pinfs"), lambda r: _extreme(r, "min", -math.inf), lambda r: _extreme_array(r, "min", -np.inf),
        "smallest element, as torch.min: NaN if any element is, -Inf if one is"),
-    Op("max", ("max", "pinfs"), _max, lambda r: _extreme_array(r, "max", np.inf, _positive),
+    Op("max", ("max", "pinfs"), lambda r: _extreme(r, "max", math.inf), lambda r: _extreme_array(r, "max", np.inf),
        "largest element, as torch.max: NaN if any element is, +Inf if one is"),
     Op("norm", ("sumsq",), _norm, _norm_array, "L2 norm, as torch.linalg.vector_norm: NaN if any element is, "
                                                "else +Inf if one is ±Inf"),

@@ -1,15 +1,16 @@
-"""The NaN sentinel: a device-side non-finite probe on every module output, module grad, weight grad and
-updated weight, every step, whatever `targets` and the statistic switches say.
+"""The NaN sentinel: a device-side non-finite probe on every module output, module grad, weight grad and updated
+weight, every step, whatever `targets` and the statistic switches say.
 
-An activation or activation-grad probe is the tensor's (min, max), one `torch.aminmax` call (on CPU, a
-finite sum stands for both, see `probe`): a NaN element makes both NaN, a -Inf makes the min -Inf, a +Inf makes the max +Inf, so
-NaN, +Inf, -Inf and both infinities are told apart (a sum is NaN for +Inf plus -Inf). Weights and weight
-grads are probed all at once, by their L2 norms in fp32 (one multi-tensor op instead of a call per
-parameter: one kernel on an accelerator): NaN exactly when an element is, +Inf when one is ±Inf (its sign
-is not probed) or when the norm exceeds ~1.8e19 (its squares are summed in fp32). Probes stay on the
-device, a (low, high) pair per probed event in the order of the events (each event's `call_index` is kept
-in its key), and join the step's single device->host copy as one stacked tensor. Nothing is read on the
-host inside the hooks; `verdict` reads a pair in the writer thread.
+An activation or activation-grad probe is the tensor's (min, max), one `torch.aminmax` call (on CPU, a finite
+sum stands for both, see `probe`): a NaN element makes both NaN, a -Inf makes the min -Inf, a +Inf makes the
+max +Inf, so NaN, +Inf, -Inf and both infinities are told apart (a sum is NaN for +Inf plus -Inf). Weights and
+weight grads are probed all at once, by their L2 norms in fp32 (one multi-tensor op instead of a call per
+parameter: one kernel on an accelerator): NaN exactly when an element is, +Inf when one is ±Inf (its sign is
+not probed) or when the norm exceeds ~1.8e19 (its squares are summed in fp32). Probes stay on the device, a
+(low, high) pair per probed event in the order of the events (each event's `call_index` is kept in its key),
+and join the step's single device->host copy as one stacked tensor. On an accelerator nothing is read on the
+host inside the hooks (on CPU, `probe` reads its sum, which waits for nothing); `verdict` reads a pair in the
+writer thread.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_values
 
-NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))
-_WIDE = (torch.float32, torch.float64)  # summed in their own dtype; narrower ones in fp32  # families probed by an L2 norm: no Inf sign
+NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))  # families probed by an L2 norm: no Inf sign
+_WIDE = (torch.float32, torch.float64)  # summed in their own dtype; narrower ones in fp32
 
 
 def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

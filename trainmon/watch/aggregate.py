@@ -141,7 +141,8 @@ class StepFigures:
     nonfinite_elements: dict[str, tuple[float, float]] = field(default_factory=dict)  # family -> (NaN, Inf) counts
     tensors_nonfinite: int = 0  # (tensor, rank) pairs holding a NaN or an Inf
     worst: Optional[tuple] = None  # (family, name, vpp, rank) of the first NaN/Inf in family, model and rank order
-    layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)  # (family, layer) -> min, median, max, rank
+    # (family, layer) -> min, median, max over ranks of each rank's layer value, and the rank of the max
+    layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)
 
     def grad_norms(self) -> dict[int, float]:
         """The global grad norm per rank: the logged `grad_norm` scalar, else from the reduced grads'
@@ -259,7 +260,8 @@ def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np
                      present: dict) -> None:
     """Per step: the NaN and Inf elements of each family, the (tensor, rank) pairs holding one, and the first
     such place (families in FAMILY_ORDER, tensors in model order, then ranks)."""
-    counts = [np.where(present[op], values[op], 0.0) if op in values else np.zeros(len(step)) for op in ("nans", "infs")]
+    counts = [np.where(present[op], values[op], 0.0) if op in values else np.zeros(len(step))
+              for op in ("nans", "infs")]
     bad = np.flatnonzero((counts[0] > 0) | (counts[1] > 0))
     if not len(bad):
         return

@@ -7,8 +7,8 @@ output. Runs whose anomalies are all spikes or threshold crossings get the earli
 ordering key. Until every rank that is being followed has committed the alert's step, a later report
 may name an earlier place (a rank that was behind): the alert is then refined, and the refinement is
 written as such. The same place seen through another record (the sentinel's probe, another rule or op)
-is the same incident, and gives no second alert. After that the alert is final; the ordering key starts with the step, so no later step
-can change it.
+is the same incident, and gives no second alert. After that the alert is final; the ordering key starts
+with the step, so no later step can change it.
 """
 from __future__ import annotations
 

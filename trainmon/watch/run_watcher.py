@@ -61,10 +61,10 @@ def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kep
 
 
 def figures_of_span(task: tuple) -> dict[int, StepFigures]:
-    """(followers, first, last, ranks_kept, drawn, spread) -> `read_figures` of those steps, in a worker process: the
-    values of every rank (`StepFigures.rows`) are kept only for the steps a heatmap of the latest step may be
-    drawn at (the last one, and those in `drawn`), so that what comes back is small. Ranks that cannot be
-    read are left out."""
+    """(followers, first, last, ranks_kept, drawn, spread) -> `read_figures` of those steps, in a worker
+    process: the values of every rank (`StepFigures.rows`) are kept only for the steps a heatmap of the latest
+    step may be drawn at (the last one, and those in `drawn`), so that what comes back is small. Ranks that
+    cannot be read are left out."""
     followers, first, last, ranks_kept, drawn, spread = task
     figures = read_figures(followers, first, last, ranks_kept, _skip, spread)
     for step, figure in figures.items():
@@ -282,12 +282,12 @@ class RunWatcher:
         if self.view is None:
             self.view = self._make_view()
             if not self.view.options.single_rank:
-                self.spread_events = {stat: WatchEvents(self.logdir / f"{SPREAD_RUN}{stat}", self._spread_state.get(stat))
-                                      for stat in SPREAD_STATS}
+                self.spread_events = {stat: WatchEvents(self.logdir / f"{SPREAD_RUN}{stat}",
+                                                        self._spread_state.get(stat)) for stat in SPREAD_STATS}
+        stalled = sum(f.stalled for f in self.followers.values())
         for end, figures in self._figures(first, last, followers):
             for step in sorted(figures):
                 figure = figures[step]
-                stalled = sum(f.stalled for f in self.followers.values())
                 values = self.view.tag_values(figure, stalled)
                 self._check_size(len(values))
                 self.events.scalars(step, values)

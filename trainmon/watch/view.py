@@ -7,8 +7,9 @@
 - `<family>/`: one chart per layer (`<family>/<layer>/<op>`: the layer's tensors reduced, the largest across
   tensors and ranks), and the family's NaN and Inf elements. With more than one rank, the sibling runs
   `ranks_min` and `ranks_median` hold the same tags: each rank's layer value (the largest of its tensors)
-  reduced over ranks, so each layer chart draws the min, median and max over ranks. Collectives are layers of their own, one per op
-  and group, named by the group's role (`all_reduce@dp`, `send@pp`) from the ranks' `parallel` metadata.
+  reduced over ranks, so each layer chart draws the min, median and max over ranks. Collectives are layers
+  of their own, one per op and group, named by the group's role (`all_reduce@dp`, `send@pp`) from the
+  ranks' `parallel` metadata.
 - `scalars/<name>/{min,median,max}`: the spread across ranks of each logged scalar (more than one rank only).
 - What the user selects: `detail/<family>/<tensor>/<op>` for every tensor whose name matches a `--detail`
   pattern (with more than one rank the cross-rank min/median/max and the rank of the max), and every figure

@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, peer = dist.get_rank(), 1 - dist.get_rank()
 pair = dist.new_group([0, 1])  # the same ranks as the world, another group (its own sequence numbers)
-originals = {op: (getattr(dist, op), getattr(c10d, op)) for op in ALL_OPS}
+originals = {op: (getattr(dist, op), getattr(c10d, op)) for op in ALL_OPS + ("_coalescing_manager",)}
 original_wait = c10d.Work.wait
 
 torch.manual_seed(0)
@@ -76,6 +76,16 @@ for step in range(2):
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine(10.0 + rank), peer),
                                              dist.P2POp(dist.irecv, inbox, peer)]):
             work.wait()
+        # queued by the coalescing manager and run at its exit: outputs recorded then, or at the Work's wait()
+        with c10d._coalescing_manager():
+            dist.reduce_scatter_tensor(torch.zeros(2), mine())    # @world #6, #7: out 3, 3
+            dist.reduce_scatter_tensor(torch.zeros(2), mine())
+        gathered = torch.zeros(8)
+        with c10d._coalescing_manager(async_ops=True) as manager:
+            dist.all_gather_into_tensor(gathered, mine(), async_op=True)  # @world #8
+        manager.wait()
+        dist.reduce_scatter_single(torch.zeros(2), mine())        # @world #9 (FSDP2's spelling)
+        dist.all_gather_single(torch.zeros(8), mine())            # @world #10
     optimizer.step()
     optimizer.zero_grad()
     if step == 0:

@@ -39,6 +39,14 @@ def expected_step0(rank):
         f"broadcast{world}#4.input": filled(mine), f"broadcast{world}#4.output": filled(2),
         f"all_gather{world}#5.input": filled(mine),
         f"all_gather{world}#5.output_0": filled(1), f"all_gather{world}#5.output_1": filled(2),
+        # coalesced (outputs read after the coalescing manager ran them), and torch's *_single spellings
+        f"reduce_scatter_tensor{world}#6.input": filled(mine), f"reduce_scatter_tensor{world}#6.output": filled(3, 2),
+        f"reduce_scatter_tensor{world}#7.input": filled(mine), f"reduce_scatter_tensor{world}#7.output": filled(3, 2),
+        f"all_gather_into_tensor{world}#8.input": filled(mine),
+        f"all_gather_into_tensor{world}#8.output": (math.sqrt(4 * 1 + 4 * 4), 1, 2),
+        f"reduce_scatter_single{world}#9.input": filled(mine), f"reduce_scatter_single{world}#9.output": filled(3, 2),
+        f"all_gather_single{world}#10.input": filled(mine),
+        f"all_gather_single{world}#10.output": (math.sqrt(4 * 1 + 4 * 4), 1, 2),
         # the batch: this rank's isend and the peer's, received
         f"isend[{rank}->{1 - rank}]@0#{2 if rank == 0 else 0}.input": filled(10 + rank),
         f"irecv[{1 - rank}->{rank}]@0#{2 if rank == 1 else 0}.output": filled(10 + 1 - rank),
@@ -92,7 +100,8 @@ def test_cc_log_only_lists_the_collectives_and_stops_watching(tmp_path):
             "patched": True, "restored_after_step0": True, "restored": True}
         listed = json.load(open(os.path.join(run, f"rank_{rank}", "cc_log.json")))
         assert set(listed) == {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-                               "all_gather", "isend", "irecv", "send" if rank == 0 else "recv"}
+                               "all_gather", "reduce_scatter_single", "all_gather_single", "isend", "irecv",
+                               "send" if rank == 0 else "recv"}
         assert listed["all_reduce"]["groups"] == ["0,1"] and listed["all_reduce"]["dtypes"] == ["torch.float32"]
         assert all("job_comm.py[" in site for entry in listed.values() for site in entry["call_sites"])
         assert not [f for f in os.listdir(os.path.join(run, f"rank_{rank}")) if f.startswith("comm_")]

@@ -42,6 +42,12 @@ COLLECTIVES: dict[str, OpSpec] = {
     "scatter": OpSpec(_many("scatter_list"), _one("tensor")),
     "all_to_all": OpSpec(_many("input_tensor_list"), _many("output_tensor_list")),
     "all_to_all_single": OpSpec(_one("input"), _one("output")),
+    "all_reduce_coalesced": OpSpec(_many("tensors"), _many("tensors")),
+    # torch >= 2.13 names the flat-tensor ops *_single (FSDP2 calls them); the others' older spellings
+    "all_gather_single": OpSpec(_one("input_tensor"), _one("output_tensor")),
+    "reduce_scatter_single": OpSpec(_one("input"), _one("output")),
+    "_all_gather_base": OpSpec(_one("input_tensor"), _one("output_tensor")),
+    "_reduce_scatter_base": OpSpec(_one("input"), _one("output")),
 }
 # p2p ops: whether the tensor is sent (an input) or received (an output).
 SENDS = ("send", "isend")

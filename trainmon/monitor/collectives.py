@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import traceback
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from trainmon.monitor.collective_bindings import COALESCING_MANAGER, repoint, restore
 from trainmon.monitor.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
                                              compact_ranks, floating, p2p_name, tensor_names)
 from trainmon.monitor.records import COMM, RecordKey
@@ -72,31 +72,28 @@ class CollectiveMonitor:
         self.codelines = [re.compile(p) for p in codelines]
         self.log_only = log_only
         self.log_path = log_path
-        self._originals: dict = {}
         self._wait = None
-        self._rebound: list = []  # (holder, attribute, original) of known framework bindings
+        self._rebound: list = []  # collective_bindings.Rebound: what remove() puts back
         self._installed = False
         self._step = None
         self._seq: dict = {}
         self._pending: dict = {}  # id(Work) → (Work, [(name, tensor)])
+        self._coalescing: dict = {}  # group → [(name, tensor)]: outputs of calls queued in a coalescing manager
+        self._untracked_warned = False
         self._ranks: dict = {}
         self._log: dict = {}
 
     # ------------------------------------------------------------------------- install/remove
     def install(self) -> None:
+        wrappers = {}
         for op in ALL_OPS:
-            original = getattr(dist, op)
-            self._originals[op] = original
-            wrapper = self._wrap_batch(original) if op == BATCH_P2P else self._wrap(op, original)
-            setattr(dist, op, wrapper)
-            if getattr(c10d, op, None) is original:
-                setattr(c10d, op, wrapper)
-        wrappers = {id(self._originals[op]): getattr(dist, op) for op in ALL_OPS}
-        for holder, attribute in _known_bindings():
-            bound = getattr(holder, attribute)
-            if id(bound) in wrappers:
-                setattr(holder, attribute, wrappers[id(bound)])
-                self._rebound.append((holder, attribute, bound))
+            original = getattr(dist, op, None)
+            if original is not None:  # ops of newer torch versions
+                wrappers[op] = (original, self._wrap_batch(original) if op == BATCH_P2P else self._wrap(op, original))
+        coalescing = getattr(c10d, COALESCING_MANAGER, None)
+        if coalescing is not None:
+            wrappers[COALESCING_MANAGER] = (coalescing, self._wrap_coalescing(coalescing))
+        self._rebound = repoint(wrappers)
         self._wait = c10d.Work.wait
         monitor, original_wait = self, self._wait
 
@@ -113,16 +110,11 @@ class CollectiveMonitor:
     def remove(self) -> None:
         if not self._installed:
             return
-        for op, original in self._originals.items():
-            if getattr(c10d, op, None) is getattr(dist, op):
-                setattr(c10d, op, original)
-            setattr(dist, op, original)
+        restore(self._rebound)
+        self._rebound = []
         c10d.Work.wait = self._wait
-        for holder, attribute, original in self._rebound:
-            setattr(holder, attribute, original)
-        self._rebound.clear()
-        self._originals.clear()
         self._pending.clear()
+        self._coalescing.clear()
         self._installed = False
 
     def step_finished(self, collected: bool) -> None:
@@ -172,6 +164,35 @@ class CollectiveMonitor:
 
         return batch_isend_irecv
 
+    def _wrap_coalescing(self, original):
+        """torch's `_coalescing_manager` queues the collectives called inside it and issues them at its exit:
+        their outputs are ready after the exit (synchronous) or when the exit's Work is waited for."""
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        @contextlib.contextmanager
+        def coalescing_manager(*args, **kwargs):
+            if _suspended() or not self._installed or not self.state.collecting:
+                with original(*args, **kwargs) as manager:
+                    yield manager
+                return
+            bound = signature.bind(*args, **kwargs)
+            group = _resolved(bound.arguments.get("group"))
+            queued = self._coalescing[group] = []
+            try:
+                with original(*args, **kwargs) as manager:
+                    yield manager
+            finally:
+                self._coalescing.pop(group, None)
+            if queued:
+                works = getattr(manager, "works", None)
+                if works:  # async_ops: the exit's one Work completes every queued call
+                    self._pending[id(works[-1])] = (works[-1], queued)
+                else:
+                    self.state.guarded("collective outputs", self._record)(queued)
+
+        return coalescing_manager
+
     def _outputs_ready(self, result, outputs) -> None:
         if isinstance(result, c10d.Work):
             self._pending[id(result)] = (result, outputs)
@@ -213,12 +234,25 @@ class CollectiveMonitor:
         if op in COLLECTIVES:
             base = collective_name(op, *self._group(group), self._next_seq(("group", id(group))))
             inputs, outputs = COLLECTIVES[op].inputs(a), COLLECTIVES[op].outputs(a)
+            if group in c10d._world.pg_coalesce_state:  # queued: runs at the coalescing manager's exit
+                outputs = self._named(op, base, inputs, outputs, always_inputs=False)
+                self._defer_coalesced(group, outputs)
+                return []
         else:
             me, peer = dist.get_rank(), _peer(a, group, "dst" if op in SENDS else "src")
             src, dst = (me, peer) if op in SENDS else (peer, me)
             base = p2p_name(op, src, dst, self._group(group)[1], self._next_seq(("p2p", id(group), src, dst)))
             inputs, outputs = ([a["tensor"]], []) if op in SENDS else ([], [a["tensor"]])
         return self._named(op, base, inputs, outputs, always_inputs=op in SENDS)
+
+    def _defer_coalesced(self, group, outputs) -> None:
+        queued = self._coalescing.get(group)
+        if queued is not None:
+            queued.extend(outputs)
+        elif outputs and not self._untracked_warned:
+            self._untracked_warned = True
+            logger.warning("trainmon: cc_distribution: collectives queued in a coalescing manager that trainmon does "
+                           "not know (bound before set_monitor): their outputs are not recorded, their inputs are")
 
     def _before_batch(self, p2p_op_list):
         self._new_step()
@@ -269,13 +303,6 @@ def _peer(arguments: dict, group, key: str) -> int:
     if arguments.get(key) is not None:
         return int(arguments[key])
     return dist.get_global_rank(group, int(arguments[f"group_{key}"]))
-
-
-def _known_bindings() -> list:
-    """(object, attribute) where a loaded framework keeps a torch.distributed function it bound earlier."""
-    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
-    backend = getattr(deepspeed_comm, "cdb", None)
-    return [(backend, a) for a in ("all_gather_function", "reduce_scatter_function") if hasattr(backend, a)]
 
 
 def _resolved(group):

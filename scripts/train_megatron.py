@@ -3,7 +3,8 @@
   OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=29511 \
       scripts/train_megatron.py --tp 2 --config configs/megatron.json
   # --pp 2 (1F1B pipeline), --pp 2 --vpp 2 (interleaved, 2 model chunks per stage),
-  # --distopt (DistributedOptimizer over DP), --bf16 (Float16Module); 4 processes: --tp 2 --pp 2.
+  # --distopt (DistributedOptimizer over DP), --overlap (async grad reduce / param gather), --bf16 (Float16Module);
+  # 4 processes: --tp 2 --pp 2.
   # --optimizer torch: torch.optim.AdamW on unwrapped chunks, as Megatron-Core's quick-start trains.
   # --config none trains unmonitored; --timings PATH writes step times (benchmarks/frameworks.py).
 
@@ -26,6 +27,8 @@ def parse_args(argv=None):
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (needs --pp > 1)")
     parser.add_argument("--distopt", action="store_true", help="DistributedOptimizer (shards over DP)")
+    parser.add_argument("--overlap", action="store_true", help="overlapped (asynchronous) grad reduce and, with "
+                        "--distopt, param gather")
     parser.add_argument("--optimizer", choices=["megatron", "torch"], default="megatron",
                         help="megatron: DDP-wrapped chunks and get_megatron_optimizer; torch: AdamW, no DDP")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
@@ -75,7 +78,9 @@ def setup(args):
         batch_p2p_comm=vpp is None,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
            if args.recompute else {}))
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt,
+                                               overlap_grad_reduce=args.overlap,
+                                               overlap_param_gather=args.overlap and args.distopt)
     chunks = []
     for stage in range(args.vpp):
         stage_kw = {"ignore_virtual": False, "vp_stage": stage} if vpp else {}

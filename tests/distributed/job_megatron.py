@@ -3,8 +3,12 @@
   torchrun --nproc_per_node=N job_megatron.py --out DIR [train_megatron.py options: --tp, --pp, --distopt]
   # --inject 1:1:1 --inject-module 0:module.decoder.layers.0.mlp.linear_fc1: an inf on rank 1 at step 1,
   # micro-step 1, in that module of chunk 0 (global layer 2 when 2 layers precede it), sentinel and alerts on
+  # --inject-grad 1:1: NaN grads of every parameter on rank 1 at step 1, before the DP reduction
+  # With --cc and --distopt: comm_truth.rank<R>.json, this rank's figures of the DP reduce-scatter and
+  # all-gather buffers, per step and bucket, read from Megatron's buffers.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -17,6 +21,7 @@ import torch.distributed as dist
 import train_megatron
 from common import CC_MODES, Truth, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
+from trainmon.monitor.collectives import not_monitored
 
 own = argparse.ArgumentParser()
 own.add_argument("--out", required=True)
@@ -25,6 +30,7 @@ own.add_argument("--cc", nargs="?", const="on", default="off", choices=list(CC_M
 own.add_argument("--inject", metavar="RANK:STEP[:MICRO]", help="put an inf into a module's output there")
 own.add_argument("--inject-module", metavar="CHUNK:PATH", help="where --inject puts it (default: the last chunk's "
                  "last layer); PATH as the chunk's named_modules() names it")
+own.add_argument("--inject-grad", metavar="RANK:STEP", help="NaN grads of every parameter there")
 own.add_argument("--xy", action="store_true", help="also record activations and their grads (xy_distribution)")
 known, rest = own.parse_known_args()
 out = known.out
@@ -42,7 +48,12 @@ if known.inject:  # the module's output as the monitor sees it carries the inf
     else:
         target = chunks[-1].module.decoder.layers[-1]
     inject_inf(target, known.inject, rank, lambda: step)
-extra = injection_config() if known.inject else {}
+if known.inject_grad:
+    bad_rank, bad_step = (int(v) for v in known.inject_grad.split(":"))
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.register_hook(lambda g: g * float("nan") if rank == bad_rank and step == bad_step else g)
+extra = injection_config() if known.inject or known.inject_grad else {}
 if known.xy:
     extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
@@ -88,17 +99,34 @@ def dp_full(param, shard, param_range):
 
 config = chunks[0].config
 finalize = config.finalize_model_grads_func
+buckets = [bucket for chunk in chunks for group in chunk.bucket_groups for bucket in group.buckets]
+comm_truth = {}  # {step: {"reduce_scatter_input"|"reduce_scatter_output"|"all_gather_output": [norm per bucket]}}
+
+
+def record_buffers(at_step, key, tensors) -> None:
+    comm_truth.setdefault(str(at_step), {})[key] = [float(t.double().norm()) for t in tensors]
 
 
 def finalize_and_record(*a, **k):
-    """Before Megatron reduces the grads: the local (unreduced) ones, and their DP mean computed here."""
-    for name, p in named:
-        local = p.main_grad.detach().clone()
-        truth.add(step, "grad_unreduced", name, tp_full(p, local))
-        dist.all_reduce(local, group=dp_group)
-        reduced[name] = tp_full(p, local / dp_size)
-        truth.add(step, "grad_reduced", name, reduced[name])
-    return finalize(*a, **k)
+    """Before Megatron reduces the grads: the local (unreduced) ones, and their DP mean computed here (the job's
+    own collectives are not part of the training: not recorded)."""
+    with not_monitored():
+        for name, p in named:
+            local = p.main_grad.detach().clone()
+            truth.add(step, "grad_unreduced", name, tp_full(p, local))
+            dist.all_reduce(local, group=dp_group)
+            reduced[name] = tp_full(p, local / dp_size)
+            truth.add(step, "grad_reduced", name, reduced[name])
+    if args.distopt and args.overlap:  # the params were gathered in this step's forward
+        record_buffers(step, "all_gather_output", [b.param_data for b in buckets])
+    elif args.distopt:  # overlapped, the reduce-scatter would have begun in backward
+        # Megatron scales the grads by 1/DP before reducing them (sum)
+        record_buffers(step, "reduce_scatter_input", [b.grad_data * b.gradient_scaling_factor for b in buckets])
+    done = finalize(*a, **k)
+    if args.distopt:
+        record_buffers(step, "reduce_scatter_output", [b.grad_data.chunk(dp_size)[ps.get_data_parallel_rank()]
+                                                       for b in buckets])
+    return done
 
 
 config.finalize_model_grads_func = finalize_and_record
@@ -107,9 +135,9 @@ config.finalize_model_grads_func = finalize_and_record
 main_of = {p: main for model_group, main_group in zip(getattr(chained, "float16_groups", []),
                                                       getattr(chained, "fp32_from_float16_groups", []))
            for p, main in zip(model_group, main_group)}
-data = train_megatron.data_iterators(args, chunks)
-for step in range(args.steps):
-    train_megatron.train_step(args, chunks, optimizer, data)
+
+
+def record_optimizer_state(step):
     for name, p in named:
         for key in ("exp_avg", "exp_avg_sq"):
             if args.distopt:
@@ -123,5 +151,16 @@ for step in range(args.steps):
             if key == "exp_avg":
                 truth.add_sign_agreement(step, name, reduced[name], full)
 
+
+data = train_megatron.data_iterators(args, chunks)
+for step in range(args.steps):
+    train_megatron.train_step(args, chunks, optimizer, data)
+    if args.distopt and not args.overlap:  # gathered in the optimizer's step
+        record_buffers(step, "all_gather_output", [b.param_data for b in buckets])
+    with not_monitored():
+        record_optimizer_state(step)
+
 truth.write(out, rank)
+with open(os.path.join(out, f"comm_truth.rank{rank}.json"), "w") as f:
+    json.dump(comm_truth, f)
 finish(monitor, out, [optimizer] + [group for chunk in chunks for group in chunk.bucket_groups])

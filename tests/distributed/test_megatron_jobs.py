@@ -128,13 +128,57 @@ def test_virtual_pipeline_trains_like_the_pipeline_without_it(tmp_path):
     assert plain[-1] < 0.8 * plain[0]
     assert interleaved[0] == pytest.approx(plain[0], rel=0.01) and interleaved[-1] == pytest.approx(plain[-1], rel=0.05)
 
+def dp_calls(run, rank, op, io):
+    """{step: [norm of each `op` call's `io` on the DP group (ranks 0, 1), in call order]} of one rank."""
+    calls = {}
+    for r in read_family(os.path.join(run, f"rank_{rank}"), "comm").itertuples():
+        parsed = parse_comm_name(r.name)
+        if parsed["op"] == op and parsed["io"] == io and parsed["ranks"] == [0, 1]:
+            calls.setdefault(int(r.step), []).append((parsed["seq"], r.norm))
+    return {step: [norm for _, norm in sorted(found)] for step, found in calls.items()}
+
+
+def assert_dp_collectives_match(run, out_dir, steps, figures=("reduce_scatter_input", "reduce_scatter_output",
+                                                               "all_gather_output")):
+    """The distributed optimizer's reduce-scatter of grads and all-gather of params, recorded at every step, carry
+    the figures of Megatron's grad and param buffers as the job read them (one call per bucket)."""
+    ops = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}
+    for rank in (0, 1):
+        truth = json.load(open(os.path.join(out_dir, f"comm_truth.rank{rank}.json")))
+        for figure in figures:
+            op, _, io = figure.rpartition("_")
+            written = dp_calls(run, rank, ops[op], io)
+            for step in steps:
+                expected = truth[str(step)][figure]
+                assert written.get(step) == pytest.approx(expected, rel=1e-5), (rank, step, figure, written)
+
+
 def test_data_parallel_2_distributed_optimizer(tmp_path):
-    run, coords = run_job(tmp_path, 2, "--distopt")
+    run, coords = run_job(tmp_path, 2, "--distopt", "--cc")
     assert [c["dp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each DP rank's unreduced grads come from its own data"
     for family in ("grad_reduced", "exp_avg", "exp_avg_sq"):
         assert differing(run, family, 0, 1)[0] == 0, family
+    assert_dp_collectives_match(run, tmp_path, range(3))
+
+
+def test_overlapped_distributed_optimizer_nan_spreads_through_the_reduce_scatter(tmp_path):
+    """Overlapped (async) grad reduce-scatter and param all-gather are recorded when their Work is waited for; a NaN
+    put into every grad of DP rank 1 at step 1 reaches rank 0 through that step's reduce-scatter, and nan-analyze's
+    cross-rank path says so (not a later all-reduce)."""
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_megatron.py", 2, ["--out", str(tmp_path), "--distopt", "--overlap", "--cc", "--inject-grad", "1:1"],
+             output_dir)
+    run = the_run(output_dir)
+    assert_dp_collectives_match(run, tmp_path, [0], ("reduce_scatter_output", "all_gather_output"))
+    report = nan_analyze(run)
+    assert (report["first"]["rank"], report["first"]["step"], report["first"]["phase"]) == (1, 1, "backward")
+    cross = report["cross_rank"]
+    assert cross["origin_rank"] == 1 and cross["unattributed"] == [], cross
+    link = cross["chain"][0]
+    assert (link["step"], link["from"], link["to"]) == (1, [1], [0]), cross["chain"]
+    assert link["via"].startswith("reduce_scatter_tensor[0,1]@"), cross["chain"]
 
 
 def test_data_parallel_2_distributed_optimizer_bf16(tmp_path):

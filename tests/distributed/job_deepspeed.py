@@ -19,6 +19,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_g
 
 from common import CC_MODES, LocalGrads, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
+from trainmon.monitor.collectives import not_monitored
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--stage", type=int, required=True)
@@ -73,24 +74,27 @@ data = batches(100 + rank)
 named = [(n[len("module."):], p) for n, p in engine.named_parameters()]
 for step in range(args.steps):
     x, y = next(data)
-    replica.load_state_dict({n: full_param(p).reshape(replica.get_parameter(n).shape) for n, p in named},
-                            strict=False)
+    with not_monitored():  # the job's own gathers of full tensors are no part of the training's collectives
+        replica.load_state_dict({n: full_param(p).reshape(replica.get_parameter(n).shape) for n, p in named},
+                                strict=False)
     replica.zero_grad(set_to_none=True)
     replica(x, y).backward()
     for name, p in replica.named_parameters():
         truth.add(step, "grad_unreduced", name, p.grad)
         local.add(step, name, p.grad)
     engine.backward(engine(x, y))
-    grads = {name: full_grad(p) for name, p in named}
-    for name, p in named:
-        truth.add(step, "grad_reduced", name, grads[name])
-        truth.add(step, "param_origin", name, full_param(p))
+    with not_monitored():
+        grads = {name: full_grad(p) for name, p in named}
+        for name, p in named:
+            truth.add(step, "grad_reduced", name, grads[name])
+            truth.add(step, "param_origin", name, full_param(p))
     engine.step()
-    for name, p in named:
-        for key in ("exp_avg", "exp_avg_sq"):
-            truth.add(step, key, name, full_state(p, key))
-        truth.add(step, "param_updated", name, full_param(p))
-        truth.add_sign_agreement(step, name, grads[name], full_state(p, "exp_avg"))
+    with not_monitored():
+        for name, p in named:
+            for key in ("exp_avg", "exp_avg_sq"):
+                truth.add(step, key, name, full_state(p, key))
+            truth.add(step, "param_updated", name, full_param(p))
+            truth.add_sign_agreement(step, name, grads[name], full_state(p, "exp_avg"))
 
 truth.write(args.out, rank)
 local.write(args.out, rank)

@@ -25,6 +25,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--micro-batches", type=int, default=1, help="per step (fsdp2 only)")
 parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
+parser.add_argument("--cc", action="store_true", help="record collectives (cc_distribution)")
 parser.add_argument("--module-ranks", type=int, nargs="*", default=[], help="the config's module_ranks")
 args = parser.parse_args()
 
@@ -63,7 +64,7 @@ extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if a
 if args.module_ranks:
     extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), module_ranks=args.module_ranks,
-                                  **extra))
+                                  cc_distribution={"enable": args.cc}, **extra))
 monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 
 truth, local = Truth(), LocalGrads()

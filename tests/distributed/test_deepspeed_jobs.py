@@ -8,17 +8,23 @@ import pytest
 from common import TinyLM
 from launch import torchrun
 from verify import (SHARDED_FAMILIES, assert_injection_named, assert_norms_match, assert_reduced_is_the_mean,
-                    assert_same_labels, assert_unpatched, differing, the_run)
+                    assert_same_labels, assert_sharding_collectives, assert_unpatched, differing, the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
 
 
+# How ZeRO reduces grads and gathers params, through deepspeed.comm's bindings of torch.distributed
+SHARDING_COLLECTIVES = {1: ("all_gather_into_tensor", "all_reduce"), 2: ("all_gather_into_tensor", "all_reduce"),
+                        3: ("all_gather_into_tensor", "reduce_scatter_tensor")}
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_two_ranks(tmp_path, stage):
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path)], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path), "--cc", "on"], output_dir)
     run = the_run(output_dir)
+    assert_sharding_collectives(run, 3, *SHARDING_COLLECTIVES[stage])
     for rank in (0, 1):
         meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
         assert meta["adapter"].startswith("deepspeed (DeepSpeedZeroOptimizer")

@@ -5,8 +5,8 @@ import os
 from common import TinyLM
 from launch import torchrun
 from test_csv_output import read_family
-from verify import (SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels, differing,
-                    nan_analyze, the_run)
+from verify import (SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels,
+                    assert_sharding_collectives, differing, nan_analyze, the_run)
 
 
 def test_ddp_two_ranks(tmp_path):
@@ -29,8 +29,11 @@ def test_ddp_two_ranks(tmp_path):
 
 def test_fsdp2_two_ranks(tmp_path):
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_torch.py", 2, ["--mode", "fsdp2", "--out", str(tmp_path), "--micro-batches", "2"], output_dir)
+    torchrun("job_torch.py", 2, ["--mode", "fsdp2", "--out", str(tmp_path), "--micro-batches", "2", "--cc"],
+             output_dir)
     run = the_run(output_dir)
+    # FSDP2's param all-gathers and grad reduce-scatters (torch's *_single ops)
+    assert_sharding_collectives(run, 3, "all_gather_single", "reduce_scatter_single")
     for rank in (0, 1):
         meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
         assert meta["adapter"] == "fsdp2"

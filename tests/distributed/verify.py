@@ -167,3 +167,33 @@ def assert_injection_named(run_dir: str, copies, expected: dict, cc: str, csv_pe
             assert cross["origin_rank"] == expected["rank"] and cross["unattributed"] == [], (variant, cross)
     # the record also read from CSV is reported from a source that has its call index
     assert reports["all"]["first"]["call_index"] is not None and reports["csv-only"]["first"]["call_index"] is None
+
+
+def assert_sharding_collectives(run_dir: str, steps: int, gather: str, scatter: str) -> None:
+    """A sharded data-parallel job on ranks 0 and 1 (ZeRO, FSDP2) with cc_distribution on: at every step both ranks
+    recorded the same `gather` (param all-gather) and `scatter` (grad reduction) calls on their group; a gather's
+    output is the concatenation of the ranks' inputs (its norm² is the sum of theirs; the same on both ranks), and
+    the scatters' outputs are finite, non-zero grads."""
+    from trainmon.monitor.collective_ops import parse_comm_name
+
+    figures = {}  # rank: {(step, call, io): (norm, max)}
+    for rank in (0, 1):
+        frame = read_family(os.path.join(run_dir, f"rank_{rank}"), "comm")
+        for r in frame.itertuples():
+            parsed = parse_comm_name(r.name)
+            if parsed["op"] in (gather, scatter) and parsed["ranks"] == [0, 1]:
+                call = r.name.rsplit(".", 1)[0]
+                figures.setdefault(rank, {})[(int(r.step), call, parsed["io"])] = (r.norm, r.max)
+    assert figures.get(0) and figures.keys() == {0, 1} and figures[0].keys() == figures[1].keys(), \
+        "both ranks record the same calls"
+    for step in range(steps):
+        calls = {call for s, call, _ in figures[0] if s == step}
+        assert {c.split("[")[0] for c in calls} == {gather, scatter}, (step, sorted(calls))
+        for call in calls:
+            out = [figures[rank][(step, call, "output")] for rank in (0, 1)]
+            if call.startswith(gather + "["):
+                inputs = [figures[rank][(step, call, "input")][0] for rank in (0, 1)]
+                assert out[0] == out[1], (step, call, out)
+                assert math.isclose(out[0][0] ** 2, inputs[0] ** 2 + inputs[1] ** 2, rel_tol=1e-5), (step, call)
+            else:
+                assert all(0 < norm < math.inf for norm, _ in out), (step, call, out)

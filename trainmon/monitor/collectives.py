@@ -6,11 +6,19 @@ synchronous call are recorded when it returns, those of an asynchronous one when
 returns (`Work.wait` is wrapped too). Inputs are recorded before the call with `cc_pre_hook` (a send's
 tensor always: it has no output). See collective_ops for the record names.
 
-Functions bound before installation are not seen (`from torch.distributed import all_reduce` at
-import time), except where a framework's binding is known and re-pointed too (DeepSpeed's comm backend
-binds all_gather_into_tensor / reduce_scatter_tensor when it initialises). Also not seen: collectives
-issued from C++ (DDP's built-in reducer without a Python communication hook, ProcessGroup methods
-called directly, DeepSpeed's shared-memory CPU all-reduce) and outputs of async ops completed through
+Collectives called inside torch's `_coalescing_manager` are only queued there and run at its exit: their
+outputs are recorded after the exit, or, with `async_ops`, when the exit's Work is waited for (Megatron's
+`grad_reduce_handle` / `param_gather_handle`, DeepSpeed's coalesced all-gathers).
+
+Functions bound before installation are seen where the binding is in collective_bindings' table: Megatron-
+Core's `dist_reduce_scatter_func` / `dist_all_gather_func` (the distributed optimizer's grad reduce-scatter
+and param all-gather) and its `_coalescing_manager`, DeepSpeed's comm backend's all-gather and reduce-scatter
+functions (ZeRO). FSDP2 calls `torch.distributed.all_gather_single` / `reduce_scatter_single` (older torch:
+`all_gather_into_tensor` / `reduce_scatter_tensor`) at call time, also through a custom `AllGather` /
+`ReduceScatter` that calls them. Not seen: other bindings made before installation (`from torch.distributed
+import all_reduce`), collectives issued from C++ or through `ProcessGroup` methods called directly (DDP's
+built-in reducer without a Python communication hook, a custom FSDP2 collective that calls the process group
+itself, DeepSpeed's shared-memory CPU all-reduce), and outputs of async ops completed through
 `Work.get_future()` instead of `wait()` (DDP communication hooks).
 """
 from __future__ import annotations

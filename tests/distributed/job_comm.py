@@ -86,8 +86,11 @@ for step in range(2):
         manager.wait()
         dist.reduce_scatter_single(torch.zeros(2), mine())        # @world #9 (FSDP2's spelling)
         dist.all_gather_single(torch.zeros(8), mine())            # @world #10
+        late = dist.all_reduce(mine(), async_op=True)             # @world #11, waited for in the next step
     optimizer.step()
     optimizer.zero_grad()
+    if step == 0:
+        late.wait()                                           # its output is not recorded
     if step == 0:
         restored_after_step0 = unpatched()
 

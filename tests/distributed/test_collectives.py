@@ -47,6 +47,7 @@ def expected_step0(rank):
         f"reduce_scatter_single{world}#9.input": filled(mine), f"reduce_scatter_single{world}#9.output": filled(3, 2),
         f"all_gather_single{world}#10.input": filled(mine),
         f"all_gather_single{world}#10.output": (math.sqrt(4 * 1 + 4 * 4), 1, 2),
+        f"all_reduce{world}#11.input": filled(mine),  # its Work waited for in the next step: no output
         # the batch: this rank's isend and the peer's, received
         f"isend[{rank}->{1 - rank}]@0#{2 if rank == 0 else 0}.input": filled(10 + rank),
         f"irecv[{1 - rank}->{rank}]@0#{2 if rank == 1 else 0}.output": filled(10 + 1 - rank),

@@ -8,7 +8,8 @@ import pytest
 from common import TinyLM
 from launch import torchrun
 from verify import (SHARDED_FAMILIES, assert_injection_named, assert_norms_match, assert_reduced_is_the_mean,
-                    assert_same_labels, assert_sharding_collectives, assert_unpatched, differing, the_run)
+                    assert_same_labels, assert_sharding_collectives, assert_unpatched, differing, nan_analyze,
+                    the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
@@ -75,5 +76,9 @@ def test_inf_on_rank_1_is_named_first(tmp_path, stage, cc):
     log = torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path), "--cc", cc,
                                            "--inject", "1:1:0"], output_dir)
     assert "anomaly at rank 1 step 1 micro-step 0: blocks.0 forward output (sentinel" in log
-    assert_injection_named(the_run(output_dir), tmp_path, dict(rank=1, step=1, micro_step=0, module="blocks.0",
-                                                               phase="forward"), cc)
+    run = the_run(output_dir)
+    assert_injection_named(run, tmp_path, dict(rank=1, step=1, micro_step=0, module="blocks.0", phase="forward"), cc)
+    if cc == "on":  # rank 0 got it through that step's grad reduction: ZeRO-3 reduce-scatters, ZeRO-0 all-reduces
+        link = nan_analyze(run)["cross_rank"]["chain"][0]
+        assert (link["step"], link["from"], link["to"]) == (1, [1], [0]), link
+        assert link["via"].startswith(("reduce_scatter_tensor" if stage == 3 else "all_reduce") + "[0,1]@"), link

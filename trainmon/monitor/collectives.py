@@ -18,8 +18,9 @@ functions (ZeRO). FSDP2 calls `torch.distributed.all_gather_single` / `reduce_sc
 `ReduceScatter` that calls them. Not seen: other bindings made before installation (`from torch.distributed
 import all_reduce`), collectives issued from C++ or through `ProcessGroup` methods called directly (DDP's
 built-in reducer without a Python communication hook, a custom FSDP2 collective that calls the process group
-itself, DeepSpeed's shared-memory CPU all-reduce), and outputs of async ops completed through
-`Work.get_future()` instead of `wait()` (DDP communication hooks).
+itself, DeepSpeed's shared-memory CPU all-reduce), outputs of async ops completed through
+`Work.get_future()` instead of `wait()` (DDP communication hooks), and outputs of async ops waited for in a
+later step than the one that issued them (their names' sequence numbers belong to that step).
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ class CollectiveMonitor:
         self._installed = False
         self._step = None
         self._seq: dict = {}
-        self._pending: dict = {}  # id(Work) → (Work, [(name, tensor)])
+        self._pending: dict = {}  # id(Work) → (Work, step issued, [(name, tensor)])
         self._coalescing: dict = {}  # group → [(name, tensor)]: outputs of calls queued in a coalescing manager
         self._untracked_warned = False
         self._ranks: dict = {}
@@ -165,9 +166,9 @@ class CollectiveMonitor:
                 if works and len(works) == len(p2p_op_list):
                     for work, out in zip(works, outputs):
                         if out:
-                            self._pending[id(work)] = (work, out)
+                            self._await(work, out)
                 elif works:
-                    self._pending[id(works[-1])] = (works[-1], [o for out in outputs for o in out])
+                    self._await(works[-1], [o for out in outputs for o in out])
             return works
 
         return batch_isend_irecv
@@ -195,7 +196,7 @@ class CollectiveMonitor:
             if queued:
                 works = getattr(manager, "works", None)
                 if works:  # async_ops: the exit's one Work completes every queued call
-                    self._pending[id(works[-1])] = (works[-1], queued)
+                    self._await(works[-1], queued)
                 else:
                     self.state.guarded("collective outputs", self._record)(queued)
 
@@ -203,14 +204,19 @@ class CollectiveMonitor:
 
     def _outputs_ready(self, result, outputs) -> None:
         if isinstance(result, c10d.Work):
-            self._pending[id(result)] = (result, outputs)
+            self._await(result, outputs)
         else:
             self.state.guarded("collective outputs", self._record)(outputs)
 
+    def _await(self, work, outputs) -> None:
+        self._pending[id(work)] = (work, self.state.collector.step, outputs)
+
     def _completed(self, work) -> None:
+        """Records the outputs of an async call when its Work is waited for within the step that issued it (its
+        name's sequence number belongs to that step; one waited for later is not recorded)."""
         entry = self._pending.pop(id(work), None)
-        if entry is not None and entry[0] is work and self.state.collecting:
-            self.state.guarded("collective outputs", self._record)(entry[1])
+        if entry is not None and entry[0] is work and entry[1] == self.state.collector.step and self.state.collecting:
+            self.state.guarded("collective outputs", self._record)(entry[2])
 
     # ----------------------------------------------------------------------------- records
     def _new_step(self) -> None:

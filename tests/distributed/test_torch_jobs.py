@@ -1,5 +1,6 @@
 """DDP and FSDP2 jobs on 2 processes (gloo): figures of sharded and reduced tensors equal direct computations."""
 import json
+import math
 import os
 
 from common import TinyLM
@@ -34,6 +35,13 @@ def test_fsdp2_two_ranks(tmp_path):
     run = the_run(output_dir)
     # FSDP2's param all-gathers and grad reduce-scatters (torch's *_single ops)
     assert_sharding_collectives(run, 3, "all_gather_single", "reduce_scatter_single")
+    # At odd steps one reduce-scatter per parameter group averages the grads accumulated over the micro-batches:
+    # the outputs of both ranks hold the reduced grads, whose norms the job computed.
+    scattered = [r.norm for rank in (0, 1) for r in read_family(os.path.join(run, f"rank_{rank}"), "comm").itertuples()
+                 if r.step == 1 and r.name.startswith("reduce_scatter_single[0,1]") and r.name.endswith(".output")]
+    reduced = json.load(open(tmp_path / "truth.rank0.json"))["1"]["grad_reduced"].values()
+    assert len(scattered) == 2 * 3  # ranks × parameter groups (the two blocks and the root)
+    assert math.isclose(sum(n ** 2 for n in scattered), sum(n ** 2 for n in reduced), rel_tol=1e-5)
     for rank in (0, 1):
         meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
         assert meta["adapter"] == "fsdp2"

@@ -58,7 +58,12 @@ if known.xy:
     extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
                                   mg_direction=True, **extra))
+from megatron.core.distributed import param_and_grad_buffer
+
+BOUND = ("dist_reduce_scatter_func", "dist_all_gather_func", "_coalescing_manager")  # bound by Megatron at import
+bound_before = {name: getattr(param_and_grad_buffer, name) for name in BOUND}
 monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
+repointed = sorted(name for name in BOUND if getattr(param_and_grad_buffer, name) is not bound_before[name])
 
 
 
@@ -160,6 +165,10 @@ for step in range(args.steps):
     with not_monitored():
         record_optimizer_state(step)
 
+monitor.stop()
+with open(os.path.join(out, f"bindings.rank{rank}.json"), "w") as f:
+    json.dump({"repointed": repointed, "restored": all(getattr(param_and_grad_buffer, name) is bound_before[name]
+                                                       for name in BOUND)}, f)
 truth.write(out, rank)
 with open(os.path.join(out, f"comm_truth.rank{rank}.json"), "w") as f:
     json.dump(comm_truth, f)

@@ -161,6 +161,9 @@ def test_data_parallel_2_distributed_optimizer(tmp_path):
     for family in ("grad_reduced", "exp_avg", "exp_avg_sq"):
         assert differing(run, family, 0, 1)[0] == 0, family
     assert_dp_collectives_match(run, tmp_path, range(3))
+    for rank in (0, 1):  # the functions Megatron bound at import were re-pointed while monitoring, then put back
+        assert json.load(open(tmp_path / f"bindings.rank{rank}.json")) == {
+            "repointed": ["_coalescing_manager", "dist_all_gather_func", "dist_reduce_scatter_func"], "restored": True}
 
 
 def test_overlapped_distributed_optimizer_nan_spreads_through_the_reduce_scatter(tmp_path):

@@ -87,11 +87,11 @@ def filesystem_name(path: Path, statfs: Callable[[str], Optional[int]] = statfs_
                     mountinfo: Optional[str] = None) -> str:
     """The name of the filesystem holding `path` (its nearest existing ancestor): from statfs's magic, with
     mountinfo's name for a FUSE mount (which says what is behind it) or where statfs cannot tell."""
-    existing = Path(os.path.abspath(path))
+    real = os.path.realpath(path)  # the mount points of mountinfo are real paths
+    existing = Path(real)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    real = os.path.realpath(existing)
-    name = MAGIC_NAMES.get(statfs(real))
+    name = MAGIC_NAMES.get(statfs(str(existing)))
     if name in (None, "fuse"):
         name = mountinfo_fstype(real, mountinfo) or name
     return name or "unknown"

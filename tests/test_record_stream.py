@@ -3,14 +3,18 @@ host. A reader takes whole frames only, each once; a killed writer leaves every 
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import stream_child
+from writer_helpers import monitored
+from trainmon import open_run
 from trainmon.read import stream_mirror
 from trainmon.read.database import DbRankReader
 from trainmon.writers import stream_format
@@ -147,8 +151,6 @@ def test_a_killed_training_job_is_read_up_to_its_last_whole_batch(output_dir, wr
     finally:
         child.kill()
         child.wait(30)
-    from trainmon import open_run
-
     run = open_run(rank_dir)
     steps = sorted(set(run.records()["step"]))
     assert steps == list(range(len(steps))) and len(steps) >= 3, steps
@@ -159,3 +161,27 @@ def test_a_killed_training_job_is_read_up_to_its_last_whole_batch(output_dir, wr
     per_step = run.records().groupby("step").size()
     assert (per_step == per_step.iloc[0]).all(), "no step is partial"
     assert np.isfinite(run.records()["norm"]).all()
+
+
+def test_stream2db_writes_the_same_database_after_the_job(output_dir, write_config):
+    from trainmon import open_run
+    from trainmon.cli import main
+
+    def poison(monitor, step):
+        monitor.log_scalar("loss", float("nan") if step == 1 else 1.0)
+
+    monitor, _ = monitored(write_config, steps=3, on_step=poison, format=["db"], output_filesystem="network",
+                           alert={"rules": [{"rule_name": "AnomalyNan"}]})
+    with open_run(monitor.output_dir) as run:
+        before, scalars = run.records(), run.scalars()
+    assert main(["stream2db", str(monitor.output_dir.parent)]) == 0
+    assert main(["stream2db", str(monitor.output_dir.parent)]) == 2, "an existing monitor.db is kept"
+    db = monitor.output_dir / "monitor.db"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        assert conn.execute("SELECT COUNT(*) FROM anomalies WHERE step = 1").fetchone()[0] >= 1
+    (monitor.output_dir / "records.stream").unlink()  # what is read now is the database alone
+    with open_run(monitor.output_dir) as run:
+        pd.testing.assert_frame_equal(run.records(), before)
+        pd.testing.assert_frame_equal(run.scalars(), scalars)
+    assert len(before) > 100 and scalars["value"].isna().sum() == 1

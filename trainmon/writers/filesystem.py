@@ -124,6 +124,6 @@ def choose(path: Path, setting: str = "auto", statfs: Callable[[str], Optional[i
 def log_choice(choice: OutputFilesystem, directory: Path) -> None:
     """The one line that says how the `db` format writes, and why."""
     what = ("monitor.db (SQLite, WAL)" if choice.write_path == DB_PATH else
-            "records.stream (append-only, CRC-framed; `trainmon convert stream2db` makes monitor.db after the job)")
+            "records.stream (append-only, CRC-framed; `trainmon stream2db` makes monitor.db after the job)")
     logger.info("trainmon: output in %s is on %s (%s): the db format writes %s, because %s", directory,
                 choice.fstype, choice.kind, what, choice.reason)

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def check(step: int, rows: list) -> None:
 def reader(path: str, n: int, handshake: bool) -> None:
     """Tails the stream two ways, by its frames and through the read layer's mirror; checks both."""
     raw_steps, offset, mirrored = [], 0, []
-    while handshake or len(mirrored) < n:
+    deadline = time.monotonic() + 120
+    while handshake or (min(len(raw_steps), len(mirrored)) < n and time.monotonic() < deadline):
         if handshake and not sys.stdin.readline():
             break
         if not os.path.exists(path):

@@ -101,10 +101,11 @@ def test_a_writer_and_a_reader_process_cut_at_every_offset_in_lockstep(tmp_path)
             reads += 1
         reader.stdin.close()
         final = json.loads(reader.stdout.read())
+        assert reader.wait(30) == 0 and writer.wait(30) == 0
     finally:
-        writer.kill()
-        reader.kill()
-    assert reader.wait(30) == 0 and writer.wait(30) == 0
+        for process in (writer, reader):
+            if process.poll() is None:
+                process.kill()
     assert final == {"raw": list(range(n)), "mirrored": list(range(n))}
     assert reads > 5 * n
 

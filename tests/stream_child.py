@@ -3,6 +3,7 @@
     python tests/stream_child.py writer STREAM N [--handshake]   frames written in pieces, cut at every offset
     python tests/stream_child.py reader STREAM N [--handshake]   tails STREAM until it has N batches
     python tests/stream_child.py killed STREAM N                 N batches, half of one more, then SIGKILL
+    python tests/stream_child.py mirror STREAM N                 brings the read layer's mirror up to date
 
 The writer cuts frame i at its bytes i, i + N, i + 2N, ... (so every offset of a frame is cut once), and every
 third frame shows zeros first (what a network filesystem shows of a page whose data has not arrived). With
@@ -149,5 +150,8 @@ if __name__ == "__main__":
         writer(stream_path, count, handshake)
     elif mode == "reader":
         reader(stream_path, count, handshake)
+    elif mode == "mirror":
+        print("start", flush=True)
+        stream_mirror.sync(Path(stream_path))
     else:
         killed(stream_path, count)

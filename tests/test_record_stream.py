@@ -6,6 +6,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,27 @@ def test_kill_9_mid_frame_leaves_every_whole_batch_and_nothing_else(tmp_path):
     stream.close()
     assert mirrored_steps(path) == [0, 1, 2, 3, 4, 5]
     assert stream_format.read_frames(path).tail == 0
+
+
+def test_a_reader_killed_while_it_updates_its_mirror_loses_and_repeats_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "rank_0" / "records.stream"
+    path.parent.mkdir()
+    steps = 6000  # about 0.6 s of mirroring here
+    written(path, steps)
+    interrupted = 0
+    for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.45)):
+        cache = tmp_path / f"cache{attempt}"
+        monkeypatch.setenv(stream_mirror.CACHE_ENV, str(cache))
+        child = subprocess.Popen([sys.executable, CHILD, "mirror", str(path), "0"], stdout=subprocess.PIPE, text=True,
+                                 env={**ENV, stream_mirror.CACHE_ENV: str(cache)})
+        assert child.stdout.readline().strip() == "start"
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        mirror = stream_mirror.mirror_path(path)
+        interrupted += mirror.with_name(mirror.name + "-journal").exists()
+        assert mirrored_steps(path) == list(range(steps)), delay
+    assert interrupted, "at least one kill came in the middle of an update"
 
 
 def test_a_killed_training_job_is_read_up_to_its_last_whole_batch(output_dir, write_config, tmp_path):

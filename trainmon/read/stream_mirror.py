@@ -61,13 +61,16 @@ def sync(stream: Path, jsonl: Optional[Path] = None) -> Path:
     path = mirror_path(stream)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _locked(path.with_name(path.name + ".lock")):
+        seen = [_identity(stream), _identity(jsonl)]
+        if path.exists() and _state(path).get("seen") == seen:
+            return path  # nothing new (the poll of a rank that wrote nothing since)
         try:
-            _update(path, stream, jsonl)
+            _update(path, stream, jsonl, seen)
         except sqlite3.DatabaseError as err:
             if isinstance(err, sqlite3.OperationalError):
                 raise  # e.g. locked: the cache is fine, try again later
-            path.unlink(missing_ok=True)  # a damaged cache (a reader killed mid-update): read the stream again
-            _update(path, stream, jsonl)
+            path.unlink(missing_ok=True)  # a damaged cache: read the stream again
+            _update(path, stream, jsonl, seen)
     return path
 
 
@@ -82,7 +85,31 @@ def _locked(lock: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _update(path: Path, stream: Path, jsonl: Optional[Path]) -> None:
+def _identity(file: Optional[Path]) -> Optional[list]:
+    """(size, mtime, inode) of a file, from an open(): on NFS, opening is what revalidates cached attributes."""
+    if file is None:
+        return None
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _state(mirror: Path) -> dict:
+    """How far the mirror has read ({} for a mirror without that record, which is then read again)."""
+    conn = sqlite3.connect(f"file:{mirror}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = ?", (_STATE,)).fetchone()
+    except sqlite3.DatabaseError:
+        return {}
+    finally:
+        conn.close()
+    return json.loads(row[0]) if row else {}
+
+
+def _update(path: Path, stream: Path, jsonl: Optional[Path], seen: list) -> None:
     db = MonitorDb(path, journal_mode="DELETE")
     try:
         db.conn.execute("PRAGMA synchronous=OFF")  # a cache: a damaged one is read again from the stream
@@ -93,14 +120,14 @@ def _update(path: Path, stream: Path, jsonl: Optional[Path]) -> None:
         if state and (frames.first_crc != state["first_crc"] or stream.stat().st_size < offset):
             db.close()  # another stream at this path (a new run in its place): start again
             path.unlink()
-            return _update(path, stream, jsonl)
+            return _update(path, stream, jsonl, seen)
         if frames.first_crc is None and _not_a_stream(stream):
             raise InputError.at(stream, "not a trainmon record stream (it does not start with a frame)")
         if jsonl is not None:
             db.conn.executescript(db_schema.ANOMALY_SCHEMA)  # before BEGIN: a script commits what is open
         db.conn.execute("BEGIN")
         _apply(db, frames.payloads)
-        state = {"first_crc": frames.first_crc, "offset": frames.end, "tail": frames.tail,
+        state = {"first_crc": frames.first_crc, "offset": frames.end, "tail": frames.tail, "seen": seen,
                  "jsonl_offset": _add_anomalies(db.conn, jsonl, state.get("jsonl_offset", 0))}
         db_schema.write_meta(db.conn, {_STATE: state})
         db.conn.execute("COMMIT")
@@ -110,11 +137,7 @@ def _update(path: Path, stream: Path, jsonl: Optional[Path]) -> None:
 
 def tail_bytes(mirror: Path) -> int:
     """Bytes at the end of the mirrored stream that were not a whole frame at its last update."""
-    conn = sqlite3.connect(f"file:{mirror}?mode=ro", uri=True)
-    try:
-        return db_schema.read_meta(conn).get(_STATE, {}).get("tail", 0)
-    finally:
-        conn.close()
+    return _state(mirror).get("tail", 0)
 
 
 def _not_a_stream(stream: Path) -> bool:

@@ -32,8 +32,11 @@ class MonitorDb:
     def __init__(self, path: Path, journal_mode: str = "WAL"):
         self.path = path
         self.conn = db_schema.connect(str(path), journal_mode)
-        # by (family, name, vpp_stage, shape as a tuple, dtype): the JSON of a shape is made only for a new tag
-        self._tag_ids = {(family, name, vpp, tuple(json.loads(shape)), dtype): tag_id
+        # by (family, name, vpp_stage, shape as a tuple, dtype): the JSON of a shape is made only for a new tag,
+        # and read once per distinct shape (a reader of a record stream opens this at every poll)
+        shapes: dict[str, tuple] = {}
+        self._tag_ids = {(family, name, vpp, shapes[shape] if shape in shapes else
+                          shapes.setdefault(shape, tuple(json.loads(shape))), dtype): tag_id
                          for tag_id, family, name, vpp, shape, dtype in
                          self.conn.execute("SELECT id, family, name, vpp_stage, shape, dtype FROM tags")}
 

@@ -66,7 +66,7 @@ def main() -> int:
         columns = reader.columns(None, start - 1, start - 2 + args.per_poll).data
         reader.close()
         c2 = time.process_time()
-        records = len(columns["step"]) // args.per_poll
+        records = len(columns["step"]) // len(frames[start:start + args.per_poll])
         sync_cpu.append((c1 - c0) / args.per_poll)
         read_cpu.append((c2 - c1) / args.per_poll)
 

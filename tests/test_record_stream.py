@@ -18,6 +18,8 @@ from writer_helpers import monitored
 from trainmon import open_run
 from trainmon.read import stream_mirror
 from trainmon.read.database import DbRankReader
+from trainmon.read.evidence import rank_evidence
+from trainmon.read.layout import RankDir
 from trainmon.writers import stream_format
 from trainmon.writers.record_stream import RecordStream
 
@@ -131,6 +133,8 @@ def test_kill_9_mid_frame_leaves_every_whole_batch_and_nothing_else(tmp_path):
     assert mirrored_steps(path) == [0, 1, 2, 3, 4]
     assert stream_mirror.tail_bytes(stream_mirror.mirror_path(path)) == half
     assert mirrored_steps(path) == [0, 1, 2, 3, 4], "read again: nothing twice"
+    warnings = rank_evidence(RankDir(0, path.parent), {}).warnings
+    assert len(warnings) == 1 and f"last {half} bytes are not a whole step batch" in warnings[0], warnings
     # a job that appends (append_output) cuts the torn frame and goes on after the last whole one
     stream = RecordStream(path)
     stream.add_step(5, 0, stream_child.KEYS, stream_child.values(5), stream_child.scalars(5))

@@ -86,8 +86,8 @@ class Frames:
     first_crc: Optional[int] = None  # the CRC of the stream's first frame (names the stream), when read
 
 
-def read_frames(path: Path, offset: int = 0, limit: Optional[int] = None) -> Frames:
-    """The whole frames from `offset` to the end of the file (or the first `limit` of them).
+def read_frames(path: Path, offset: int = 0) -> Frames:
+    """The whole frames from `offset` to the end of the file.
 
     The file is opened for this read and closed again: on NFS that is what makes another host's writes
     visible (close-to-open consistency).
@@ -97,25 +97,18 @@ def read_frames(path: Path, offset: int = 0, limit: Optional[int] = None) -> Fra
         out.first_crc = _first_crc(f)
         f.seek(offset)
         buf = b""
-        while limit is None or len(out.payloads) < limit:
-            more = f.read(_READ_CHUNK)
-            if not more:
-                break
+        while more := f.read(_READ_CHUNK):
             buf += more
-            used = _split(buf, out, limit)
-            buf = buf[used:]
-        out.tail = len(buf) + len(f.read()) if limit is None or len(out.payloads) < limit else 0
+            buf = buf[_split(buf, out):]
+        out.tail = len(buf)
     return out
 
 
-def _split(buf: bytes, out: Frames, limit: Optional[int]) -> int:
+def _split(buf: bytes, out: Frames) -> int:
     """Moves the whole frames at the start of `buf` into `out`; returns the bytes they took."""
     pos = 0
     view = memoryview(buf)
-    while limit is None or len(out.payloads) < limit:
-        size = whole_frame(view, pos)
-        if size is None:
-            break
+    while (size := whole_frame(view, pos)) is not None:
         out.payloads.append(view[pos + _HEAD.size:pos + size])
         pos += size
         out.end += size

@@ -9,7 +9,8 @@ from trainmon.anomaly.events import AnomalyEvent
 from trainmon.writers import db_schema
 
 _COLUMNS = db_schema.ANOMALY_COLUMNS
-INSERT_ANOMALY = f"INSERT INTO anomalies ({', '.join(_COLUMNS)}, is_nan) VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})"
+INSERT_ANOMALY = (f"INSERT INTO anomalies ({', '.join(_COLUMNS)}, is_nan) "
+                  f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})")
 
 
 class AnomalyTable:

@@ -177,7 +177,8 @@ class TrainerMon:
         stream = self._filesystem.write_path == filesystem.STREAM_PATH
         self._anomalies = processor_for(cfg, database=not stream)
         self._dump_sink = TensorDumpSink() if cfg.dump is not None else None
-        sinks = SinkContainer([self._api] + build_sinks(cfg.format, stream) + ([self._anomalies] if self._anomalies else []) +
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format, stream) +
+                              ([self._anomalies] if self._anomalies else []) +
                               ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
         writer = AsyncWriter(sinks, functools.partial(stats.derive_rows, ops=tuple(cfg.ops)),

@@ -146,7 +146,7 @@ def find_run(path: str | Path) -> RunDirs:
                   key=lambda child: (child.stat().st_mtime, child.name))
     if not runs:
         raise InputError.at(root, "no rank_<R> directories here or one level below, and no monitor output "
-                                  "(monitor.db, <family>_<a>-<b>.csv); pass a run directory "
+                                  "(monitor.db, records.stream, <family>_<a>-<b>.csv); pass a run directory "
                                   "($MONITOR_OUTPUT_DIR/<run>), the output root, or an msprobe dump directory "
                                   "(step<N>/rank<R>/dump.json)")
     note = None if len(runs) == 1 else (f"{len(runs)} runs under {root}; reading the latest, {runs[-1].name} "

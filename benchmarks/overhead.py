@@ -129,7 +129,7 @@ def disk_by_sink(out_dir: str) -> dict:
     for d, _, files in os.walk(out_dir):
         for name in files:
             sink = ("csv" if name.endswith(".csv") else "tensorboard" if name.startswith("events.out.tfevents")
-                    else "db" if name.startswith("monitor.db") else None)
+                    else "db" if name.startswith("monitor.db") or name == "records.stream" else None)
             if sink:
                 sizes[sink] += os.path.getsize(os.path.join(d, name))
     return {sink: size for sink, size in sizes.items() if size}

@@ -15,7 +15,9 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from trainmon.monitor.records import RecordKey
+from trainmon.read import stream_mirror
 from trainmon.read.errors import InputError
+from trainmon.read.layout import find_run
 from trainmon.read.run import Run
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
@@ -197,3 +199,32 @@ def fields_from_figures(rows: list[dict], ops: list[str]) -> tuple[np.ndarray, n
                 values[i, j] = known[name]
                 recorded[i, j] = True
     return values, recorded
+
+
+def stream_to_db(src: str | Path, force: bool = False) -> list[int]:
+    """Writes `rank_<R>/monitor.db` beside each rank's `records.stream` (what the `db` format writes on a network
+    filesystem), in rollback-journal mode: a database any host can open read-only once the job has ended. It is
+    built on this host's disk and moved into place whole. Returns the ranks written.
+
+    Raises:
+        InputError: bad input (named), a rank that already has monitor.db, or (without `force`) one whose job
+            has not finished (its run.json has no writer report): readers prefer monitor.db to the stream, so a
+            database made while the job runs would hide what it writes later.
+    """
+    found = find_run(src)
+    done = []
+    for rank_dir in found.ranks:
+        if rank_dir.stream is None:
+            continue
+        target = rank_dir.path / db_schema.DB_NAME
+        if target.exists():
+            raise InputError.at(target, "already there; remove it to build it again from records.stream")
+        if not force and "writer" not in rank_dir.metadata():
+            raise InputError.at(rank_dir.path, "its job has not finished (run.json has no writer report): pass "
+                                               "--force for a job that was killed")
+        mirror = stream_mirror.sync(rank_dir.stream, rank_dir.jsonl)
+        partial = target.with_name(f".{target.name}.partial")
+        shutil.copyfile(mirror, partial)
+        partial.replace(target)
+        done.append(rank_dir.rank)
+    return done

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-from common import LocalGrads, TinyLM, Truth, batches, finish, inject_inf, write_config
+from common import LocalGrads, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -27,6 +27,8 @@ parser.add_argument("--micro-batches", type=int, default=1, help="per step (fsdp
 parser.add_argument("--inject", metavar="RANK:STEP", help="put an inf into blocks.0's output on RANK at STEP")
 parser.add_argument("--cc", action="store_true", help="record collectives (cc_distribution)")
 parser.add_argument("--module-ranks", type=int, nargs="*", default=[], help="the config's module_ranks")
+parser.add_argument("--output-filesystem", help="with --inject: the config's output_filesystem, and the anomaly "
+                                                "processor on (common.injection_config)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -61,6 +63,8 @@ step = 0
 if args.inject:  # the module's output as the monitor sees it carries the inf
     inject_inf((model.module if args.mode == "ddp" else model).blocks[0], args.inject, rank, lambda: step)
 extra = dict(xy_distribution=True, forward_only=True, format=["csv", "db"]) if args.inject else {}
+if args.output_filesystem:
+    extra = dict(injection_config(), output_filesystem=args.output_filesystem)
 if args.module_ranks:
     extra = dict(xy_distribution=True)
 monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), module_ranks=args.module_ranks,

@@ -16,6 +16,8 @@ import numpy as np
 from trainmon.monitor.records import ACTV, GRAD_REDUCED, RecordKey
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
+from trainmon.writers.record_stream import RecordStream
+from trainmon.writers.stream_format import STREAM_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ["min", "max", "norm", "nans", "infs"]
@@ -33,13 +35,14 @@ def generate(run: Path, ranks: int, steps: int, inf_step: int, origin: int = 1) 
 
 
 class LiveRank:
-    """One rank's monitor.db, written a step at a time (as a training rank's writer commits them)."""
+    """One rank's monitor.db (with `stream`: its records.stream, as on a network filesystem), written a step at a
+    time (as a training rank's writer commits them)."""
 
-    def __init__(self, run: Path, rank: int):
+    def __init__(self, run: Path, rank: int, stream: bool = False):
         self.dir = run / f"rank_{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "run.json").write_text(json.dumps({"rank": rank, "pp_stage": 0}))
-        self.db = MonitorDb(self.dir / db_schema.DB_NAME)
+        self.db = RecordStream(self.dir / STREAM_NAME) if stream else MonitorDb(self.dir / db_schema.DB_NAME)
         self.db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": OPS,
                           "fields": list(db_schema.FIELDS)})
         self.rank = rank

@@ -9,7 +9,8 @@ from trainmon.anomaly.events import AnomalyEvent
 from trainmon.writers import db_schema
 
 _COLUMNS = db_schema.ANOMALY_COLUMNS
-_INSERT = f"INSERT INTO anomalies ({', '.join(_COLUMNS)}, is_nan) VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})"
+INSERT_ANOMALY = (f"INSERT INTO anomalies ({', '.join(_COLUMNS)}, is_nan) "
+                  f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})")
 
 
 class AnomalyTable:
@@ -25,16 +26,18 @@ class AnomalyTable:
         self._conn.executescript(db_schema.ANOMALY_SCHEMA)
 
     def append(self, events: Sequence[AnomalyEvent]) -> None:
-        rows = []
-        for e in events:
-            value, is_nan = db_schema.encode_real(e.value)
-            rows.append((e.rank, e.step, e.micro_step, e.pp_stage, e.vpp_stage, e.call_index, e.module, e.phase,
-                         e.tensor, e.op, value, e.rule, e.family, int(e.first), is_nan))
         with self._conn:
             self._conn.execute("BEGIN")
-            self._conn.executemany(_INSERT, rows)
+            self._conn.executemany(INSERT_ANOMALY, [anomaly_row(e) for e in events])
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def anomaly_row(e: AnomalyEvent) -> tuple:
+    """The row of one anomaly for INSERT_ANOMALY."""
+    value, is_nan = db_schema.encode_real(e.value)
+    return (e.rank, e.step, e.micro_step, e.pp_stage, e.vpp_stage, e.call_index, e.module, e.phase, e.tensor, e.op,
+            value, e.rule, e.family, int(e.first), is_nan)

@@ -202,10 +202,12 @@ class AnomalyProcessor(Sink):
             self._table = None
 
 
-def processor_for(config) -> Optional[AnomalyProcessor]:
-    """The processor a MonitorConfig asks for: with `alert.rules`, the sentinel, or a non-"warn" action."""
+def processor_for(config, database: bool = True) -> Optional[AnomalyProcessor]:
+    """The processor a MonitorConfig asks for: with `alert.rules`, the sentinel, or a non-"warn" action.
+    `database`: the `db` format writes monitor.db (not the record stream, whose readers take the anomalies
+    from anomalies.jsonl), so the anomalies go into its table too."""
     from trainmon.anomaly.rules import build_rules
 
     if not (config.alert.rules or config.sentinel or config.alert.action != "warn"):
         return None
-    return AnomalyProcessor(build_rules(config.alert.rules), database="db" in config.format)
+    return AnomalyProcessor(build_rules(config.alert.rules), database=database and "db" in config.format)

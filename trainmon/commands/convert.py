@@ -1,4 +1,5 @@
-"""`trainmon csv2tb`, `trainmon csv2db`, `trainmon db2tb`: convert a run's output between formats."""
+"""`trainmon csv2tb`, `trainmon csv2db`, `trainmon db2tb`: convert a run's output between formats;
+`trainmon stream2db`: monitor.db beside each rank's records.stream, after a job on a network filesystem."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,22 @@ def register(subparsers) -> None:
         parser.add_argument("--overwrite", action="store_true",
                             help="write into a non-empty output directory, replacing its rank_<R> directories")
         parser.set_defaults(handler=run, conversion=name)
+    parser = subparsers.add_parser("stream2db", help="write monitor.db beside each rank's records.stream",
+                                   description="Writes rank_<R>/monitor.db from rank_<R>/records.stream (what the db "
+                                               "format writes on a network filesystem), after the job.")
+    parser.add_argument("src", help="run directory (holding rank_<R>/) or a rank directory")
+    parser.add_argument("--force", action="store_true", help="also ranks whose job did not finish (killed)")
+    parser.set_defaults(handler=run_stream_to_db)
+
+
+def run_stream_to_db(args: argparse.Namespace) -> int:
+    try:
+        ranks = conversions.stream_to_db(args.src, args.force)
+    except (OSError, ValueError, sqlite3.Error) as err:
+        print(f"trainmon stream2db: {err}", file=sys.stderr)
+        return 2
+    print(f"trainmon stream2db: monitor.db written for rank(s) {', '.join(map(str, ranks)) or 'none'}")
+    return 0 if ranks else 1
 
 
 def _progress_bar(items, total, description):

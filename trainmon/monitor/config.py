@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from trainmon.monitor.config_keys import (
     ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
-    SAT_DTYPES, STAT_OPS,
+    OUTPUT_FILESYSTEMS, SAT_DTYPES, STAT_OPS,
     WRITER_POLICIES,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
     check_formats, check_int, check_list, check_number, check_opt_bool, check_optional, check_regex, check_rule_args,
@@ -331,6 +331,9 @@ class MonitorConfig:
     wait is recorded) and "drop" skips the step's output (counted); both are reported in run.json."""
     writer_queue_size: int = _field(check_int(1, 100_000), default=64)
     """trainmon: step batches the writer queues before `writer_policy` applies."""
+    output_filesystem: str = _field(check_choice(OUTPUT_FILESYSTEMS), default="auto")
+    """trainmon: how the `db` format writes: "auto" from the filesystem of the output directory, "local"
+    (monitor.db, SQLite in WAL mode) or "network" (records.stream, which other hosts can read live)."""
     dump: DumpConfig | None = _field(check_optional(_section(DumpConfig)), default=None)
     """trainmon: tensor dumps of chosen steps (see DumpConfig); null: none."""
     stats_batch_mb: int = _field(check_int(0, 1_000_000), default=32)

@@ -25,6 +25,8 @@ AVAILABLE_FORMATS: tuple[str, ...] = ("csv", "api", "tensorboard", "db")
 PLANNED_FORMATS: tuple[str, ...] = ()
 # What the writer thread does when its queue of step batches is full (config key `writer_policy`).
 WRITER_POLICIES: tuple[str, ...] = ("block", "drop")
+# How the `db` format writes (config key `output_filesystem`): from the output's filesystem, or forced.
+OUTPUT_FILESYSTEMS: tuple[str, ...] = ("auto", "local", "network")
 
 # Statistics trainmon computes (the schema's op table). msprobe's MonitorConst.OP_LIST is
 # ["norm", "min", "max", "zeros", "nans", "id", "mean", "shape", "dtype"]; "infs" and "sat" are trainmon's own.

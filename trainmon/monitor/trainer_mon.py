@@ -37,6 +37,7 @@ from trainmon.monitor.structure import StackRecorder, module_structure
 from trainmon.monitor.tensor_dump import TensorDump
 from trainmon.writers.api_sink import ApiSink
 from trainmon.writers.async_writer import AsyncWriter
+from trainmon.writers import filesystem
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
@@ -140,6 +141,11 @@ class TrainerMon:
             {"run": run, "grad_acc_steps": self._grad_acc_steps, "start_iteration": start_iteration,
              "adapter": self._adapter.name, "parallel": _parallel_metadata(self._adapter, **groups),
              "pp_stage": self._adapter.pp_stage()})
+        # SQLite's WAL works on one host's disk only: on a network filesystem the db format writes a stream
+        self._filesystem = filesystem.choose(self.output_dir, self.config.output_filesystem)
+        self._metadata["output_filesystem"] = self._filesystem.as_dict()
+        if self.rank == 0 and "db" in self.config.format:
+            filesystem.log_choice(self._filesystem, self.output_dir.parent)
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_json(self.output_dir / "run.json", self._metadata)
@@ -168,9 +174,11 @@ class TrainerMon:
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
                               per_micro_families=frozenset(per_micro), metadata=self._metadata)
-        self._anomalies = processor_for(cfg)
+        stream = self._filesystem.write_path == filesystem.STREAM_PATH
+        self._anomalies = processor_for(cfg, database=not stream)
         self._dump_sink = TensorDumpSink() if cfg.dump is not None else None
-        sinks = SinkContainer([self._api] + build_sinks(cfg.format) + ([self._anomalies] if self._anomalies else []) +
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format, stream) +
+                              ([self._anomalies] if self._anomalies else []) +
                               ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
         writer = AsyncWriter(sinks, functools.partial(stats.derive_rows, ops=tuple(cfg.ops)),

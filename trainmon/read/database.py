@@ -19,6 +19,7 @@ from trainmon.monitor import stats
 from trainmon.read.db_columns import RAW_PREFIX, Columns, read_columns
 from trainmon.read.db_nonfinite import DbNonfinite, read_nonfinite
 from trainmon.read.errors import InputError
+from trainmon.read.stream_mirror import is_mirror
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
 
@@ -31,7 +32,8 @@ def open_db(path: Path) -> sqlite3.Connection:
     Raises:
         InputError: not a database, or an empty or schema-less one (naming the file).
     """
-    immutable = "&immutable=1" if not Path(f"{path}-wal").exists() else ""
+    # a record stream's mirror grows while it is read (read.stream_mirror): never immutable
+    immutable = "&immutable=1" if not Path(f"{path}-wal").exists() and not is_mirror(path) else ""
     try:
         conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro{immutable}", uri=True)
     except sqlite3.Error as err:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.read import stream_mirror
 from trainmon.read.csv_rows import read_csv_rows
 from trainmon.read.database import DbRankReader
 from trainmon.read.db_nonfinite import record_event
@@ -51,8 +52,9 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
     out = RankEvidence()
     rank = rank_dir.rank
     db_steps: set[int] = set()
-    if rank_dir.db is not None:
-        reader = DbRankReader(rank_dir.db)
+    db = rank_dir.db  # or the rank's record stream, read as a database
+    if db is not None:
+        reader = DbRankReader(db)
         try:
             db_steps = reader.steps()
             found = reader.nonfinite(rank)
@@ -60,9 +62,13 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
             reader.close()
         out.events, out.records = found.events, found.records
         out.sources.append(DB_NAME)
-        if Path(f"{rank_dir.db}-wal").exists():
-            out.warnings.append(f"{rank_dir.db}: its job is still writing it or was stopped (a -wal file is "
+        if Path(f"{db}-wal").exists():
+            out.warnings.append(f"{db}: its job is still writing it or was stopped (a -wal file is "
                                 "beside it); read up to its last committed step")
+        tail = stream_mirror.tail_bytes(db) if stream_mirror.is_mirror(db) else 0
+        if tail:
+            out.warnings.append(f"{rank_dir.stream}: its last {tail} bytes are not a whole step batch (its job is "
+                                "still writing it or was killed); read up to its last whole batch")
 
     def lacking(step: int) -> bool:
         return step not in db_steps

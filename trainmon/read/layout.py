@@ -2,7 +2,7 @@
 
 trainmon writes `<run>/rank_<R>/`; msprobe writes `<Mon DD_HH-MM-SS>-rank<R>-<uuid8>/` under its output
 root. Both hold `<family>_<first>-<last>.csv` files with the same columns; trainmon's also hold
-`monitor.db`, `anomalies.jsonl` and `run.json`.
+`monitor.db` (or, on a network filesystem, `records.stream`), `anomalies.jsonl` and `run.json`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from typing import Optional
 
 from trainmon.anomaly.processor import ANOMALIES_FILE
 from trainmon.monitor.records import FAMILIES
+from trainmon.read import stream_mirror
 from trainmon.read.errors import InputError
 from trainmon.writers.db_schema import DB_NAME
+from trainmon.writers.stream_format import STREAM_NAME
 
 RUN_JSON = "run.json"
 RANK_DIR = re.compile(r"^rank_(\d+)$|-rank(\d+)-")  # trainmon's and msprobe's rank directories
@@ -45,7 +47,22 @@ class RankDir:
 
     @property
     def db(self) -> Optional[Path]:
+        """monitor.db; without one, the rank's record stream as a database (`stream_mirror`), brought up to date.
+
+        Raises:
+            InputError, OSError: the record stream cannot be read.
+        """
         path = self.path / DB_NAME
+        if path.is_file():
+            return path
+        if self.stream is None:
+            return None
+        return stream_mirror.sync(self.stream, self.jsonl)
+
+    @property
+    def stream(self) -> Optional[Path]:
+        """records.stream: what the `db` format writes on a network filesystem."""
+        path = self.path / STREAM_NAME
         return path if path.is_file() else None
 
     @property
@@ -129,7 +146,7 @@ def find_run(path: str | Path) -> RunDirs:
                   key=lambda child: (child.stat().st_mtime, child.name))
     if not runs:
         raise InputError.at(root, "no rank_<R> directories here or one level below, and no monitor output "
-                                  "(monitor.db, <family>_<a>-<b>.csv); pass a run directory "
+                                  "(monitor.db, records.stream, <family>_<a>-<b>.csv); pass a run directory "
                                   "($MONITOR_OUTPUT_DIR/<run>), the output root, or an msprobe dump directory "
                                   "(step<N>/rank<R>/dump.json)")
     note = None if len(runs) == 1 else (f"{len(runs)} runs under {root}; reading the latest, {runs[-1].name} "
@@ -162,7 +179,7 @@ def _world_size(rank_dir: RankDir) -> int:
 
 def _has_output(d: Path) -> bool:
     rank = RankDir(0, d)
-    return rank.db is not None or rank.jsonl is not None or bool(rank.family_files())
+    return (d / DB_NAME).is_file() or rank.stream is not None or rank.jsonl is not None or bool(rank.family_files())
 
 
 def _rank_from_metadata(d: Path) -> int:

@@ -67,7 +67,7 @@ class Daemon:
         else:
             runs = sorted(child for child in self.path.iterdir() if child.is_dir() and is_run(child))
         if not runs and self.options.once:
-            raise InputError.at(self.path, "no run here: no rank_<R> directory with monitor output (monitor.db, "
+            raise InputError.at(self.path, "no run here: no rank_<R> directory with monitor output (monitor.db, records.stream, "
                                            "<family>_<a>-<b>.csv) in it or one level below; pass a run directory "
                                            "($MONITOR_OUTPUT_DIR/<run>) or the output root")
         for run in runs:

@@ -110,15 +110,16 @@ INSERT_RECORD = (f"INSERT INTO records (tag_id, step, micro_step, call_index, pp
                  f"{', '.join(repr(f) for f in FIELDS)}, nan_fields) VALUES ({', '.join('?' * (len(FIELDS) + 6))})")
 
 
-def connect(path: str) -> sqlite3.Connection:
-    """Opens (creating if needed) a monitor database in WAL mode.
+def connect(path: str, journal_mode: str = "WAL") -> sqlite3.Connection:
+    """Opens (creating if needed) a monitor database in WAL mode (or `journal_mode`: a private copy on a
+    local disk that readers in other processes open while it grows uses "DELETE", see read.stream_mirror).
 
     Raises:
         sqlite3.DatabaseError: the file exists but is not a monitor database (e.g. corrupt).
     """
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
     try:
-        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA journal_mode={journal_mode}")
         # WAL + NORMAL: a commit survives the process being killed (not a power loss) without an fsync per step.
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(SCHEMA)
@@ -170,12 +171,17 @@ def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> 
     """
     nan = np.isnan(values)
     missing = nan if recorded is None else nan | ~recorded
-    if recorded is not None:
-        nan = nan & recorded
-    masks = (nan * _BITS).sum(axis=1) if len(values) else np.zeros(0, dtype=np.int64)
     rows = values.astype(object)
     rows[missing] = None
-    return rows.tolist(), masks
+    return rows.tolist(), nan_masks(values, recorded)
+
+
+def nan_masks(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> np.ndarray:
+    """Each row's `nan_fields`: the bits of its fields that are NaN (and recorded); see encode_fields."""
+    nan = np.isnan(values)
+    if recorded is not None:
+        nan = nan & recorded
+    return (nan * _BITS).sum(axis=1) if len(values) else np.zeros(0, dtype=np.int64)
 
 
 def encode_block(tag_ids: list[int], micro_steps: list[Optional[int]], call_indexes: list[int],

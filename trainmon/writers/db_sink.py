@@ -1,4 +1,5 @@
-"""The `db` format: `rank_<R>/monitor.db`, SQLite in WAL mode, one transaction per step batch."""
+"""The `db` format: `rank_<R>/monitor.db`, SQLite in WAL mode, one transaction per step batch (on a network
+filesystem: `rank_<R>/records.stream`, see writers.filesystem)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,8 @@ from trainmon.monitor import stats
 from trainmon.monitor.records import RecordKey, StepBatch
 from trainmon.writers import db_schema
 from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.record_stream import RecordStream
+from trainmon.writers.stream_format import STREAM_NAME
 
 
 class MonitorDb:
@@ -26,13 +29,26 @@ class MonitorDb:
         sqlite3.DatabaseError: the file exists and is not a monitor database.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, journal_mode: str = "WAL"):
         self.path = path
-        self.conn = db_schema.connect(str(path))
-        # by (family, name, vpp_stage, shape as a tuple, dtype): the JSON of a shape is made only for a new tag
-        self._tag_ids = {(family, name, vpp, tuple(json.loads(shape)), dtype): tag_id
+        self.conn = db_schema.connect(str(path), journal_mode)
+        # by (family, name, vpp_stage, shape as a tuple, dtype): the JSON of a shape is made only for a new tag,
+        # and read once per distinct shape (a reader of a record stream opens this at every poll)
+        shapes: dict[str, tuple] = {}
+        self._tag_ids = {(family, name, vpp, shapes[shape] if shape in shapes else
+                          shapes.setdefault(shape, tuple(json.loads(shape))), dtype): tag_id
                          for tag_id, family, name, vpp, shape, dtype in
                          self.conn.execute("SELECT id, family, name, vpp_stage, shape, dtype FROM tags")}
+
+    def known_tags(self) -> dict[int, tuple]:
+        """{tag id: (family, name, vpp_stage, shape as a tuple, dtype)} of the tags in the database."""
+        return {tag_id: ident for ident, tag_id in self._tag_ids.items()}
+
+    def add_tag(self, tag_id: int, ident: tuple) -> None:
+        """Inserts a tag under the id another writer gave it (read.stream_mirror keeps the stream's ids)."""
+        self.conn.execute("INSERT INTO tags (id, family, name, vpp_stage, shape, dtype) VALUES (?, ?, ?, ?, ?, ?)",
+                          (tag_id, *ident[:3], json.dumps(list(ident[3])), ident[4]))
+        self._tag_ids[ident] = tag_id
 
     def set_meta(self, items: dict) -> None:
         with self._transaction():
@@ -74,7 +90,11 @@ class MonitorDb:
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
         """BEGIN ... COMMIT, or ROLLBACK on error: a failed step leaves nothing half-written, and the
-        tag cache forgets the tags whose insert was rolled back."""
+        tag cache forgets the tags whose insert was rolled back. Inside a transaction the caller opened, it
+        joins that one (the caller commits many steps at once)."""
+        if self.conn.in_transaction:
+            yield
+            return
         known = set(self._tag_ids)
         self.conn.execute("BEGIN")
         try:
@@ -96,22 +116,27 @@ def _scalar_row(name: str, step: int, value) -> tuple:
 
 
 class DbSink(Sink):
-    """Writes every step batch into `rank_<R>/monitor.db` with the run's metadata."""
+    """Writes every step batch into `rank_<R>/monitor.db` with the run's metadata, or, with `stream` (a network
+    or parallel filesystem, see writers.filesystem), the same content into `rank_<R>/records.stream`."""
 
     name = "db"
 
-    def __init__(self):
-        self._db: Optional[MonitorDb] = None
+    def __init__(self, stream: bool = False):
+        self.stream = stream
+        self._db = None  # a MonitorDb or a RecordStream
         self._computed: Optional[np.ndarray] = None
 
     def start(self, context: SinkContext) -> None:
         context.rank_dir.mkdir(parents=True, exist_ok=True)
-        path = context.rank_dir / db_schema.DB_NAME
-        try:
-            self._db = MonitorDb(path)
-        except sqlite3.DatabaseError as err:
-            raise sqlite3.DatabaseError(f"{path} exists but cannot be used as a monitor database ({err}); "
-                                        "move it away or choose another run") from err
+        if self.stream:
+            self._db = RecordStream(context.rank_dir / STREAM_NAME)
+        else:
+            path = context.rank_dir / db_schema.DB_NAME
+            try:
+                self._db = MonitorDb(path)
+            except sqlite3.DatabaseError as err:
+                raise sqlite3.DatabaseError(f"{path} exists but cannot be used as a monitor database ({err}); "
+                                            "move it away or choose another run") from err
         # The engine leaves fields that no op needs at 0: store them as "not recorded", not as data.
         needed = stats.fields_for_ops(context.ops)
         self._computed = np.array([f in needed for f in db_schema.FIELDS])

@@ -6,7 +6,8 @@ from typing import Sequence
 from trainmon.writers.base import Sink
 
 
-def build_sinks(formats: Sequence[str]) -> list[Sink]:
+def build_sinks(formats: Sequence[str], stream: bool = False) -> list[Sink]:
+    """`stream`: the `db` format writes the record stream (the output is on a network filesystem)."""
     sinks: list[Sink] = []
     for fmt in formats:
         if fmt == "csv":
@@ -17,7 +18,7 @@ def build_sinks(formats: Sequence[str]) -> list[Sink]:
             sinks.append(TensorBoardSink())
         elif fmt == "db":
             from trainmon.writers.db_sink import DbSink
-            sinks.append(DbSink())
+            sinks.append(DbSink(stream))
         elif fmt == "api":
             pass  # the in-memory api sink is always present
         else:

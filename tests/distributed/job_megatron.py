@@ -3,6 +3,10 @@
   torchrun --nproc_per_node=N job_megatron.py --out DIR [train_megatron.py options: --tp, --pp, --distopt]
   # --inject 1:1:1 --inject-module 0:module.decoder.layers.0.mlp.linear_fc1: an inf on rank 1 at step 1,
   # micro-step 1, in that module of chunk 0 (global layer 2 when 2 layers precede it), sentinel and alerts on
+  # --clip 0.05: Megatron's clip_grad (default the example's 1.0), small enough to bite; also writes monitor.db
+
+The expected `grad_reduced` is what the inner torch optimizer's step sees (a step pre-hook on it reads the main
+params' grads); `grad_preclip` is the DP mean of the ranks' grads, computed here before Megatron reduces them.
 """
 import argparse
 import os
@@ -26,6 +30,7 @@ own.add_argument("--inject", metavar="RANK:STEP[:MICRO]", help="put an inf into 
 own.add_argument("--inject-module", metavar="CHUNK:PATH", help="where --inject puts it (default: the last chunk's "
                  "last layer); PATH as the chunk's named_modules() names it")
 own.add_argument("--xy", action="store_true", help="also record activations and their grads (xy_distribution)")
+own.add_argument("--clip", type=float, help="Megatron's clip_grad (default: the example's)")
 known, rest = own.parse_known_args()
 out = known.out
 args = train_megatron.parse_args(rest + ["--steps", "3"])
@@ -45,6 +50,10 @@ if known.inject:  # the module's output as the monitor sees it carries the inf
 extra = injection_config() if known.inject else {}
 if known.xy:
     extra = dict(xy_distribution=True)
+(chained,) = optimizer.chained_optimizers
+if known.clip is not None:
+    chained.config.clip_grad = known.clip
+    extra["format"] = ["csv", "db"]  # the clipping scalars are in the database
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
                                   mg_direction=True, **extra))
 monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
@@ -97,16 +106,33 @@ def finalize_and_record(*a, **k):
         truth.add(step, "grad_unreduced", name, tp_full(p, local))
         dist.all_reduce(local, group=dp_group)
         reduced[name] = tp_full(p, local / dp_size)
-        truth.add(step, "grad_reduced", name, reduced[name])
+        truth.add(step, "grad_preclip", name, reduced[name])
     return finalize(*a, **k)
 
 
 config.finalize_model_grads_func = finalize_and_record
-(chained,) = optimizer.chained_optimizers
 # Without DistributedOptimizer, bf16 (Float16OptimizerWithFloat16Params) keeps Adam state on fp32 copies.
 main_of = {p: main for model_group, main_group in zip(getattr(chained, "float16_groups", []),
                                                       getattr(chained, "fp32_from_float16_groups", []))
            for p, main in zip(model_group, main_group)}
+
+
+def record_consumed(inner, *_):
+    """The grads the inner torch optimizer is about to consume: its main params' (shards') .grad, as full tensors."""
+    for name, p in named:
+        if args.distopt:
+            owned = p in chained.model_param_group_index_map
+            if owned:
+                group, index = chained.model_param_group_index_map[p]
+                shard = inner.param_groups[group]["params"][index].grad
+            full = dp_full(p, shard if owned else None,
+                           chained._get_model_param_range_map(p)["param"] if owned else None)
+        else:
+            full = main_of.get(p, p).grad
+        truth.add(step, "grad_reduced", name, tp_full(p, full))
+
+
+chained.optimizer.register_step_pre_hook(record_consumed)
 data = train_megatron.data_iterators(args, chunks)
 for step in range(args.steps):
     train_megatron.train_step(args, chunks, optimizer, data)

@@ -1,31 +1,36 @@
 """DeepSpeed ZeRO-0/1/2/3 on 2 processes (CPU accelerator, gloo): the figures written for partitioned tensors
-are those of the full tensors that DeepSpeed's safe_get_full_* gather, and reduced grads are the ranks' mean."""
+are those of the full tensors that DeepSpeed's safe_get_full_* gather, and reduced grads are the ranks' mean.
+With clipping that bites (max norm 0.05), grad_reduced is what the inner torch optimizer's step consumes."""
 import json
+import math
 import os
 
 import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import (SHARDED_FAMILIES, assert_injection_named, assert_norms_match, assert_reduced_is_the_mean,
-                    assert_same_labels, assert_unpatched, differing, the_run)
+from verify import (SHARDED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
+                    assert_reduced_is_the_mean, assert_same_labels, assert_unpatched, differing, norms, the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
+CLIP = 0.05  # DeepSpeed's gradient_clipping: below every step's grad norm in these jobs
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_two_ranks(tmp_path, stage):
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path)], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--clip", str(CLIP), "--out", str(tmp_path)], output_dir)
     run = the_run(output_dir)
     for rank in (0, 1):
         meta = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))
         assert meta["adapter"].startswith("deepspeed (DeepSpeedZeroOptimizer")
         assert meta["parallel"]["dp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
     assert_unpatched(tmp_path, (0, 1))
+    parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES + ("grad_unreduced",))
-    assert checked == 2 * 3 * 7 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
+    assert checked == 2 * 3 * 7 * parameters  # ranks × steps × families × parameters
+    assert assert_clipped(run, tmp_path, (0, 1), CLIP) == 2 * 3 * parameters
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in OPTIMIZER_FAMILIES:
@@ -34,9 +39,10 @@ def test_zero_stage_two_ranks(tmp_path, stage):
 
 def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):
     """ZeRO-0 keeps whole tensors on every rank and all-reduces the grads through `.grad.data`, which leaves
-    their `_version` as it was: grad_reduced is still read after that reduction."""
+    their `_version` as it was: grad_reduced is still read after that reduction, and after the engine's
+    clipping, which runs before the torch optimizer's step."""
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", "0", "--out", str(tmp_path)], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", "0", "--clip", str(CLIP), "--out", str(tmp_path)], output_dir)
     run = the_run(output_dir)
     parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES + ("grad_unreduced",))
@@ -45,19 +51,21 @@ def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in OPTIMIZER_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: after the all-reduce every rank holds the same"
-    assert assert_reduced_is_the_mean(run, tmp_path, (0, 1)) == 2 * 3 * parameters
+    assert assert_reduced_is_the_mean(run, tmp_path, (0, 1), max_norm=CLIP) == 2 * 3 * parameters
     assert_same_labels(run, OPTIMIZER_FAMILIES + ("grad_unreduced",), 0, 1)
 
 
 def test_bf16_optimizer_two_ranks(tmp_path):
     """bf16 weights, fp32 master weights and grads in DeepSpeed's BF16_Optimizer (ZeRO-1 partitions)."""
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", "1", "--bf16", "--out", str(tmp_path)], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", "1", "--bf16", "--clip", str(CLIP), "--out", str(tmp_path)], output_dir)
     run = the_run(output_dir)
     assert json.load(open(os.path.join(run, "rank_0", "run.json")))["adapter"] == "deepspeed (BF16_Optimizer)"
     # grad_unreduced is left out: the job's fp32 replica cannot reproduce bf16 grads to 1e-5
+    parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES)
-    assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))
+    assert checked == 2 * 3 * 6 * parameters
+    assert assert_clipped(run, tmp_path, (0, 1), CLIP) == 2 * 3 * parameters
 
 
 @pytest.mark.parametrize("cc", ["off", "on"])
@@ -69,5 +77,12 @@ def test_inf_on_rank_1_is_named_first(tmp_path, stage, cc):
     log = torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path), "--cc", cc,
                                            "--inject", "1:1:0"], output_dir)
     assert "anomaly at rank 1 step 1 micro-step 0: blocks.0 forward output (sentinel" in log
-    assert_injection_named(the_run(output_dir), tmp_path, dict(rank=1, step=1, micro_step=0, module="blocks.0",
-                                                               phase="forward"), cc)
+    run = the_run(output_dir)
+    assert_injection_named(run, tmp_path, dict(rank=1, step=1, micro_step=0, module="blocks.0",
+                                               phase="forward"), cc)
+    # ZeRO-2/3 skip that step for its non-finite grad norm, before the inner optimizer consumes anything: the
+    # grads are recorded where DeepSpeed skips, so every rank's grad_reduced shows them non-finite
+    for rank in (0, 1):
+        at_fault = {name: norm for (step, name), norm in norms(os.path.join(run, f"rank_{rank}"), "grad_reduced").items()
+                    if step == 1}
+        assert at_fault and any(not math.isfinite(norm) for norm in at_fault.values()), (rank, at_fault)

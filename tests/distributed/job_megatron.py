@@ -6,6 +6,10 @@
   # --inject-grad 1:1: NaN grads of every parameter on rank 1 at step 1, before the DP reduction
   # With --cc and --distopt: comm_truth.rank<R>.json, this rank's figures of the DP reduce-scatter and
   # all-gather buffers, per step and bucket, read from Megatron's buffers.
+  # --clip 0.05: Megatron's clip_grad (default the example's 1.0), small enough to bite; also writes monitor.db
+
+The expected `grad_reduced` is what the inner torch optimizer's step sees (a step pre-hook on it reads the main
+params' grads); `grad_preclip` is the DP mean of the ranks' grads, computed here before Megatron reduces them.
 """
 import argparse
 import json
@@ -32,6 +36,7 @@ own.add_argument("--inject-module", metavar="CHUNK:PATH", help="where --inject p
                  "last layer); PATH as the chunk's named_modules() names it")
 own.add_argument("--inject-grad", metavar="RANK:STEP", help="NaN grads of every parameter there")
 own.add_argument("--xy", action="store_true", help="also record activations and their grads (xy_distribution)")
+own.add_argument("--clip", type=float, help="Megatron's clip_grad (default: the example's)")
 known, rest = own.parse_known_args()
 out = known.out
 args = train_megatron.parse_args(rest + ["--steps", "3"])
@@ -56,6 +61,10 @@ if known.inject_grad:
 extra = injection_config() if known.inject or known.inject_grad else {}
 if known.xy:
     extra = dict(xy_distribution=True)
+(chained,) = optimizer.chained_optimizers
+if known.clip is not None:
+    chained.config.clip_grad = known.clip
+    extra["format"] = ["csv", "db"]  # the clipping scalars are in the database
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
                                   mg_direction=True, **extra))
 from megatron.core.distributed import param_and_grad_buffer
@@ -121,7 +130,7 @@ def finalize_and_record(*a, **k):
             truth.add(step, "grad_unreduced", name, tp_full(p, local))
             dist.all_reduce(local, group=dp_group)
             reduced[name] = tp_full(p, local / dp_size)
-            truth.add(step, "grad_reduced", name, reduced[name])
+            truth.add(step, "grad_preclip", name, reduced[name])
     if args.distopt and args.overlap:  # the params were gathered in this step's forward
         record_buffers(step, "all_gather_output", [b.param_data for b in buckets])
     elif args.distopt:  # overlapped, the reduce-scatter would have begun in backward
@@ -135,11 +144,29 @@ def finalize_and_record(*a, **k):
 
 
 config.finalize_model_grads_func = finalize_and_record
-(chained,) = optimizer.chained_optimizers
 # Without DistributedOptimizer, bf16 (Float16OptimizerWithFloat16Params) keeps Adam state on fp32 copies.
 main_of = {p: main for model_group, main_group in zip(getattr(chained, "float16_groups", []),
                                                       getattr(chained, "fp32_from_float16_groups", []))
            for p, main in zip(model_group, main_group)}
+
+
+def record_consumed(inner, *_):
+    """The grads the inner torch optimizer is about to consume: its main params' (shards') .grad, as full tensors."""
+    with not_monitored():
+        for name, p in named:
+            if args.distopt:
+                owned = p in chained.model_param_group_index_map
+                if owned:
+                    group, index = chained.model_param_group_index_map[p]
+                    shard = inner.param_groups[group]["params"][index].grad
+                full = dp_full(p, shard if owned else None,
+                               chained._get_model_param_range_map(p)["param"] if owned else None)
+            else:
+                full = main_of.get(p, p).grad
+            truth.add(step, "grad_reduced", name, tp_full(p, full))
+
+
+chained.optimizer.register_step_pre_hook(record_consumed)
 
 
 def record_optimizer_state(step):

@@ -1,18 +1,21 @@
 """DeepSpeed ZeRO-0/1/2/3 on 2 processes (CPU accelerator, gloo): the figures written for partitioned tensors
-are those of the full tensors that DeepSpeed's safe_get_full_* gather, and reduced grads are the ranks' mean."""
+are those of the full tensors that DeepSpeed's safe_get_full_* gather, and reduced grads are the ranks' mean.
+With clipping that bites (max norm 0.05), grad_reduced is what the inner torch optimizer's step consumes."""
 import json
+import math
 import os
 
 import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import (SHARDED_FAMILIES, assert_injection_named, assert_norms_match, assert_reduced_is_the_mean,
-                    assert_same_labels, assert_sharding_collectives, assert_unpatched, differing, nan_analyze,
-                    the_run)
+from verify import (SHARDED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
+                    assert_reduced_is_the_mean, assert_same_labels, assert_sharding_collectives, assert_unpatched,
+                    differing, nan_analyze, norms, the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
+CLIP = 0.05  # DeepSpeed's gradient_clipping: below every step's grad norm in these jobs
 
 
 # How ZeRO reduces grads and gathers params, through deepspeed.comm's bindings of torch.distributed
@@ -23,7 +26,8 @@ SHARDING_COLLECTIVES = {1: ("all_gather_into_tensor", "all_reduce"), 2: ("all_ga
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_two_ranks(tmp_path, stage):
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--out", str(tmp_path), "--cc", "on"], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", str(stage), "--clip", str(CLIP), "--out", str(tmp_path), "--cc", "on"],
+             output_dir)
     run = the_run(output_dir)
     assert_sharding_collectives(run, 3, *SHARDING_COLLECTIVES[stage])
     for rank in (0, 1):
@@ -31,8 +35,10 @@ def test_zero_stage_two_ranks(tmp_path, stage):
         assert meta["adapter"].startswith("deepspeed (DeepSpeedZeroOptimizer")
         assert meta["parallel"]["dp"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
     assert_unpatched(tmp_path, (0, 1))
+    parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES + ("grad_unreduced",))
-    assert checked == 2 * 3 * 7 * len(list(TinyLM().parameters()))  # ranks × steps × families × parameters
+    assert checked == 2 * 3 * 7 * parameters  # ranks × steps × families × parameters
+    assert assert_clipped(run, tmp_path, (0, 1), CLIP) == 2 * 3 * parameters
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in OPTIMIZER_FAMILIES:
@@ -41,9 +47,10 @@ def test_zero_stage_two_ranks(tmp_path, stage):
 
 def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):
     """ZeRO-0 keeps whole tensors on every rank and all-reduces the grads through `.grad.data`, which leaves
-    their `_version` as it was: grad_reduced is still read after that reduction."""
+    their `_version` as it was: grad_reduced is still read after that reduction, and after the engine's
+    clipping, which runs before the torch optimizer's step."""
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", "0", "--out", str(tmp_path)], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", "0", "--clip", str(CLIP), "--out", str(tmp_path)], output_dir)
     run = the_run(output_dir)
     parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES + ("grad_unreduced",))
@@ -52,19 +59,21 @@ def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in OPTIMIZER_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: after the all-reduce every rank holds the same"
-    assert assert_reduced_is_the_mean(run, tmp_path, (0, 1)) == 2 * 3 * parameters
+    assert assert_reduced_is_the_mean(run, tmp_path, (0, 1), max_norm=CLIP) == 2 * 3 * parameters
     assert_same_labels(run, OPTIMIZER_FAMILIES + ("grad_unreduced",), 0, 1)
 
 
 def test_bf16_optimizer_two_ranks(tmp_path):
     """bf16 weights, fp32 master weights and grads in DeepSpeed's BF16_Optimizer (ZeRO-1 partitions)."""
     output_dir = tmp_path / "monitor_output"
-    torchrun("job_deepspeed.py", 2, ["--stage", "1", "--bf16", "--out", str(tmp_path)], output_dir)
+    torchrun("job_deepspeed.py", 2, ["--stage", "1", "--bf16", "--clip", str(CLIP), "--out", str(tmp_path)], output_dir)
     run = the_run(output_dir)
     assert json.load(open(os.path.join(run, "rank_0", "run.json")))["adapter"] == "deepspeed (BF16_Optimizer)"
     # grad_unreduced is left out: the job's fp32 replica cannot reproduce bf16 grads to 1e-5
+    parameters = len(list(TinyLM().parameters()))
     checked = assert_norms_match(run, tmp_path, (0, 1), OPTIMIZER_FAMILIES)
-    assert checked == 2 * 3 * 6 * len(list(TinyLM().parameters()))
+    assert checked == 2 * 3 * 6 * parameters
+    assert assert_clipped(run, tmp_path, (0, 1), CLIP) == 2 * 3 * parameters
 
 
 @pytest.mark.parametrize("cc", ["off", "on"])
@@ -82,3 +91,9 @@ def test_inf_on_rank_1_is_named_first(tmp_path, stage, cc):
         link = nan_analyze(run)["cross_rank"]["chain"][0]
         assert (link["step"], link["from"], link["to"]) == (1, [1], [0]), link
         assert link["via"].startswith(("reduce_scatter_tensor" if stage == 3 else "all_reduce") + "[0,1]@"), link
+    # ZeRO-2/3 skip that step for its non-finite grad norm, before the inner optimizer consumes anything: the
+    # grads are recorded where DeepSpeed skips, so every rank's grad_reduced shows them non-finite
+    for rank in (0, 1):
+        at_fault = {name: norm for (step, name), norm in norms(os.path.join(run, f"rank_{rank}"), "grad_reduced").items()
+                    if step == 1}
+        assert at_fault and any(not math.isfinite(norm) for norm in at_fault.values()), (rank, at_fault)

@@ -12,11 +12,14 @@ from trainmon.anomaly.cross_rank import attribute
 from trainmon.monitor.collective_ops import parse_comm_name
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import find_run
-from verify import (assert_injection_named, assert_norms_match, assert_same_labels, assert_unpatched, differing,
-                    nan_analyze, norms, the_run)
+from verify import (assert_clipped, assert_injection_named, assert_norms_match, assert_same_labels, assert_unpatched,
+                    differing, nan_analyze, norms, the_run)
 
 pytest.importorskip("megatron.core")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "mg_direction")
+# Megatron's clip_grad where a test makes clipping bite: grad_reduced (compared by run_job with what the inner torch
+# optimizer's step sees) is then the clipped grad, and assert_clipped relates it to the grad before clipping.
+CLIP = ["--clip", "0.05"]
 
 
 def run_job(tmp_path, nproc, *options):
@@ -40,7 +43,9 @@ def comm_rows(run, rank, op):
 
 
 def test_tensor_parallel_2(tmp_path):
-    run, coords = run_job(tmp_path, 2, "--tp", "2")
+    """FP32Optimizer over TP shards, clipping: the inner optimizer consumes main_grad, clipped in place."""
+    run, coords = run_job(tmp_path, 2, "--tp", "2", *CLIP)
+    assert assert_clipped(run, tmp_path, (0, 1), 0.05) > 0
     assert [c["tp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
     for family in FAMILIES:  # the merged records of the full parameters, the same on both TP ranks
         assert differing(run, family, 0, 1)[0] == 0, family
@@ -154,7 +159,9 @@ def assert_dp_collectives_match(run, out_dir, steps, figures=("reduce_scatter_in
 
 
 def test_data_parallel_2_distributed_optimizer(tmp_path):
-    run, coords = run_job(tmp_path, 2, "--distopt", "--cc")
+    """Clipping on: grad_reduced is the main-param shards' grads the inner optimizer steps with."""
+    run, coords = run_job(tmp_path, 2, "--distopt", "--cc", *CLIP)
+    assert assert_clipped(run, tmp_path, (0, 1), 0.05) > 0
     assert [c["dp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total, "each DP rank's unreduced grads come from its own data"
@@ -186,7 +193,7 @@ def test_overlapped_distributed_optimizer_nan_spreads_through_the_reduce_scatter
 
 def test_data_parallel_2_distributed_optimizer_bf16(tmp_path):
     """Float16Module (bf16 weights), fp32 grad buffer, fp32 main-param shards in DistributedOptimizer."""
-    run, coords = run_job(tmp_path, 2, "--distopt", "--bf16")
+    run, coords = run_job(tmp_path, 2, "--distopt", "--bf16", *CLIP)
     changed, total = differing(run, "grad_unreduced", 0, 1)
     assert changed == total
     assert_same_labels(run, ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq"), 0, 1)
@@ -194,8 +201,9 @@ def test_data_parallel_2_distributed_optimizer_bf16(tmp_path):
 
 def test_data_parallel_2_bf16_labels(tmp_path):
     """Float16Module without DistributedOptimizer: every DP rank holds whole fp32 main params, grads and moments,
-    which DP rank 0 counts; both ranks label the merged records with the dtype of those tensors."""
-    run, _ = run_job(tmp_path, 2, "--bf16")
+    which DP rank 0 counts; both ranks label the merged records with the dtype of those tensors. Clipping on:
+    grad_reduced is the fp32 main params' grads, copied from main_grad and clipped, as the inner optimizer sees them."""
+    run, _ = run_job(tmp_path, 2, "--bf16", *CLIP)
     merged = ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq", "mg_direction")
     for family in merged:
         assert differing(run, family, 0, 1)[0] == 0, family

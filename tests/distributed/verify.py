@@ -67,14 +67,21 @@ def differing(run_dir: str, family: str, rank_a: int, rank_b: int, per_micro=Fal
     return sum(not math.isclose(a[k], b[k], rel_tol=1e-9) for k in common), len(common)
 
 
-def assert_reduced_is_the_mean(run_dir: str, out_dir: str, ranks, rel=1e-5) -> int:
+def assert_reduced_is_the_mean(run_dir: str, out_dir: str, ranks, rel=1e-5, max_norm=None) -> int:
     """Every rank's grad_reduced (norm, min, max) is that of the mean of all ranks' own grads, which the job
-    saved (common.LocalGrads) and this averages; returns the number of records checked."""
+    saved (common.LocalGrads) and this averages; with `max_norm`, clipped as torch and DeepSpeed clip (by
+    min(1, max_norm / (total norm + 1e-6))), which must bite at every step. Returns the number of records checked."""
     import torch
 
     local = [torch.load(os.path.join(out_dir, f"local_grads.rank{rank}.pt")) for rank in ranks]
     assert local[0] and all(grads.keys() == local[0].keys() for grads in local)
     mean = {key: torch.stack([grads[key].double() for grads in local]).mean(dim=0) for key in local[0]}
+    if max_norm is not None:
+        for step in {step for step, _ in mean}:
+            total = math.sqrt(sum(float(g.norm()) ** 2 for (s, _), g in mean.items() if s == step))
+            assert max_norm < total, f"step {step}: clipping to {max_norm} does not bite (norm {total})"
+            for key in [key for key in mean if key[0] == step]:
+                mean[key] = mean[key] * (max_norm / (total + 1e-6))
     checked = 0
     for rank in ranks:
         frame = read_family(os.path.join(run_dir, f"rank_{rank}"), "grad_reduced")
@@ -86,6 +93,32 @@ def assert_reduced_is_the_mean(run_dir: str, out_dir: str, ranks, rel=1e-5) -> i
                 assert math.isclose(getattr(row, op), float(value), rel_tol=rel, abs_tol=1e-9), \
                     f"rank {rank} step {step} {name} {op}: written {getattr(row, op)}, mean of the ranks' {value}"
             checked += 1
+    return checked
+
+
+def assert_clipped(run_dir: str, out_dir: str, ranks, max_norm: float, rel=1e-5) -> int:
+    """The framework clipped every step (the clip bites): each rank wrote `grad_clip_coef` < 1, equal to
+    min(1, max_norm / (grad_norm_preclip + 1e-6)), with `grad_norm_preclip` the total norm of the grads before
+    clipping that the job computed (`grad_preclip`, the whole model on each rank), and every grad_reduced
+    record is that grad_preclip times the coefficient. Returns the number of records checked."""
+    from trainmon import open_run
+
+    with open_run(run_dir) as run:
+        scalars = {(int(r.rank), r.name, int(r.step)): r.value for r in run.scalars().itertuples()}
+    checked = 0
+    for rank in ranks:
+        written = norms(os.path.join(run_dir, f"rank_{rank}"), "grad_reduced")
+        for step, by_family in truth(out_dir, rank).items():
+            preclip = by_family["grad_preclip"]
+            coef, norm = (scalars.get((rank, name, int(step))) for name in ("grad_clip_coef", "grad_norm_preclip"))
+            assert coef is not None and norm is not None, f"rank {rank} step {step}: no clipping scalars"
+            assert math.isclose(norm, math.sqrt(sum(v * v for v in preclip.values())), rel_tol=rel)
+            assert coef < 0.99 and math.isclose(coef, min(1.0, max_norm / (norm + 1e-6)), rel_tol=rel), (coef, norm)
+            for name, value in preclip.items():
+                got = written[(int(step), name)]
+                assert math.isclose(got, value * coef, rel_tol=rel, abs_tol=1e-12), \
+                    f"rank {rank} step {step} {name}: grad_reduced {got}, before clipping {value} x {coef}"
+                checked += 1
     return checked
 
 

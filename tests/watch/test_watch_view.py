@@ -66,6 +66,18 @@ def test_worst_and_the_overview_reduction_let_nan_win():
     assert values["actv/a.0/norm"] == 2.0 and math.isnan(values["actv/a.1/norm"])
 
 
+def test_the_overview_grad_norm_is_the_norm_before_clipping():
+    """grad_reduced records are clipped: the overview's grad norm is a logged grad_norm, else the framework's norm
+    before clipping, and only without either the norm of the records."""
+    records = {0: {"grad_reduced": 0.25}}  # sum of squared norms: clipped to 0.5
+    assert StepFigures(1, grad_sumsq=records).grad_norms() == {0: 0.5}
+    preclip = StepFigures(1, grad_sumsq=records, scalars={"grad_norm_preclip": {0: 9.0}})
+    assert preclip.grad_norms() == {0: 9.0}
+    assert dict(View(ViewOptions()).tag_values(preclip))["Overview/grad_norm"] == 9.0
+    logged = StepFigures(1, grad_sumsq=records, scalars={"grad_norm_preclip": {0: 9.0}, "grad_norm": {0: 7.0}})
+    assert logged.grad_norms() == {0: 7.0}
+
+
 def test_groups_are_named_by_their_role():
     roles = GroupRoles([{"world_size": 8, "parallel": {"dp": {"ranks": [0, 2]}, "tp": {"ranks": [0, 1]},
                                                        "pp": {"ranks": [0, 4]}}},

@@ -263,7 +263,8 @@ class MonitorConfig:
     `no_grad`/`inference_mode` or with the model in `eval()`) in the `actv_eval` family, at the last optimizer
     step applied before them, numbered by evaluation pass. Off: evaluation forwards are not recorded."""
     wg_distribution: bool = _field(check_bool, default=False)
-    """Record weight gradients before (`grad_unreduced`) and after (`grad_reduced`) the DP reduction."""
+    """Record weight gradients before (`grad_unreduced`) and after (`grad_reduced`) the DP reduction; `grad_reduced`
+    is what the update consumes, after loss-scale unscaling and clipping."""
     monitor_mbs_grad: bool = _field(check_bool, default=False)
     """Record unreduced weight gradients per micro-batch instead of per step."""
     mv_distribution: bool = _field(check_bool, default=False)

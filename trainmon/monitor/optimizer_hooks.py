@@ -1,5 +1,6 @@
 """Optimizer-step capture: `grad_reduced`, `param_origin` before the update; `param_updated`, Adam
-moments, bias-corrected update/ratio and grad/momentum sign agreement after it.
+moments, bias-corrected update/ratio and grad/momentum sign agreement after it; the framework's
+clipping as scalars.
 
 Every `step()` of the adapter's step owner is one monitor step: the end of it closes the step. A
 torch optimizer gets step pre/post hooks; any other object (a framework's optimizer wrapper such as
@@ -7,9 +8,13 @@ DeepSpeed's or Megatron's, an optimizer-like object) gets its bound `step` wrapp
 which `remove()` undoes. The tensors come from the adapter as this rank's pieces, merged across its
 shard group.
 
-What the step consumes is read when the update is about to use it: when `step(closure)` is given a
-closure (Lightning runs the last micro-batch's forward and backward, and clipping, in it), right after
-the closure's first call returns; otherwise when `step()` starts.
+What the step consumes is read when the update is about to use it, so after loss-scale unscaling and
+clipping: when `step(closure)` is given a closure (Lightning runs the last micro-batch's forward and
+backward, and clipping, in it), right after the closure's first call returns; inside a framework's
+wrapper, when the inner torch optimizer's step that consumes a parameter's grad starts (step pre-hooks
+on it); otherwise when `step()` starts. A step the framework skips for a non-finite grad never reaches
+its inner step: those grads are read where the framework skips, or when its step returns, so a skipped
+step still records the NaN or Inf that made it skip.
 """
 from __future__ import annotations
 
@@ -28,6 +33,10 @@ from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")
 
+# Scalars of a step the framework's optimizer clipped: its total grad norm before clipping, and the factor
+# min(1, max_norm / (norm + 1e-6)) by which every grad_reduced record was scaled.
+GRAD_NORM_PRECLIP, GRAD_CLIP_COEF = "grad_norm_preclip", "grad_clip_coef"
+
 
 class OptimizerHooks:
     def __init__(self, state: HookState, adapter: TrainingAdapter, params: list[WatchedParam],
@@ -45,11 +54,22 @@ class OptimizerHooks:
         self.before_update = tuple(before_update)
         self._handles: list = []
         self._restore = None
+        self._undo_skip_watch = None
         self._warned_no_moments = False
         self._grad_signs: list = []
+        self._inner = None  # the adapter's InnerSteps, or None: grads are read when the owner's step starts
+        self._in_step = False  # a collected step of the owner is running
+        self._inner_calls = 0  # inner step() calls so far in this step
+        self._unread: list[int] = []  # params whose consumed grads this step has not read yet
 
     def install(self) -> None:
         owner = self.adapter.step_owner()
+        self._inner = self.adapter.inner_steps(self.params)
+        if self._inner is not None:
+            inner_pre = self.state.guarded("optimizer step (inner)", self._before_inner_step)
+            for optimizer in self._inner.optimizers:
+                self._handles.append(optimizer.register_step_pre_hook(lambda *_: inner_pre()))
+            self._undo_skip_watch = self.adapter.watch_skips(self.state.guarded("skipped step", self._on_skip))
         before = self.state.guarded("optimizer step (before)", self._before_update)
 
         def pre_step(optimizer, args, kwargs):
@@ -73,10 +93,12 @@ class OptimizerHooks:
         @functools.wraps(original)
         def monitored_step(*args, **kwargs):
             args, kwargs = pre_step(owner, args, kwargs) or (args, kwargs)
+            result = None
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                return result
             finally:
-                self._after_step(owner, args, kwargs)
+                self._after_step(owner, args, kwargs, result)
 
         self._restore = patch_attribute(owner, "step", monitored_step)
 
@@ -87,6 +109,9 @@ class OptimizerHooks:
         if self._restore is not None:
             self._restore()
             self._restore = None
+        if self._undo_skip_watch is not None:
+            self._undo_skip_watch()
+            self._undo_skip_watch = None
 
     def _records(self) -> PieceRecords:
         """Where one point of the step records its families: one collective for all of them."""
@@ -96,31 +121,78 @@ class OptimizerHooks:
         self.state.collector.flush_pending()  # release the held activations before the update
         for callback in self.before_update:
             callback()
-        records = self._records()
+        self._in_step, self._inner_calls = True, 0
+        self._unread = list(range(len(self.params)))
+        self._grad_signs = [None] * len(self.params)
+        if self._inner is None:
+            self._read_consumed(self._unread, self.adapter.reduced_grads)
+
+    def _before_inner_step(self) -> None:
+        """An inner step is about to consume the grads of the params it is due to (the same on every rank)."""
+        if not (self._in_step and self.state.collecting):
+            return
+        call, self._inner_calls = self._inner_calls, self._inner_calls + 1
+        due = [i for i in self._unread if self._inner.call_of[i] == call]
+        if due:
+            self._read_consumed(due, self.adapter.reduced_grads)
+
+    def _on_skip(self) -> None:
+        """The framework skips this step before any inner step: its grads are read before it clears them."""
+        if self._in_step and self.state.collecting and self._inner_calls == 0 and self._unread:
+            self._read_consumed(self._unread, self.adapter.skipped_grads)
+
+    def _read_consumed(self, indices: list[int], read) -> None:
+        """Records grad_reduced (and keeps the grads' signs) and param_origin of params[indices], the grads
+        from `read(params)`."""
+        chosen = set(indices)
+        self._unread = [i for i in self._unread if i not in chosen]
+        if not (self.reduced_grads or self.sign_agreement or self.params_before_after):
+            return
+        params = [self.params[i] for i in indices]
+        records = PieceRecords(self.state, params, group=self.adapter.shard_group)
         if self.reduced_grads or self.sign_agreement:
-            grads = self.adapter.reduced_grads(self.params)
+            grads = read(params)
             if self.reduced_grads:
                 records.add(GRAD_REDUCED, grads)
             if self.sign_agreement:
                 # Frameworks free or reuse the reduced grads during their step: only the signs are kept.
-                self._grad_signs = [torch.sign(g) if g is not None else None for g in grads]
+                for i, g in zip(indices, grads):
+                    self._grad_signs[i] = torch.sign(g) if g is not None else None
         if self.params_before_after:
-            records.add(PARAM_ORIGIN, self.adapter.main_params(self.params))
+            records.add(PARAM_ORIGIN, self.adapter.main_params(params))
         records.commit()
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
+    def _after_step(self, optimizer, args, kwargs, result=None) -> None:
         try:
             if self.state.collecting:
-                self.state.guarded("optimizer step (after)", self._collect_after_step)()
+                self.state.guarded("optimizer step (after)", self._collect_after_step)(result)
         finally:
+            self._in_step = False
             self.end_step()
 
-    def _collect_after_step(self) -> None:
+    def _collect_after_step(self, result) -> None:
+        if self._in_step and self._unread:  # no inner step consumed them: the framework skipped this step
+            self._read_consumed(self._unread, self.adapter.skipped_grads)
+        if self._inner is not None and self._inner_calls:
+            self._record_clipping(result)
         records = self._records()
         if self.params_before_after:
             records.add(PARAM_UPDATED, self.adapter.main_params(self.params))
         self._record_adam_state(records)
         records.commit()
+
+    def _record_clipping(self, result) -> None:
+        clipping = self.adapter.clipping(result)
+        if clipping is None:
+            return
+        norm, max_norm = clipping
+        collector = self.state.collector
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().float().clone()  # the framework may reuse it
+            collector.add_scalar(GRAD_CLIP_COEF, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        else:
+            collector.add_scalar(GRAD_CLIP_COEF, min(1.0, max_norm / (norm + 1e-6)))
+        collector.add_scalar(GRAD_NORM_PRECLIP, norm)
 
     def _record_adam_state(self, records: PieceRecords) -> None:
         if not (self.moments or self.update_ratio or self.sign_agreement):

@@ -29,6 +29,7 @@ STATS = ("min", "median", "max")
 MAX_RANK = "max_rank"
 SCALARS = "scalars"
 GRAD_NORM = "grad_norm"  # the global grad norm: a logged scalar of that name, else computed from the records
+GRAD_NORM_PRECLIP = "grad_norm_preclip"  # the framework's norm before clipping (optimizer_hooks writes it)
 _LAYER = re.compile(r"^((?:[^.]+\.)*?[^.]+\.\d+)(?:\.|$)")  # up to the first numbered component
 
 Key = tuple  # (family, name, vpp_stage, op)
@@ -145,10 +146,11 @@ class StepFigures:
     layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)
 
     def grad_norms(self) -> dict[int, float]:
-        """The global grad norm per rank: the logged `grad_norm` scalar, else from the reduced grads'
-        records (the unreduced ones when only those were recorded)."""
-        if GRAD_NORM in self.scalars:
-            return dict(self.scalars[GRAD_NORM])
+        """The global grad norm per rank: the logged `grad_norm` scalar, else the framework's norm before
+        clipping, else from the reduced grads' records (the unreduced ones when only those were recorded)."""
+        for logged in (GRAD_NORM, GRAD_NORM_PRECLIP):
+            if logged in self.scalars:
+                return dict(self.scalars[logged])
         out = {}
         for rank, totals in self.grad_sumsq.items():
             total = totals.get(GRAD_REDUCED, totals.get(GRAD_UNREDUCED))

@@ -7,7 +7,8 @@ tensor, or None when the rank holds nothing of it. A rank that holds a duplicate
 (or only padding) gives an empty tensor of the tensor's dtype: it adds nothing to the merged record and
 labels it as the counting rank does.
 
-- which tensor is the reduced gradient the optimizer consumes,
+- which tensor is the reduced gradient the optimizer consumes (after loss-scale unscaling and clipping),
+  and in which call of the inner torch optimizer's step it is consumed,
 - which tensor is the (main, fp32 when kept) weight,
 - which tensors are the Adam moments, with the step and hyper-parameters to bias-correct them,
 - where the gradient is seen before its reduction.
@@ -94,13 +95,44 @@ class TrainingAdapter(Protocol):
         """The object whose `step()` is one monitor step (a torch optimizer, or a framework's wrapper)."""
 
     def reduced_grads(self, params: Sequence[WatchedParam]) -> list[Optional[torch.Tensor]]:
-        """This rank's pieces of the reduced grads, read just before the optimizer step."""
+        """This rank's pieces of the grads the update consumes (unscaled and clipped), read when the inner
+        step that consumes them starts (the step owner's own step when there is no inner one)."""
+
+    def inner_steps(self, params: Sequence[WatchedParam]) -> Optional["InnerSteps"]:
+        """The torch optimizers inside the step owner whose step consumes the grads, and in which of their
+        calls each parameter's grad is consumed; None when the step owner is that optimizer itself."""
+
+    def skipped_grads(self, params: Sequence[WatchedParam]) -> list[Optional[torch.Tensor]]:
+        """This rank's pieces of the grads of a step the framework skips (a non-finite grad or norm), as
+        it holds them when it skips: at its skip point (`watch_skips`), or when its step returns."""
+
+    def watch_skips(self, on_skip: Callable[[], None]) -> Callable[[], None]:
+        """Calls `on_skip()` where the framework skips a step, before it clears the grads; returns the undo."""
+
+    def clipping(self, step_result) -> Optional[tuple]:
+        """(total grad norm before clipping, max norm) of a step the framework's optimizer clipped, from
+        that optimizer and what its `step()` returned; None where it does not clip."""
 
     def main_params(self, params: Sequence[WatchedParam]) -> list[Optional[torch.Tensor]]:
         """This rank's pieces of the weights the optimizer updates."""
 
     def adam_pieces(self, params: Sequence[WatchedParam]) -> list[Optional[AdamPiece]]:
         """This rank's pieces of the Adam moments, read just after the optimizer step."""
+
+
+@dataclass(frozen=True)
+class InnerSteps:
+    """Where grads are consumed inside a framework's step: `optimizers` (torch optimizers; their step()
+    calls are counted together, from 0, within one step of the step owner) and `call_of[i]`, the call
+    that consumes parameter i's grad. Every rank makes the same calls, so records merge in step."""
+
+    optimizers: Sequence[torch.optim.Optimizer]
+    call_of: Sequence[int]
+
+
+def no_skip_point(on_skip: Callable[[], None]) -> Callable[[], None]:
+    """`watch_skips` of a framework whose skipped grads are still there when its step returns."""
+    return lambda: None
 
 
 @dataclass
@@ -144,6 +176,18 @@ class PlainAdapter:
 
     def reduced_grads(self, params):
         return [w.param.grad for w in params]
+
+    def inner_steps(self, params):
+        return None
+
+    def skipped_grads(self, params):
+        return self.reduced_grads(params)
+
+    def watch_skips(self, on_skip):
+        return no_skip_point(on_skip)
+
+    def clipping(self, step_result):
+        return None
 
     def main_params(self, params):
         return [w.param.detach() for w in params]

@@ -4,20 +4,26 @@ ZeRO 1/2 and BF16_Optimizer keep one flat fp32 partition per param group and ran
 parameter's `_hp_mapping` (DeepSpeed's fragment bookkeeping) holds views of its fragment in that
 partition: the fp32 weight (`hp_fragment`), the optimizer state (`optim_fragment`) and, between
 backward and step, the reduced grad (`get_lp_grad_fragment`). ZeRO-3 keeps the same per parameter
-(`ds_id`), padded at the end of the last rank's partition. All of these are views: nothing is copied
-or gathered, and the pieces' records merge across the data-parallel group.
+(`ds_id`, `grad_position`), padded at the end of the last rank's partition. All of these are views:
+nothing is copied or gathered, and the pieces' records merge across the data-parallel group.
 
 A monitor step is one call of the ZeRO optimizer's `step()` (what `engine.step()` runs at the end of
-an accumulation cycle); reduced grads are read when it starts, before clipping (as
-`safe_get_full_grad` sees them), weights and moments when it returns.
+an accumulation cycle). Reduced grads are what the inner torch optimizer consumes: the flat partition's
+`.grad` at the parameter's fragment address, when the inner step that updates that partition starts,
+after DeepSpeed has unscaled and clipped it (ZeRO 1/2 step once per param group, ZeRO-3 once per
+sub-group, each preparing that partition's grads just before). A step DeepSpeed skips (a non-finite
+grad norm, an fp16 overflow) never reaches the inner step: its grads are read where DeepSpeed decides
+to skip, before it clears them (`_update_scale(overflow)`; BF16_Optimizer's `clear_hp_grads`), as
+`safe_get_full_grad` sees them. Weights and moments are read when the step returns.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from trainmon.monitor.adapters.base import (ACCUMULATED, PER_MICRO_BATCH, AdamPiece, WatchedParam,
+from trainmon.monitor.adapters.base import (ACCUMULATED, PER_MICRO_BATCH, AdamPiece, InnerSteps, WatchedParam,
                                             data_parallel_coordinates)
+from trainmon.monitor.patching import patch_attribute
 
 
 def is_deepspeed_optimizer(optimizer) -> bool:
@@ -38,6 +44,10 @@ class DeepSpeedAdapter:
         reduces_in_backward = self.zero3 or bool(getattr(optimizer, "_grad_acc_hooks", None))
         self.unreduced_capture = PER_MICRO_BATCH if reduces_in_backward else ACCUMULATED
         self._valid = {}
+        # Which call of the inner step consumes each parameter's grads: ZeRO 1/2 step param group i in
+        # call i; ZeRO-3 sub-group i in call i; BF16_Optimizer steps all groups in one call.
+        groups = getattr(optimizer, "bit16_groups", None)
+        self._call_of = {id(p): i for i, group in enumerate(groups) for p in group} if groups is not None else {}
 
     def describe(self) -> dict:
         return data_parallel_coordinates(self.shard_group)
@@ -58,6 +68,7 @@ class DeepSpeedAdapter:
             per_rank = p.ds_tensor.ds_numel
             # Elements of this rank's partition that belong to the parameter (the rest is padding).
             self._valid[id(p)] = max(0, min(per_rank, p.ds_numel - rank * per_rank))
+            self._call_of[id(p)] = self._grad_position(p)[0]
             out.append(WatchedParam(w.name, p, w.vpp_stage, tuple(p.ds_shape)))
         return out
 
@@ -72,6 +83,26 @@ class DeepSpeedAdapter:
 
     # ------------------------------------------------------------------------------- pieces
     def reduced_grads(self, params):
+        return [self._consumed_grad(w.param) for w in params]
+
+    def _consumed_grad(self, param):
+        """The parameter's fragment of the flat fp32 grad the inner optimizer steps with, or None where
+        this rank holds none of it or that partition's grads are not prepared now."""
+        if self.zero3:
+            group_index, offset, numel = self._grad_position(param)
+            flat = self.optimizer.fp32_partitioned_groups_flat[group_index].grad
+            return self._z3(param, flat.narrow(0, offset, numel)) if flat is not None else None
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            return None
+        flat = self._flat_partition(mapping.param_group_index).grad
+        address = mapping.hp_fragment_address
+        return flat.narrow(0, address.start, address.numel) if flat is not None else None
+
+    def inner_steps(self, params):
+        return InnerSteps([self.inner], [self._call_of.get(id(w.param), 0) for w in params])
+
+    def skipped_grads(self, params):
         if self.zero3:
             return [self._z3(w.param, self.optimizer.get_local_fp32_grad_for_param(w.param)) for w in params]
         out = []
@@ -87,6 +118,30 @@ class DeepSpeedAdapter:
                 grad = grad.narrow(0, address.start, address.numel)
             out.append(grad)
         return out
+
+    def watch_skips(self, on_skip):
+        opt = self.optimizer
+        if not hasattr(opt, "_update_scale"):  # BF16_Optimizer zeroes its fp32 grads where it skips
+            clear_hp_grads = opt.clear_hp_grads
+
+            def clear_after_reading(*args, **kwargs):
+                on_skip()  # the core ignores the call after an update (it also clears the grads then)
+                return clear_hp_grads(*args, **kwargs)
+
+            return patch_attribute(opt, "clear_hp_grads", clear_after_reading)
+        update_scale = opt._update_scale  # ZeRO 1/2/3 pass the skip decision here, before clearing grads
+
+        def update_scale_after_reading(has_overflow=False, *args, **kwargs):
+            if has_overflow:
+                on_skip()
+            return update_scale(has_overflow, *args, **kwargs)
+
+        return patch_attribute(opt, "_update_scale", update_scale_after_reading)
+
+    def clipping(self, step_result):
+        max_norm = getattr(self.optimizer, "clip_grad", 0.0)
+        norm = getattr(self.optimizer, "_global_grad_norm", None)  # before clipping, unscaled
+        return (norm, max_norm) if max_norm and norm is not None else None
 
     def main_params(self, params):
         if self.zero3:
@@ -122,6 +177,10 @@ class DeepSpeedAdapter:
         if flats is None:  # BF16_Optimizer
             flats = self.optimizer.fp32_groups_flat_partition
         return flats[group_index]
+
+    def _grad_position(self, param) -> tuple:
+        """(sub-group, offset, elements) of the parameter's grad in ZeRO-3's flat fp32 partition."""
+        return self.optimizer.grad_position[self.optimizer.get_param_id(param)]
 
     def _z3(self, param, local):
         """The parameter's elements of this rank's partition; empty (but of the partition's dtype, which

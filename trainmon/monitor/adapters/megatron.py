@@ -2,8 +2,12 @@
 
 - Unreduced grads are the `main_grad`s (views into the grad buffer) when a bucket group starts its
   grad sync: the accumulated local grad, before scaling and before the data-parallel collective.
-- Reduced grads are the `main_grad`s when the optimizer step starts; under DistributedOptimizer only
-  this data-parallel rank's range of each parameter is reduced, so that range is the piece.
+- Reduced grads are what the inner torch optimizer consumes: the fp32 main params' `.grad` when its step
+  starts, after Megatron has copied them from `main_grad`, unscaled them and clipped them (it prepares and
+  clips every chained optimizer's grads before stepping any). Under DistributedOptimizer the main param
+  is this data-parallel rank's range of the parameter, so that range is the piece. A step skipped for a
+  non-finite grad (found_inf under loss scaling) never reaches the inner step: its grads, unscaled, are
+  read when Megatron's step returns. `clipping` gives the norm that step() returns and `clip_grad`.
 - Main params and Adam state come from the optimizer: the fp32 main param (a shard under
   DistributedOptimizer, mapped back by its range map) and the inner torch optimizer's state of it.
 - Names, the pipeline stage, coordinates and the unreduced-grad capture are the model's (`megatron_model`).
@@ -19,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, WatchedParam
+from trainmon.monitor.adapters.base import ADAPTER, AdamPiece, InnerSteps, WatchedParam, no_skip_point
 from trainmon.monitor.adapters.megatron_model import GradBufferCapture, MegatronPlacement
 
 
@@ -111,14 +115,26 @@ class MegatronAdapter(MegatronPlacement):
         out = []
         for w in params:
             where = self._where.get(id(w.param))
-            grad = getattr(w.param, "main_grad", None)
-            if where is None or grad is None:
-                out.append(None)
-                continue
-            if where.grad_range is not None:
-                grad = grad.view(-1)[where.grad_range[0]:where.grad_range[1]]
-            out.append(_counted(grad, self._counts(w.param, where)))
+            grad = where.main.grad if where is not None else None
+            out.append(_counted(grad, self._counts(w.param, where)) if grad is not None else None)
         return out
+
+    def inner_steps(self, params):
+        inner = [o.optimizer for o in self.optimizers if getattr(o, "optimizer", None) is not None]
+        return InnerSteps(inner, [0] * len(params))
+
+    def skipped_grads(self, params):
+        return self.reduced_grads(params)
+
+    def watch_skips(self, on_skip):
+        return no_skip_point(on_skip)
+
+    def clipping(self, step_result):
+        max_norm = getattr(getattr(self.optimizer, "config", None), "clip_grad", 0.0)
+        if not max_norm or not isinstance(step_result, tuple) or len(step_result) < 2:
+            return None
+        applied, norm = step_result[0], step_result[1]  # (update applied, grad norm, zeros in grads)
+        return (norm, max_norm) if applied and norm is not None else None
 
     def main_params(self, params):
         return [_counted(where.main, self._counts(w.param, where))

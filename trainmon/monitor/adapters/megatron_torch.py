@@ -43,6 +43,18 @@ class TorchOptimizerOnMegatron(MegatronPlacement):
             return self.inner.reduced_grads(params)
         return [getattr(w.param, "main_grad", None) for w in params]
 
+    def inner_steps(self, params):
+        return self.inner.inner_steps(params)
+
+    def skipped_grads(self, params):
+        return self.reduced_grads(params)
+
+    def watch_skips(self, on_skip):
+        return self.inner.watch_skips(on_skip)
+
+    def clipping(self, step_result):
+        return self.inner.clipping(step_result)
+
     def main_params(self, params):
         return self.inner.main_params(params)
 

@@ -4,8 +4,8 @@ moments, bias-corrected update/ratio and grad/momentum sign agreement after it.
 Every `step()` of the adapter's step owner is one monitor step: the end of it closes the step. A
 torch optimizer gets step pre/post hooks; any other object (a framework's optimizer wrapper such as
 DeepSpeed's or Megatron's, an optimizer-like object) gets its bound `step` wrapped on the instance,
-which `remove()` undoes. The tensors come from the adapter as this rank's pieces, merged across its
-shard group.
+which `remove()` undoes. The tensors come from the adapter as this rank's pieces, merged across each
+parameter's groups (`WatchedParam.merge_over`).
 
 What the step consumes is read when the update is about to use it: when `step(closure)` is given a
 closure (Lightning runs the last micro-batch's forward and backward, and clipping, in it), right after
@@ -90,7 +90,7 @@ class OptimizerHooks:
 
     def _records(self) -> PieceRecords:
         """Where one point of the step records its families: one collective for all of them."""
-        return PieceRecords(self.state, self.params, group=self.adapter.shard_group)
+        return PieceRecords(self.state, self.params)
 
     def _before_update(self) -> None:
         self.state.collector.flush_pending()  # release the held activations before the update
@@ -128,7 +128,8 @@ class OptimizerHooks:
         pieces = self.adapter.adam_pieces(self.params)
         if not pieces:
             return
-        if self.adapter.shard_group is None and all(p is None for p in pieces):
+        # Where pieces merge across ranks, every rank takes part, whatever it holds.
+        if not any(w.merge_over for w in self.params) and all(p is None for p in pieces):
             if not self._warned_no_moments:
                 self._warned_no_moments = True
                 logger.warning("trainmon: the optimizer keeps no Adam moments (exp_avg, exp_avg_sq); "

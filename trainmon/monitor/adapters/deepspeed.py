@@ -13,6 +13,8 @@ an accumulation cycle); reduced grads are read when it starts, before clipping (
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -49,8 +51,9 @@ class DeepSpeedAdapter:
         return name
 
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
+        over = (self.shard_group,)
         if not self.zero3:
-            return params
+            return [dataclasses.replace(w, merge_over=over) for w in params]
         out = []
         rank = dist.get_rank(self.shard_group)
         for w in params:
@@ -58,7 +61,7 @@ class DeepSpeedAdapter:
             per_rank = p.ds_tensor.ds_numel
             # Elements of this rank's partition that belong to the parameter (the rest is padding).
             self._valid[id(p)] = max(0, min(per_rank, p.ds_numel - rank * per_rank))
-            out.append(WatchedParam(w.name, p, w.vpp_stage, tuple(p.ds_shape)))
+            out.append(WatchedParam(w.name, p, w.vpp_stage, tuple(p.ds_shape), over))
         return out
 
     def install_unreduced(self, params, record) -> None:

@@ -11,17 +11,15 @@ optimizer, and a torch optimizer on a Megatron model, as in Megatron-Core's quic
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from trainmon.monitor.adapters.base import ADAPTER, WatchedParam, group_coordinates
+from trainmon.monitor.adapters.naming import renumber
 from trainmon.monitor.patching import patch_attribute
 
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
-_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)(?=\.|$)")
 
 
 def megatron_module(chunks: list[torch.nn.Module]) -> Optional[str]:
@@ -121,12 +119,8 @@ class MegatronPlacement:
 
     def rename(self, vpp_stage: int, name: str) -> str:
         """`layers.<i>` with the global layer number, `local_experts.<j>` with the global expert number."""
-        layers, experts = self._layer_offsets[vpp_stage], self._expert_offsets[vpp_stage]
-        if layers:
-            name = _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layers}", name)
-        if experts:
-            name = _EXPERT.sub(lambda m: f"{m.group(1)}local_experts.{int(m.group(2)) + experts}", name)
-        return name
+        name = renumber(name, "layers", self._layer_offsets[vpp_stage])
+        return renumber(name, "local_experts", self._expert_offsets[vpp_stage])
 
 
 def bucket_groups(chunks: list[torch.nn.Module]) -> list:

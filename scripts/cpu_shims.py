@@ -6,6 +6,11 @@ Megatron hard-codes CUDA in a few places. `apply()` (after importing megatron.co
 - `torch.cuda.current_device()` → "cpu" (GlobalMemoryBuffer in attention allocates on it);
 - the CUDA RNG tracker (`model_parallel_cuda_manual_seed`, `_get/_set_cuda_rng_state`) → a CPU generator;
 - `torch.cuda.synchronize()` → no-op (pipeline p2p calls it);
+- CUDA streams and events → one host "stream" whose waits and events are no-ops (MoE's alltoall token
+  dispatcher copies its split sizes to the host on a side stream);
+- that dispatcher's host copy turns split sizes into numpy arrays only for CUDA tensors, and the collective
+  wants sequences: on the CPU the tensors become arrays too;
+- MoE's router gating refers to TransformerEngine's `te_general_gemm`, undefined without TE → None (torch.mm);
 - a TorchFunctionMode that rewrites `device="cuda"` to the CPU (the schedules allocate on "cuda") and
   makes `Tensor.type()` report `torch.cuda.*Tensor` (DistributedOptimizer and grad clipping assert it).
 
@@ -16,6 +21,25 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _mode = None
+
+
+class _HostStream:
+    """The only stream of a CPU: work is done when its call returns, so waiting and events are no-ops."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def _is_cuda(device) -> bool:
@@ -54,13 +78,28 @@ def apply() -> None:
     if _mode is not None:
         return
     import megatron.core.tensor_parallel.random as megatron_random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    host_stream = _HostStream()
+    torch.cuda.Stream = torch.cuda.current_stream = lambda *a, **k: host_stream
+    torch.cuda.stream = lambda stream=None: host_stream
     generator = torch.Generator()
     torch.cuda.get_rng_state = lambda *a, **k: generator.get_state()
     torch.cuda.manual_seed = torch.cuda.manual_seed_all = lambda seed: generator.manual_seed(seed)
     megatron_random._get_cuda_rng_state = lambda *a, **k: generator.get_state()
     megatron_random._set_cuda_rng_state = lambda state, *a, **k: generator.set_state(state)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    move_to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
     _mode = CudaToCpuMode()
     _mode.__enter__()

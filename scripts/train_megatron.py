@@ -5,6 +5,7 @@
   # --pp 2 (1F1B pipeline), --pp 2 --vpp 2 (interleaved, 2 model chunks per stage),
   # --distopt (DistributedOptimizer over DP), --overlap (async grad reduce / param gather), --bf16 (Float16Module);
   # 4 processes: --tp 2 --pp 2.
+  # --moe-experts 4 --ep 2: every layer's MLP is 4 experts (SequentialMLP), 2 on each expert-parallel rank.
   # --optimizer torch: torch.optim.AdamW on unwrapped chunks, as Megatron-Core's quick-start trains.
   # --config none trains unmonitored; --timings PATH writes step times (benchmarks/frameworks.py).
 
@@ -29,6 +30,10 @@ def parse_args(argv=None):
     parser.add_argument("--distopt", action="store_true", help="DistributedOptimizer (shards over DP)")
     parser.add_argument("--overlap", action="store_true", help="overlapped (asynchronous) grad reduce and, with "
                         "--distopt, param gather")
+    parser.add_argument("--moe-experts", type=int, default=0, help="MoE: experts per layer (0: dense MLP)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits --moe-experts)")
+    parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall",
+                        help="MoE token dispatcher (both run on gloo)")
     parser.add_argument("--optimizer", choices=["megatron", "torch"], default="megatron",
                         help="megatron: DDP-wrapped chunks and get_megatron_optimizer; torch: AdamW, no DDP")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
@@ -63,7 +68,8 @@ def setup(args):
     dist.init_process_group("gloo")
     vpp = args.vpp if args.vpp > 1 else None
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=args.ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -76,15 +82,19 @@ def setup(args):
         # Under VPP on 2 stages a stage's previous and next stage are the same rank; a batched p2p then posts two
         # sends to one peer, which gloo matches to the receives in posting order: activations and grads swap.
         batch_p2p_comm=vpp is None,
+        **(dict(num_moe_experts=args.moe_experts, expert_model_parallel_size=args.ep, moe_router_topk=2,
+                moe_ffn_hidden_size=args.hidden, moe_token_dispatcher_type=args.dispatcher,
+                moe_grouped_gemm=False) if args.moe_experts else {}),
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
            if args.recompute else {}))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt,
                                                overlap_grad_reduce=args.overlap,
                                                overlap_param_gather=args.overlap and args.distopt)
+    layer_spec = get_gpt_layer_local_spec(num_experts=args.moe_experts or None, moe_grouped_gemm=False)
     chunks = []
     for stage in range(args.vpp):
         stage_kw = {"ignore_virtual": False, "vp_stage": stage} if vpp else {}
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=args.vocab,
                          max_sequence_length=args.seq, pre_process=parallel_state.is_pipeline_first_stage(**stage_kw),
                          post_process=parallel_state.is_pipeline_last_stage(**stage_kw),
                          share_embeddings_and_output_weights=args.pp == 1, position_embedding_type="learned_absolute",

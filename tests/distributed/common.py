@@ -106,7 +106,7 @@ def finish(monitor, out_dir: str = None, patched_objects=()) -> None:
 
 
 def inject_inf(module: nn.Module, spec: str, rank: int, current_step) -> None:
-    """Puts an inf into element [0, 0, 0] of `module`'s output (the first element of a tuple output) on
+    """Puts an inf into the first element of `module`'s output (the first tensor of a tuple output) on
     the rank and step of `spec` ("RANK:STEP[:MICRO]"), with MICRO only in the module's MICRO-th call of
     that step (its micro-batch); `current_step()` tells the running step.
 
@@ -121,7 +121,7 @@ def inject_inf(module: nn.Module, spec: str, rank: int, current_step) -> None:
         if rank != bad_rank or step != bad_step or (micro and call != micro[0]):
             return None
         hidden = (output[0] if isinstance(output, tuple) else output).clone()
-        hidden[0, 0, 0] = float("inf")
+        hidden.view(-1)[0] = float("inf")
         return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
 
     module.register_forward_hook(hook)

@@ -1,6 +1,7 @@
 """Megatron-Core GPT (scripts/train_megatron.py) under TrainerMon, with full tensors gathered for comparison.
 
-  torchrun --nproc_per_node=N job_megatron.py --out DIR [train_megatron.py options: --tp, --pp, --distopt]
+  torchrun --nproc_per_node=N job_megatron.py --out DIR [train_megatron.py options: --tp, --pp, --distopt,
+      --moe-experts 4 --ep 2]
   # --inject 1:1:1 --inject-module 0:module.decoder.layers.0.mlp.linear_fc1: an inf on rank 1 at step 1,
   # micro-step 1, in that module of chunk 0 (global layer 2 when 2 layers precede it), sentinel and alerts on
   # --inject-grad 1:1: NaN grads of every parameter on rank 1 at step 1, before the DP reduction
@@ -61,9 +62,9 @@ if known.inject_grad:
 extra = injection_config() if known.inject or known.inject_grad else {}
 if known.xy:
     extra = dict(xy_distribution=True)
-(chained,) = optimizer.chained_optimizers
 if known.clip is not None:
-    chained.config.clip_grad = known.clip
+    for chained in optimizer.chained_optimizers:
+        chained.config.clip_grad = known.clip
     extra["format"] = ["csv", "db"]  # the clipping scalars are in the database
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
                                   mg_direction=True, **extra))
@@ -77,28 +78,44 @@ repointed = sorted(name for name in BOUND if getattr(param_and_grad_buffer, name
 
 
 def global_names(chunk):
-    """(name, param) with Megatron's global layer numbers (each stage and chunk numbers its layers from 0)."""
+    """(name, param) with Megatron's global layer numbers (each stage and chunk numbers its layers from 0) and
+    global expert numbers (each expert-parallel rank numbers its experts from 0)."""
     layers = {name: f"{name.rsplit('.', 1)[0]}.{module.layer_number - 1}" for name, module in chunk.named_modules()
               if hasattr(module, "layer_number") and name.rsplit(".", 1)[-1].isdigit()}
+    ep_rank = ps.get_expert_model_parallel_rank()
+    experts = {f"{name}.local_experts.{i}": f"{name}.local_experts.{i + ep_rank * len(module.local_experts)}"
+               for name, module in chunk.named_modules() if hasattr(module, "local_experts")
+               for i in range(len(module.local_experts))}
     for name, param in chunk.named_parameters():
-        local = next((prefix for prefix in layers if name.startswith(prefix + ".")), None)
-        yield (layers[local] + name[len(local):] if local else name), param
+        for renames in (experts, layers):  # experts first: their prefixes hold the local layer number
+            local = next((prefix for prefix in renames if name.startswith(prefix + ".")), None)
+            name = renames[local] + name[len(local):] if local else name
+        yield name, param
 
 
 # Names as trainmon writes them (squash_name), with "<chunk>:" for virtual pipeline chunks after the first.
 named = [((f"{vpp}:" if vpp else "") + ".".join(p for p in n.split(".") if p != "module"), p)
          for vpp, chunk in enumerate(chunks) for n, p in global_names(chunk)]
-dp_group, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+dp_size = ps.get_data_parallel_world_size()
 truth = Truth()
 reduced = {}  # name: the full reduced grad of the running step
 
 
+def groups(param):
+    """(TP group, DP group) of a parameter: experts under expert parallelism (Megatron marks them
+    allreduce=False) are split and replicated over the expert groups."""
+    if getattr(param, "allreduce", True):
+        return ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    return ps.get_expert_tensor_parallel_group(), ps.get_expert_data_parallel_group()
+
+
 def tp_full(param, tensor):
     """The whole parameter's tensor from this TP rank's shard (all-gather along the partition dim)."""
-    if not getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_world_size() == 1:
+    tp_group = groups(param)[0]
+    if not getattr(param, "tensor_model_parallel", False) or tp_group.size() == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    parts = [torch.empty_like(tensor) for _ in range(tp_group.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=tp_group)
     return torch.cat(parts, dim=param.partition_dim)
 
 
@@ -107,7 +124,7 @@ def dp_full(param, shard, param_range):
     flat = torch.zeros(param.numel(), dtype=torch.float32)
     if shard is not None:
         flat[param_range.start:param_range.end] = shard.detach().float()
-    dist.all_reduce(flat, group=dp_group)
+    dist.all_reduce(flat, group=groups(param)[1])
     return flat.view(param.shape)
 
 
@@ -128,7 +145,8 @@ def finalize_and_record(*a, **k):
         for name, p in named:
             local = p.main_grad.detach().clone()
             truth.add(step, "grad_unreduced", name, tp_full(p, local))
-            dist.all_reduce(local, group=dp_group)
+            # Megatron's reduced grad is the sum over the (expert) DP group over the data-parallel size
+            dist.all_reduce(local, group=groups(p)[1])
             reduced[name] = tp_full(p, local / dp_size)
             truth.add(step, "grad_preclip", name, reduced[name])
     if args.distopt and args.overlap:  # the params were gathered in this step's forward
@@ -144,42 +162,55 @@ def finalize_and_record(*a, **k):
 
 
 config.finalize_model_grads_func = finalize_and_record
+# One chained optimizer for dense parameters, and under expert parallelism one for experts.
+chained_of = {p: chained for chained in optimizer.chained_optimizers for g in chained.optimizer.param_groups
+              for p in g["params"]}
 # Without DistributedOptimizer, bf16 (Float16OptimizerWithFloat16Params) keeps Adam state on fp32 copies.
-main_of = {p: main for model_group, main_group in zip(getattr(chained, "float16_groups", []),
-                                                      getattr(chained, "fp32_from_float16_groups", []))
+main_of = {p: main for chained in optimizer.chained_optimizers
+           for model_group, main_group in zip(getattr(chained, "float16_groups", []),
+                                              getattr(chained, "fp32_from_float16_groups", []))
            for p, main in zip(model_group, main_group)}
 
 
+consumed_at = set()
+
+
 def record_consumed(inner, *_):
-    """The grads the inner torch optimizer is about to consume: its main params' (shards') .grad, as full tensors."""
+    """The grads the inner torch optimizers are about to consume: their main params' (shards') .grad, as full
+    tensors. Megatron's ChainedOptimizer unscales and clips every optimizer's grads before the first one steps."""
+    if step in consumed_at:
+        return
+    consumed_at.add(step)
     with not_monitored():
         for name, p in named:
-            if args.distopt:
-                owned = p in chained.model_param_group_index_map
-                if owned:
-                    group, index = chained.model_param_group_index_map[p]
-                    shard = inner.param_groups[group]["params"][index].grad
-                full = dp_full(p, shard if owned else None,
-                               chained._get_model_param_range_map(p)["param"] if owned else None)
+            if args.distopt:  # the optimizer holding a shard of it here, if any
+                owner = next((c for c in optimizer.chained_optimizers if p in c.model_param_group_index_map), None)
+                shard = None
+                if owner is not None:
+                    group, index = owner.model_param_group_index_map[p]
+                    shard = owner.optimizer.param_groups[group]["params"][index].grad
+                full = dp_full(p, shard, owner._get_model_param_range_map(p)["param"] if owner else None)
             else:
                 full = main_of.get(p, p).grad
             truth.add(step, "grad_reduced", name, tp_full(p, full))
 
 
-chained.optimizer.register_step_pre_hook(record_consumed)
+for chained in optimizer.chained_optimizers:
+    chained.optimizer.register_step_pre_hook(record_consumed)
 
 
 def record_optimizer_state(step):
     for name, p in named:
-        for key in ("exp_avg", "exp_avg_sq"):
-            if args.distopt:
-                owned = p in chained.model_param_group_index_map
-                shard = chained._get_main_param_and_optimizer_states(p)[key] if owned else None
-                full = dp_full(p, shard, chained._get_model_param_range_map(p)["param"] if owned else None)
+        for key in ("param", "exp_avg", "exp_avg_sq"):  # the fp32 main param (param_updated) and Adam state
+            if args.distopt:  # the optimizer holding a shard of it here, if any
+                owner = next((c for c in optimizer.chained_optimizers if p in c.model_param_group_index_map), None)
+                shard = owner._get_main_param_and_optimizer_states(p)[key] if owner else None
+                full = dp_full(p, shard, owner._get_model_param_range_map(p)["param"] if owner else None)
             else:
-                full = chained.optimizer.state[main_of.get(p, p)][key]
+                main = main_of.get(p, p)
+                full = main.detach() if key == "param" else chained_of[main].optimizer.state[main][key]
             full = tp_full(p, full)
-            truth.add(step, key, name, full)
+            truth.add(step, "param_updated" if key == "param" else key, name, full)
             if key == "exp_avg":
                 truth.add_sign_agreement(step, name, reduced[name], full)
 
@@ -199,4 +230,5 @@ with open(os.path.join(out, f"bindings.rank{rank}.json"), "w") as f:
 truth.write(out, rank)
 with open(os.path.join(out, f"comm_truth.rank{rank}.json"), "w") as f:
     json.dump(comm_truth, f)
-finish(monitor, out, [optimizer] + [group for chunk in chunks for group in chunk.bucket_groups])
+finish(monitor, out, [optimizer] + [group for chunk in chunks
+                                    for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups])

@@ -13,7 +13,7 @@ from trainmon.monitor.collective_ops import parse_comm_name
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import find_run
 from verify import (assert_clipped, assert_injection_named, assert_norms_match, assert_same_labels, assert_unpatched,
-                    differing, nan_analyze, norms, the_run)
+                    differing, nan_analyze, norms, the_run, truth)
 
 pytest.importorskip("megatron.core")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "mg_direction")
@@ -299,3 +299,71 @@ def test_hooks_and_records_stay_constant_over_100_steps(tmp_path):
     for family in ("actv", "actv_grad"):
         per_step = read_family(rank_dir, family).groupby("step").size()
         assert len(per_step) == 100 and per_step.nunique() == 1, (family, per_step.value_counts())
+
+
+# Mixture of experts: 4 experts per layer (SequentialMLP), expert-parallel over 2 ranks: each EP rank holds 2 of
+# them and numbers them 0 and 1; trainmon names them by their global index, as Megatron's checkpoints do.
+MOE = ["--moe-experts", "4", "--ep", "2"]
+
+
+def expert_numbers(run, rank, family):
+    """The global expert numbers a rank's records of `family` name."""
+    names = set(read_family(os.path.join(run, f"rank_{rank}"), family).name)
+    return sorted({n.split("local_experts.")[1].split(".")[0] for n in names if "local_experts." in n})
+
+
+def test_expert_parallel_2_each_rank_records_its_own_experts(tmp_path):
+    """EP2 on 2 ranks (alltoall token dispatcher): every figure of an expert equals the job's own tensors of that
+    rank's experts, under the global expert number; dense parameters merge over data parallel as before."""
+    run, coords = run_job(tmp_path, 2, *MOE, "--dispatcher", "alltoall")
+    assert assert_norms_match(run, tmp_path, (0, 1), ("param_updated",)) > 0
+    assert [c["ep"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
+    for family in FAMILIES + ("param_origin", "param_updated"):
+        assert expert_numbers(run, 0, family) == ["0", "1"] and expert_numbers(run, 1, family) == ["2", "3"], family
+    # the job's figures of rank 1's experts under their global names (not rank 0's experts under local ones)
+    expected = truth(tmp_path, 1)["1"]["grad_reduced"]
+    written = norms(os.path.join(run, "rank_1"), "grad_reduced")
+    name = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert written[(1, name)] == pytest.approx(expected[name], rel=1e-6)
+    assert written[(1, name)] != pytest.approx(norms(os.path.join(run, "rank_0"), "grad_reduced")[
+        (1, name.replace("experts.3", "experts.1"))], rel=1e-3)
+    for family in ("grad_reduced", "exp_avg", "param_updated"):  # dense: the same merged records on both ranks
+        a, b = (norms(os.path.join(run, f"rank_{r}"), family) for r in (0, 1))
+        dense = [k for k in a if "local_experts" not in k[1]]
+        assert dense and all(a[k] == pytest.approx(b[k], rel=1e-9) for k in dense), family
+
+
+def test_expert_parallel_2_by_expert_data_parallel_2_distributed_optimizer(tmp_path):
+    """EP2 × expert-DP2 on 4 ranks (allgather dispatcher), DistributedOptimizer: each expert's grads, weights and
+    Adam state are sharded over its expert data-parallel pair (ranks 0 and 2 hold experts 0-1, ranks 1 and 3
+    experts 2-3) and merge there; the dense ones over all 4 ranks."""
+    run, coords = run_job(tmp_path, 4, *MOE, "--dispatcher", "allgather", "--distopt")
+    assert assert_norms_match(run, tmp_path, range(4), ("param_updated",)) > 0
+    assert [c["edp"]["ranks"] for c in coords] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for rank in range(4):
+        assert expert_numbers(run, rank, "exp_avg") == (["0", "1"] if rank % 2 == 0 else ["2", "3"])
+    for peer in (0, 1):  # the expert data-parallel pairs write the same merged records of their experts
+        for family in ("grad_reduced", "param_updated", "exp_avg", "exp_avg_sq"):
+            assert differing(run, family, peer, peer + 2)[0] == 0, family
+        changed, total = differing(run, "grad_unreduced", peer, peer + 2)
+        assert changed == total, "each rank's unreduced grads come from its own data"
+
+
+@pytest.mark.parametrize("job, dispatcher, cc", [("job_megatron.py", "alltoall", "on"),
+                                                 ("job_megatron_torch_optim.py", "allgather", "off")])
+def test_inf_in_an_expert_of_rank_1_is_named_by_its_global_number(tmp_path, job, dispatcher, cc):
+    """An inf in rank 1's local expert 1 (global expert 3) at step 1, micro-step 1 reaches rank 0 through the token
+    dispatcher's collectives: the online alert and nan-analyze name rank 1's expert, with Megatron's optimizer
+    and with torch.optim.AdamW on the same model."""
+    output_dir = tmp_path / "monitor_output"
+    prefix = "module." if job == "job_megatron.py" else ""  # DDP-wrapped chunks for Megatron's optimizer
+    options = ["--cc", cc] if job == "job_megatron.py" else []
+    module = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1"
+    log = torchrun(job, 2, ["--out", str(tmp_path), *MOE, "--dispatcher", dispatcher, *options,
+                            "--inject", "1:1:1", "--inject-module",
+                            f"0:{prefix}decoder.layers.0.mlp.experts.local_experts.1.linear_fc1"], output_dir)
+    assert f"anomaly at rank 1 step 1 micro-step 1: {module} forward output_0 (sentinel" in log
+    run = the_run(output_dir)
+    assert_injection_named(run, tmp_path, dict(rank=1, step=1, micro_step=1, module=module, phase="forward"), cc,
+                           csv_peers=[0])
+    assert expert_numbers(run, 1, "exp_avg") == ["2", "3"]

@@ -133,11 +133,11 @@ class AdapterGradCapture:
     def remove(self) -> None:
         self.adapter.remove()
 
-    def _record(self, watched, pieces, group=None) -> None:
+    def _record(self, watched, pieces, over=None) -> None:
         if not self.state.collecting:
             return
         micro = None
         if self._backward is not None:
             self._backward.seen()
             micro = self.state.backward_micro
-        record_pieces(self.state, GRAD_UNREDUCED, watched, pieces, group=group, micro=micro)
+        record_pieces(self.state, GRAD_UNREDUCED, watched, pieces, over=over, micro=micro)

@@ -5,8 +5,8 @@ clipping as scalars.
 Every `step()` of the adapter's step owner is one monitor step: the end of it closes the step. A
 torch optimizer gets step pre/post hooks; any other object (a framework's optimizer wrapper such as
 DeepSpeed's or Megatron's, an optimizer-like object) gets its bound `step` wrapped on the instance,
-which `remove()` undoes. The tensors come from the adapter as this rank's pieces, merged across its
-shard group.
+which `remove()` undoes. The tensors come from the adapter as this rank's pieces, merged across each
+parameter's groups (`WatchedParam.merge_over`).
 
 What the step consumes is read when the update is about to use it, so after loss-scale unscaling and
 clipping: when `step(closure)` is given a closure (Lightning runs the last micro-batch's forward and
@@ -115,7 +115,7 @@ class OptimizerHooks:
 
     def _records(self) -> PieceRecords:
         """Where one point of the step records its families: one collective for all of them."""
-        return PieceRecords(self.state, self.params, group=self.adapter.shard_group)
+        return PieceRecords(self.state, self.params)
 
     def _before_update(self) -> None:
         self.state.collector.flush_pending()  # release the held activations before the update
@@ -149,7 +149,7 @@ class OptimizerHooks:
         if not (self.reduced_grads or self.sign_agreement or self.params_before_after):
             return
         params = [self.params[i] for i in indices]
-        records = PieceRecords(self.state, params, group=self.adapter.shard_group)
+        records = PieceRecords(self.state, params)
         if self.reduced_grads or self.sign_agreement:
             grads = read(params)
             if self.reduced_grads:
@@ -200,7 +200,8 @@ class OptimizerHooks:
         pieces = self.adapter.adam_pieces(self.params)
         if not pieces:
             return
-        if self.adapter.shard_group is None and all(p is None for p in pieces):
+        # Where pieces merge across ranks, every rank takes part, whatever it holds.
+        if not any(w.merge_over for w in self.params) and all(p is None for p in pieces):
             if not self._warned_no_moments:
                 self._warned_no_moments = True
                 logger.warning("trainmon: the optimizer keeps no Adam moments (exp_avg, exp_avg_sq); "

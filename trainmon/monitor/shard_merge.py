@@ -2,9 +2,10 @@
 
 Each rank reduces its local pieces to mergeable records (one `tensor_records` call), puts the
 identity record where it holds nothing, and one `all_gather` of the small [n, N_FIELDS] record tensor
-of every family recorded at one point of the step (`PieceRecords`) gives every rank the records of
-all pieces, which merge exactly to the full parameter's: sums for count/nans/infs/zeros/sum/sumsq,
-min of mins, max of maxes (stats.merge_records). Whole tensors are never gathered.
+of every family recorded at one point of the step (`PieceRecords`), per process group the parameters
+merge over, gives every rank the records of all pieces, which merge exactly to the full parameter's:
+sums for count/nans/infs/zeros/sum/sumsq, min of mins, max of maxes (stats.merge_records). Whole
+tensors are never gathered.
 """
 from __future__ import annotations
 
@@ -48,60 +49,89 @@ def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], de
 
 
 def record_pieces(state: HookState, family: str, params: Sequence[WatchedParam],
-                  pieces: Sequence[Optional[torch.Tensor]], group=None, micro=None) -> None:
-    """Records `pieces[i]` (this rank's piece of `params[i]`, or None) as `family` (see `PieceRecords`)."""
-    records = PieceRecords(state, params, group, micro)
+                  pieces: Sequence[Optional[torch.Tensor]], over: Optional[tuple] = None, micro=None) -> None:
+    """Records `pieces[i]` (this rank's piece of `params[i]`, or None) as `family`, merged across the groups
+    `over` (None: not merged; see `PieceRecords`)."""
+    records = PieceRecords(state, params, micro, over=over or ())
     records.add(family, pieces)
     records.commit()
 
 
 class PieceRecords:
-    """Records several families of pieces of `params`, merged across `group` in one collective.
+    """Records several families of pieces of `params`, each parameter's merged across its process groups.
 
-    Without `group` the pieces are whole tensors, recorded as they are added (None pieces are skipped).
-    With `group` each family's pieces are reduced to local records when added (so its tensors may be
-    freed at once), and `commit()` runs one `all_gather` for every family added: every rank of the
-    group must add the same families of the same params in the same order. The records written are
-    the merged ones of the full parameters.
+    A parameter's groups are `over` when given, else its own `merge_over`; groups of one rank are left
+    out. Parameters with no group left hold whole tensors, recorded as they are added (None pieces are
+    skipped). The others are reduced to local records when added (so their tensors may be freed at once),
+    and `commit()` merges them: for each distinct tuple of groups, in the order the parameters first name
+    it, one `all_gather` per group carries every family added. Every rank of a group must therefore add
+    the same families of the same params in the same order. The records written are the merged ones of
+    the full parameters.
     """
 
-    def __init__(self, state: HookState, params: Sequence[WatchedParam], group=None, micro=None):
+    def __init__(self, state: HookState, params: Sequence[WatchedParam], micro=None, over: Optional[tuple] = None):
         self.state, self.params, self.micro = state, params, micro
-        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
-        self._keys: list[RecordKey] = []
-        self._rows: list[torch.Tensor] = []
+        multi_rank: dict = {}  # a parameter's groups → those of more than one rank
+        self._groups = []
+        for groups in (w.merge_over if over is None else over for w in params):
+            if groups not in multi_rank:
+                multi_rank[groups] = tuple(g for g in groups if g is not None and dist.get_world_size(g) > 1)
+            self._groups.append(multi_rank[groups])
+        self._merges: dict[tuple, _Merge] = {}
+        for index, groups in enumerate(self._groups):
+            if groups:
+                self._merges.setdefault(groups, _Merge(groups)).indices.append(index)
 
     def add(self, family: str, pieces: Sequence[Optional[torch.Tensor]]) -> None:
         collector = self.state.collector
-        if self.group is None:
-            kept = [(w, t) for w, t in zip(self.params, pieces) if t is not None]
-            if kept:
-                collector.record([_key(collector, family, w, t, self.micro) for w, t in kept], [t for _, t in kept])
-            return
-        if not self.params:
-            return
-        # Every rank gathers on the device the group's backend needs, whether or not it holds pieces.
-        self._rows.append(piece_records(self.state, pieces, collective_device(self.group)))
+        for merge in self._merges.values():
+            # Every rank gathers on the device the group's backend needs, whether or not it holds pieces.
+            merge.rows.append(piece_records(self.state, [pieces[i] for i in merge.indices], merge.device))
         # A rank that holds nothing of a parameter (not even an empty piece, see adapters.base) labels it
         # with the dtype of the pieces it does hold (one family's pieces share a dtype: fp32 main params,
         # fp32 moments), so every rank writes the same. Only a rank holding nothing of any of them falls
         # back to the parameter's dtype.
         some = next((t for t in pieces if t is not None), None)
-        self._keys += [_key(collector, family, w, t if t is not None else some, self.micro)
-                       for w, t in zip(self.params, pieces)]
+        whole_keys, whole = [], []
+        for w, t, groups in zip(self.params, pieces, self._groups):  # call indices in the order of params
+            if groups:
+                self._merges[groups].keys.append(_key(collector, family, w, t if t is not None else some, self.micro))
+            elif t is not None:
+                whole_keys.append(_key(collector, family, w, t, self.micro))
+                whole.append(t)
+        if whole:
+            collector.record(whole_keys, whole)
 
     def commit(self) -> None:
-        """Merges the records added so far across the group and adds them to the step."""
-        if not self._rows:
-            return
-        rows = torch.cat(self._rows) if len(self._rows) > 1 else self._rows[0]
-        ranks = dist.get_world_size(self.group)
-        # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
-        gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
-        with not_monitored():  # trainmon's own collective is not part of the training's communication
-            _all_gather_single(gathered, rows, self.group)
-        self.state.collector.record_rows(self._keys, merge_gathered(gathered.view(ranks, *rows.shape)))
-        self._keys, self._rows = [], []
+        """Merges the records added so far across their groups and adds them to the step."""
+        for merge in self._merges.values():
+            if merge.rows:
+                self.state.collector.record_rows(merge.keys, merge.gathered())
+                merge.keys, merge.rows = [], []
+
+
+class _Merge:
+    """The parameters whose pieces merge across one tuple of groups, and their records added so far."""
+
+    def __init__(self, groups: tuple):
+        self.groups = groups
+        self.device = collective_device(groups[0])
+        self.indices: list[int] = []
+        self.keys: list[RecordKey] = []
+        self.rows: list[torch.Tensor] = []
+
+    def gathered(self) -> torch.Tensor:
+        """The rows merged across each group in turn: over a product of groups (tensor × data parallel),
+        the first merge leaves every rank with its row's record, which the next merges with the others'."""
+        rows = torch.cat(self.rows) if len(self.rows) > 1 else self.rows[0]
+        for group in self.groups:
+            ranks = dist.get_world_size(group)
+            # Concatenated along dim 0: the layout every backend accepts (gloo rejects a stacked output).
+            gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
+            with not_monitored():  # trainmon's own collective is not part of the training's communication
+                _all_gather_single(gathered, rows, group)
+            rows = merge_gathered(gathered.view(ranks, *rows.shape))
+        return rows
 
 
 def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group) -> None:

@@ -190,12 +190,12 @@ class TrainerMon:
         """Registers the hooks that `config` asks for; `_remove` undoes exactly this."""
         state = self._state
         writes = self._writes_records(config)
-        self._schedule = CollectionSchedule(config.start_step, config.step_interval, config.collect_times,
-                                            rank_enabled=writes or self._merges_across_ranks())
-        if self._dynamic is not None and not config.dynamic_on:
-            self._schedule.rank_enabled = False
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
                                         for w in watched_params(self._chunks, config)])
+        self._schedule = CollectionSchedule(config.start_step, config.step_interval, config.collect_times,
+                                            rank_enabled=writes or self._merges_across_ranks(params))
+        if self._dynamic is not None and not config.dynamic_on:
+            self._schedule.rank_enabled = False
         if config.sentinel:
             self._sentinel = nan_sentinel(state, self._chunks, config.squash_name, self._adapter.rename)
             if config.alert.dump and self._anomalies is not None:
@@ -303,9 +303,10 @@ class TrainerMon:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
         return not config.module_ranks or self.rank in config.module_ranks
 
-    def _merges_across_ranks(self) -> bool:
+    def _merges_across_ranks(self, params: list) -> bool:
         """Sharded tensors merge their records in a collective: every rank of the group must collect."""
-        if self._adapter.shard_group is None or torch.distributed.get_world_size(self._adapter.shard_group) == 1:
+        groups = {g for w in params for g in w.merge_over if g is not None}
+        if all(torch.distributed.get_world_size(g) == 1 for g in groups):
             return False
         logger.warning("trainmon: with the %s adapter sharded tensors are merged across ranks, so ranks outside "
                        "module_ranks collect the weight, grad and optimizer families too but write nothing",

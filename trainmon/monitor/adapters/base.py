@@ -16,8 +16,11 @@ labels it as the counting rank does.
 A parameter's reduced-grad piece and its Adam-moment pieces cover the same elements, in the same order
 (`mg_direction` compares them element by element).
 
-When pieces are shards, `shard_group` names the ranks whose pieces make up a whole parameter; the
-core merges the pieces' records across it (see `shard_merge`), never the tensors.
+When pieces are shards, a parameter's `merge_over` names the process groups whose ranks' pieces make
+up the whole parameter (the groups of one parameter, one after another, span a product of groups such
+as tensor × data parallel); the core merges the pieces' records across them (see `shard_merge`), never
+the tensors. Parameters may merge over different groups: Megatron's experts over the expert groups,
+the rest over the dense ones.
 """
 from __future__ import annotations
 
@@ -41,12 +44,16 @@ class WatchedParam:
     """A model parameter as the monitor names it.
 
     `shape` is the full parameter's shape when the local tensor is a shard (else None: use the tensor's).
+    `merge_over` holds the process groups across which this rank's pieces merge into the whole parameter's
+    records, in the order they are merged (empty: every rank holds the whole tensor). The adapter's
+    `prepare` sets both.
     """
 
     name: str
     param: torch.nn.Parameter
     vpp_stage: int
     shape: Optional[tuple] = None
+    merge_over: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,8 @@ class AdamPiece:
 
 
 # What an adapter's capture point calls: records `pieces[i]` (this rank's piece of `params[i]`, or None)
-# as unreduced grads, merged across `group` when it is not None.
-UnreducedRecorder = Callable[[Sequence[WatchedParam], Sequence[Optional[torch.Tensor]], Optional[object]], None]
+# as unreduced grads, merged across the process groups of the third argument (a tuple; None: not merged).
+UnreducedRecorder = Callable[[Sequence[WatchedParam], Sequence[Optional[torch.Tensor]], Optional[tuple]], None]
 
 
 class TrainingAdapter(Protocol):
@@ -70,7 +77,6 @@ class TrainingAdapter(Protocol):
 
     name: str
     unreduced_capture: str  # ACCUMULATED, PER_MICRO_BATCH, ADAPTER, ADAPTER_PER_MICRO_BATCH or NOT_RECORDED
-    shard_group: Optional[object]  # process group over which pieces of reduced grads/weights/moments merge
 
     def describe(self) -> dict:
         """Parallel coordinates of this rank (global rank, tp/pp/dp/vpp ranks, group ranks) for run.json."""
@@ -82,7 +88,7 @@ class TrainingAdapter(Protocol):
         """The name written for a module or parameter of chunk `vpp_stage` (e.g. global layer numbers)."""
 
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
-        """Returns `params` with full shapes filled in where the local tensors are shards."""
+        """Returns `params` with full shapes and merge groups filled in where the local tensors are shards."""
 
     def install_unreduced(self, params: list[WatchedParam], record: UnreducedRecorder) -> None:
         """Installs the capture point of unreduced grads (only when unreduced_capture is ADAPTER or
@@ -148,7 +154,6 @@ class PlainAdapter:
     optimizer: torch.optim.Optimizer
     unreduced_capture: str = ACCUMULATED
     name: str = "plain"
-    shard_group: Optional[object] = None
     _group_of: dict = field(default_factory=dict)
 
     def describe(self) -> dict:

@@ -18,6 +18,8 @@ to skip, before it clears them (`_update_scale(overflow)`; BF16_Optimizer's `cle
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -59,8 +61,9 @@ class DeepSpeedAdapter:
         return name
 
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
+        over = (self.shard_group,)
         if not self.zero3:
-            return params
+            return [dataclasses.replace(w, merge_over=over) for w in params]
         out = []
         rank = dist.get_rank(self.shard_group)
         for w in params:
@@ -69,7 +72,7 @@ class DeepSpeedAdapter:
             # Elements of this rank's partition that belong to the parameter (the rest is padding).
             self._valid[id(p)] = max(0, min(per_rank, p.ds_numel - rank * per_rank))
             self._call_of[id(p)] = self._grad_position(p)[0]
-            out.append(WatchedParam(w.name, p, w.vpp_stage, tuple(p.ds_shape)))
+            out.append(WatchedParam(w.name, p, w.vpp_stage, tuple(p.ds_shape), over))
         return out
 
     def install_unreduced(self, params, record) -> None:

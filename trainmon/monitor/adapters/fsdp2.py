@@ -58,7 +58,7 @@ class FSDP2Adapter(PlainAdapter):
 
     def prepare(self, params):
         params = super().prepare(params)
-        return [type(w)(w.name, w.param, w.vpp_stage, tuple(w.param.shape)) for w in params]
+        return [type(w)(w.name, w.param, w.vpp_stage, tuple(w.param.shape), (self.shard_group,)) for w in params]
 
     def install_unreduced(self, params, record) -> None:
         from torch.distributed.fsdp import FSDPModule

@@ -15,6 +15,10 @@
   only; without DistributedOptimizer the data-parallel replicas count on DP rank 0 only. Pieces
   therefore merge over the tensor-and-data-parallel group of the pipeline stage. The ranks that do not
   count a tensor pass an empty piece of it, so every rank labels the record with the tensor's dtype.
+- Experts (parameters Megatron marks `allreduce=False` under expert parallelism) have groups of their
+  own (`megatron_model.ParallelAxes`): each expert-parallel rank holds other experts, split over the
+  expert TP group and replicated (or, under DistributedOptimizer, sharded) over the expert DP group, so
+  their pieces merge over those two groups, and each rank records its own experts.
 """
 from __future__ import annotations
 
@@ -52,25 +56,22 @@ class MegatronAdapter(MegatronPlacement):
         self.optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         self.distributed = any(type(o).__name__ == "DistributedOptimizer" for o in self.optimizers)
         self.name = "megatron ({})".format(", ".join(type(o).__name__ for o in self.optimizers))
-        self.shard_group = self.ps.get_tensor_and_data_parallel_group()
-        self.tp_group = self.ps.get_tensor_model_parallel_group()
-        self.tp_rank = self.ps.get_tensor_model_parallel_rank()
-        self.dp_rank = self.ps.get_data_parallel_rank()
         self._where: dict[int, _Location] = {}
-        self._buffers = GradBufferCapture(chunks, lambda p: _counted(p.main_grad, self._counts_tp(p)), self.tp_group)
+        self._buffers = GradBufferCapture(chunks, lambda p: _counted(p.main_grad, self._counts_tp(p)),
+                                          lambda p: (self.axes(p).tp_group,))
 
     # ------------------------------------------------------------------------------ mapping
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
         self._where = {}
         for opt in self.optimizers:
             self._map_optimizer(opt)
-        tp_size = self.ps.get_tensor_model_parallel_world_size()
         out = []
         for w in params:
+            axes = self.axes(w.param)
             shape = list(w.param.shape)
             if getattr(w.param, "tensor_model_parallel", False):
-                shape[w.param.partition_dim] *= tp_size
-            out.append(WatchedParam(w.name, w.param, w.vpp_stage, tuple(shape)))
+                shape[w.param.partition_dim] *= axes.tp_size
+            out.append(WatchedParam(w.name, w.param, w.vpp_stage, tuple(shape), axes.merge_over))
         return out
 
     def _map_optimizer(self, opt) -> None:
@@ -99,13 +100,13 @@ class MegatronAdapter(MegatronPlacement):
                              "DistributedOptimizer, Float16OptimizerWithFloat16Params and FP32Optimizer")
 
     def _counts_tp(self, param) -> bool:
-        """TP shards all count; a TP duplicate counts on TP rank 0 only."""
-        return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+        """TP shards all count; a TP duplicate counts on (expert) TP rank 0 only."""
+        return bool(getattr(param, "tensor_model_parallel", False)) or self.axes(param).tp_rank == 0
 
     def _counts(self, param, where: _Location) -> bool:
-        """Whether this rank's piece of `param` counts; whole replicas on every DP rank (no
-        DistributedOptimizer) count on DP rank 0 only."""
-        return self._counts_tp(param) and (where.grad_range is not None or self.dp_rank == 0)
+        """Whether this rank's piece of `param` counts; whole replicas on every (expert) DP rank (no
+        DistributedOptimizer) count on its DP rank 0 only."""
+        return self._counts_tp(param) and (where.grad_range is not None or self.axes(param).dp_rank == 0)
 
     # ------------------------------------------------------------------------------- pieces
     def step_owner(self):

@@ -1,23 +1,25 @@
 """What a Megatron-Core model tells the monitor, whatever optimizer trains it.
 
 Megatron numbers each pipeline stage's (and virtual chunk's) layers from 0, so stage 1's `decoder.layers.0`
-of a 4-layer PP2 model is global layer 2; `parallel_state` knows the stage and the rank's coordinates; and
-Megatron's DistributedDataParallel accumulates grads in grad buffers (`main_grad`, with `.grad` set to None)
-that its bucket groups reduce. Both Megatron adapters (Megatron's optimizer, and a torch optimizer on a
-Megatron model, as in Megatron-Core's quick-start) take these from here.
+of a 4-layer PP2 model is global layer 2; likewise each expert-parallel rank numbers its experts from 0, so
+with 4 experts on EP2 rank 1's `local_experts.0` is global expert 2 (the index Megatron's checkpoints give
+it). `parallel_state` knows the stage and the rank's coordinates, dense and expert; and Megatron's
+DistributedDataParallel accumulates grads in grad buffers (`main_grad`, with `.grad` set to None) that its
+bucket groups reduce (experts' in bucket groups of their own). Both Megatron adapters (Megatron's
+optimizer, and a torch optimizer on a Megatron model, as in Megatron-Core's quick-start) take these from here.
 """
 from __future__ import annotations
 
 import functools
-import re
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from trainmon.monitor.adapters.base import ADAPTER, WatchedParam, group_coordinates
+from trainmon.monitor.adapters.naming import renumber
 from trainmon.monitor.patching import patch_attribute
 
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
 
 
 def megatron_module(chunks: list[torch.nn.Module]) -> Optional[str]:
@@ -43,8 +45,45 @@ def _layer_offset(chunk: torch.nn.Module) -> int:
     return 0
 
 
+def _local_experts(chunk: torch.nn.Module) -> int:
+    """Experts per MoE layer on this rank (Megatron's SequentialMLP keeps them in `local_experts`), or 0."""
+    return next((len(module.local_experts) for module in chunk.modules()
+                 if isinstance(getattr(module, "local_experts", None), torch.nn.ModuleList)), 0)
+
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """Megatron marks the parameters of experts split by expert parallelism `allreduce=False` (their grads are
+    reduced over the expert data-parallel group, not the data-parallel one)."""
+    return not getattr(param, "allreduce", True)
+
+
+@dataclass(frozen=True)
+class ParallelAxes:
+    """How one kind of parameter (dense, or expert) is split and replicated on this rank."""
+
+    tp_group: object
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    merge_over: tuple  # the groups over which this rank's pieces merge into the whole parameter's records
+
+    @staticmethod
+    def dense(ps) -> "ParallelAxes":
+        return ParallelAxes(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+                            ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_rank(),
+                            (ps.get_tensor_and_data_parallel_group(),))
+
+    @staticmethod
+    def expert(ps) -> "ParallelAxes":
+        # Megatron-Core 0.16 has no expert tensor-and-data-parallel group: merge over one, then the other.
+        tp_group = ps.get_expert_tensor_parallel_group()
+        return ParallelAxes(tp_group, ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                            ps.get_expert_data_parallel_rank(), (tp_group, ps.get_expert_data_parallel_group()))
+
+
 class MegatronPlacement:
-    """Names, pipeline stage and parallel coordinates of Megatron-Core model chunks (one per virtual stage)."""
+    """Names, pipeline stage, parallel coordinates and parallel axes of Megatron-Core model chunks (one per
+    virtual stage)."""
 
     def __init__(self, chunks: list[torch.nn.Module]):
         from megatron.core import parallel_state
@@ -52,26 +91,36 @@ class MegatronPlacement:
         self.ps = parallel_state
         self.chunks = chunks
         self._layer_offsets = [_layer_offset(chunk) for chunk in chunks]
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self._expert_offsets = [ep_rank * _local_experts(chunk) for chunk in chunks]
+        self._dense = ParallelAxes.dense(parallel_state)
+        self._expert = ParallelAxes.expert(parallel_state)
+
+    def axes(self, param: torch.nn.Parameter) -> ParallelAxes:
+        return self._expert if is_expert(param) else self._dense
 
     def describe(self) -> dict:
         import torch.distributed as dist
 
         ps = self.ps
-        return {"global_rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "tp": group_coordinates(ps.get_tensor_model_parallel_group()),
-                "pp": group_coordinates(ps.get_pipeline_model_parallel_group()),
-                "dp": group_coordinates(ps.get_data_parallel_group()),
-                "vpp": {"size": len(self.chunks)}}
+        out = {"global_rank": dist.get_rank(), "world_size": dist.get_world_size(),
+               "tp": group_coordinates(ps.get_tensor_model_parallel_group()),
+               "pp": group_coordinates(ps.get_pipeline_model_parallel_group()),
+               "dp": group_coordinates(ps.get_data_parallel_group()),
+               "vpp": {"size": len(self.chunks)}}
+        if ps.get_expert_model_parallel_world_size() > 1:
+            out.update(ep=group_coordinates(ps.get_expert_model_parallel_group()),
+                       etp=group_coordinates(ps.get_expert_tensor_parallel_group()),
+                       edp=group_coordinates(ps.get_expert_data_parallel_group()))
+        return out
 
     def pp_stage(self) -> int:
         return self.ps.get_pipeline_model_parallel_rank()
 
     def rename(self, vpp_stage: int, name: str) -> str:
-        """`layers.<i>` with the global layer number."""
-        offset = self._layer_offsets[vpp_stage]
-        if not offset:
-            return name
-        return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + offset}", name)
+        """`layers.<i>` with the global layer number, `local_experts.<j>` with the global expert number."""
+        name = renumber(name, "layers", self._layer_offsets[vpp_stage])
+        return renumber(name, "local_experts", self._expert_offsets[vpp_stage])
 
 
 def bucket_groups(chunks: list[torch.nn.Module]) -> list:
@@ -88,16 +137,17 @@ class GradBufferCapture:
         chunks: the DDP-wrapped model chunks.
         piece: this rank's piece of a parameter's `main_grad` (the grad itself, or an empty tensor where
             another rank counts it).
-        group: the group over which the pieces merge, or None.
+        merge_over: the groups over which a parameter's pieces merge (one bucket group holds dense
+            parameters or experts, never both), or None: not merged.
     """
 
     unreduced_capture = ADAPTER
 
     def __init__(self, chunks: list[torch.nn.Module], piece: Callable[[torch.nn.Parameter], torch.Tensor],
-                 group: Optional[object]):
+                 merge_over: Optional[Callable[[torch.nn.Parameter], tuple]] = None):
         self.chunks = chunks
         self.piece = piece
-        self.group = group
+        self.merge_over = merge_over
         self._restores: list = []
 
     def install_unreduced(self, params: list[WatchedParam], record) -> None:
@@ -110,12 +160,13 @@ class GradBufferCapture:
 
     def _wrap_start_grad_sync(self, bucket_group, members: list[WatchedParam], record) -> None:
         original = bucket_group.start_grad_sync
+        over = self.merge_over(members[0].param) if self.merge_over is not None else None
 
         @functools.wraps(original)
         def start_grad_sync(*args, **kwargs):
             # A handle still pending means this call is a no-op (the collective was already started).
             if bucket_group.grad_reduce_handle is None:
-                record(members, [self.piece(w.param) for w in members], self.group)
+                record(members, [self.piece(w.param) for w in members], over)
             return original(*args, **kwargs)
 
         self._restores.append(patch_attribute(bucket_group, "start_grad_sync", start_grad_sync))

@@ -21,8 +21,7 @@ class TorchOptimizerOnMegatron(MegatronPlacement):
         super().__init__(chunks)
         self.inner = inner
         self.name = f"{inner.name} on a Megatron-Core model"
-        self.shard_group = inner.shard_group
-        self._buffers = GradBufferCapture(chunks, lambda p: p.main_grad, None) if bucket_groups(chunks) else None
+        self._buffers = GradBufferCapture(chunks, lambda p: p.main_grad) if bucket_groups(chunks) else None
         self._capture = self._buffers or inner
         self.unreduced_capture = self._capture.unreduced_capture
 

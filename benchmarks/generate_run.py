@@ -148,13 +148,13 @@ def copy_rank(job: tuple) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="the run directory to write (rank_<R>/ per rank)")
-    parser.add_argument("--ranks", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--ranks", type=int, default=1024, help="ranks written (default 1024)")
+    parser.add_argument("--steps", type=int, default=1000, help="steps per rank (default 1000)")
     parser.add_argument("--origin-rank", type=int, default=None, help="the rank the Inf starts on (default: ranks/3)")
     parser.add_argument("--inf-step", type=int, default=None, help="default: 70%% of the steps")
-    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--copies-to", type=int, default=None, metavar="N",
-                        help="then fill the run up to N ranks with copies of the ranks written")
+                        help="then fill the run up to N ranks with copies of the ranks written other than the origin")
     args = parser.parse_args()
     # the online alerts of every step would flood the terminal; the forked workers inherit the level
     logging.getLogger("trainmon").setLevel(logging.ERROR)

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once, ranks=frozenset(args.ranks or ()),
+    options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once,
+                           ranks=frozenset(args.ranks or ()),
                            on_anomaly=args.on_anomaly, exit_on_anomaly=args.exit_on_anomaly,
                            stall_after=args.stall_after, heatmap_every=args.heatmap_every, op=args.op,
                            window=args.window, source=args.source, detail=tuple(args.detail))

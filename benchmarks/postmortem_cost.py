@@ -49,7 +49,7 @@ def main_process(path: str, ranks, world: int) -> None:
     started = time.process_time()
     summaries = pickle.loads(blob)
     unpickled = time.process_time()
-    nan_analyze._summaries = lambda *_: (path, {str(s.rank): s.sources for s in summaries}, [], summaries)
+    nan_analyze._summaries = lambda *_: (path, {str(s.rank): s.sources for s in summaries}, [], summaries, None)
     result = nan_analyze.analyze(path)
     print(f"main process at {world} ranks: unpickling the summaries {unpickled - started:.1f} s, merging "
           f"{time.process_time() - unpickled:.1f} s CPU ({len(blob) / 1e6:.0f} MB pickled), peak RSS "

@@ -89,9 +89,9 @@ def test_inf_told_from_nan_with_one_call_index(output_dir, write_config, capsys,
     assert {k: report["first_record"][k] for k in ("module", "tensor", "step", "call_index", "op", "value")} == \
         {"module": MODULE, "tensor": "output", "step": STEP, "call_index": call, "op": op, "value": value}
 
-    assert cli_main(["overflow", str(monitor.output_dir.parent), "--json"]) == 0
+    assert cli_main(["overflow", str(monitor.output_dir.parent), "--json"]) == 1  # 1: found
     overflow = json.loads(capsys.readouterr().out)["modules"][0]
     assert (overflow["module"], overflow["tensor"], overflow["call_index"]) == (MODULE, "output", call)
     assert overflow["what"].startswith(overflow_label)
-    assert cli_main(["overflow", str(monitor.output_dir.parent)]) == 0
+    assert cli_main(["overflow", str(monitor.output_dir.parent)]) == 1
     assert overflow_label in capsys.readouterr().out

@@ -26,8 +26,10 @@ WHERE = ("rank", "step", "module", "phase", "tensor", "call_index")
 
 
 def nan_analyze(directory, capsys) -> dict:
-    assert cli_main(["nan-analyze", str(directory), "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    code = cli_main(["nan-analyze", str(directory), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == (0 if report["first"] is None else 1)  # 0 clean, 1 found
+    return report
 
 
 def tensor(value: float) -> dict:
@@ -60,7 +62,7 @@ def test_all_reduce_blames_the_rank_whose_input_was_not_finite(capsys):
     assert (link["step"], link["from"], link["via"], link["to"]) == (1, [1], "all_reduce[]@default#0", [0])
     # all_reduce(h) names no group: the dump has no ranks for it, and the report says so.
     assert any("default group" in note for note in report["notes"])
-    assert cli_main(["nan-analyze", str(DUMPS / "all_reduce")]) == 0
+    assert cli_main(["nan-analyze", str(DUMPS / "all_reduce")]) == 1
     assert "rank 1 -> all_reduce[]@default#0" in capsys.readouterr().out
 
 

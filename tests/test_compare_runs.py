@@ -42,15 +42,15 @@ def train(tmp_path, monkeypatch, name, steps=3, before_step=None, dtype=torch.fl
 def compare(capsys, *args):
     code = main(["compare", *map(str, args), "--json"])
     captured = capsys.readouterr()
-    return code, (json.loads(captured.out) if code == 0 else captured.err)
+    return code, (json.loads(captured.out) if code in (0, 1) else captured.err)  # 0 agree, 1 differ
 
 
 def test_same_seed_runs_compare_equal(tmp_path, monkeypatch, capsys):
     a, b = train(tmp_path, monkeypatch, "a"), train(tmp_path, monkeypatch, "b")
     code, summary = compare(capsys, a, b)
-    assert code == 0
+    assert code == 0 and summary["agree"]
     assert summary["first_divergent"] is None and summary["records"] > 50
-    assert summary["verdicts"]["equal"] == summary["records"]
+    assert summary["verdicts"]["equal"] == summary["records"] == summary["compared"]
 
 
 @pytest.mark.parametrize("fmt", [("db",), ("csv",)])
@@ -63,7 +63,7 @@ def test_perturbed_weights_are_named_at_that_module_step_and_forward(tmp_path, m
     a, b = train(tmp_path, monkeypatch, "a", fmt=fmt), train(tmp_path, monkeypatch, "b", before_step=perturb, fmt=fmt)
     out = tmp_path / "result.csv"
     code, summary = compare(capsys, a, b, "-o", out)
-    assert code == 0
+    assert code == 1 and not summary["agree"]
     first = summary["first_divergent"]
     assert (first["name"], first["step"], first["phase"]) == ("layers.1.mlp.0.output", 1, "forward"), first
     assert summary["most_divergent"]
@@ -84,7 +84,7 @@ def test_bf16_against_fp32_bounded_and_the_misscaled_layer_first(tmp_path, monke
     a = train(tmp_path, monkeypatch, "fp32", steps=1)
     b = train(tmp_path, monkeypatch, "bf16", steps=1, dtype=torch.bfloat16, prepare=break_layer)
     code, summary = compare(capsys, a, b, "--rtol", "0.05", "--atol", "1e-3", "--top", "500")
-    assert code == 0
+    assert code == 1
     first = summary["first_divergent"]
     assert (first["name"], first["phase"]) == ("layers.0.attn.proj.output", "forward"), first
     # bf16 rounding alone: records before the broken layer differ, but within the tolerance
@@ -115,4 +115,4 @@ def test_a_name_map_renames_modules_of_run_b(tmp_path, monkeypatch, capsys):
     mapping = tmp_path / "map.json"
     mapping.write_text(json.dumps({"layers.0": "layers.1", "layers.1": "layers.0"}))
     code, summary = compare(capsys, a, b, "--map", mapping)
-    assert code == 0 and summary["first_divergent"]["name"].startswith("layers.")
+    assert code == 1 and summary["first_divergent"]["name"].startswith("layers.")

@@ -118,7 +118,11 @@ def test_empty_targets_with_xy_means_all_modules_as_in_msprobe():
 
 def test_ops_forms():
     assert load_config({"ops": "norm"}).ops == ["norm"]
-    assert load_config({"ops": []}).ops == ["norm"]  # msprobe: no valid op -> norm
+    # msprobe monitors norm when no valid op is listed; here a list without a statistic is an error that
+    # says what to write
+    for empty in ([], ["shape", "dtype"]):
+        with pytest.raises(ConfigError, match=r'key \'ops\'.*lists no statistic.*"ops": \["norm"\]'):
+            load_config({"ops": empty})
     assert load_config({"ops": ["max", "shape", "dtype", "max", "infs"]}).ops == ["max", "infs"]
 
 

@@ -29,7 +29,7 @@ def _first(out) -> dict:
 
 
 def _nan_analyze(run, capsys) -> dict:
-    assert cli_main(["nan-analyze", str(run), "--json", "--quiet"]) == 0
+    assert cli_main(["nan-analyze", str(run), "--json", "--quiet"]) == 1  # 1: a NaN/Inf found
     return json.loads(capsys.readouterr().out)
 
 

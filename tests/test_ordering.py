@@ -165,7 +165,7 @@ def test_unattributed_collectives_are_named_in_the_text_report(tmp_path, capsys,
     report = nan_analyze_json(run, capsys)
     assert report["cross_rank"]["unattributed"] == [f"all_reduce[0,1]@tp#{seq}" for seq in range(7)]
     assert report["cross_rank"]["inputs_not_recorded_on"] == ([] if pre_hook else [0, 1])
-    assert cli_main(["nan-analyze", str(run)]) == 0
+    assert cli_main(["nan-analyze", str(run)]) == 1
     text = capsys.readouterr().out
     assert "could not attribute 7 collective call(s) with non-finite outputs" in text
     assert "recorded: all_reduce[0,1]@tp (7 calls)" in text

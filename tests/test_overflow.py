@@ -80,8 +80,10 @@ def run(tmp_path, monkeypatch, before_step, data=lambda step: torch.ones(2, 8), 
 
 
 def overflow(capsys, path):
-    assert main(["overflow", str(path), "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    code = main(["overflow", str(path), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == (1 if result["modules"] else 0)  # 1 found, 0 clean
+    return result
 
 
 def test_fp16_saturation_computed_here_then_inherited(tmp_path, monkeypatch, capsys):
@@ -96,7 +98,7 @@ def test_fp16_saturation_computed_here_then_inherited(tmp_path, monkeypatch, cap
     assert (first["module"], first["class"], first["step"], first["phase"]) == ("big", "computed here", 1, "forward")
     assert "saturated" in first["what"] and first["next"]
     assert (then["module"], then["class"], then["origin"]) == ("after", "inherited", "big")
-    assert main(["overflow", str(path)]) == 0
+    assert main(["overflow", str(path)]) == 1
     text = capsys.readouterr().out
     assert "big output" in text and "computed here" in text and "next:" in text
 
@@ -114,7 +116,7 @@ def test_inf_in_the_data_is_inherited_from_the_data(tmp_path, monkeypatch, capsy
         ("", "input", "inherited", "data", 1)
     assert "data" in first["next"]
     # nan-analyze's report carries the same classification
-    assert main(["nan-analyze", str(path), "--quiet", "--json", "--overflow"]) == 0
+    assert main(["nan-analyze", str(path), "--quiet", "--json", "--overflow"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["overflow"]["modules"][0]["origin"] == "data"
 

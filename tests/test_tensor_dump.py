@@ -56,9 +56,9 @@ def test_dump_comparison_names_the_perturbed_module_with_its_stack(tmp_path, mon
     dump = {"steps": [1], "modules": ["layers.0"], "max_mb_per_step": 64}
     a = dumped_run(tmp_path, monkeypatch, "a", dump)
     b = dumped_run(tmp_path, monkeypatch, "b", dump, perturb_at=1)
-    assert main(["compare", str(a), str(b)]) == 0
+    assert main(["compare", str(a), str(b)]) == 1  # 1: the dumps differ
     text = capsys.readouterr().out
-    assert main(["compare", str(a), str(b), "--json"]) == 0
+    assert main(["compare", str(a), str(b), "--json"]) == 1
     first = json.loads(capsys.readouterr().out)["first_divergent"]
     assert (first["module"], first["phase"], first["role"], first["step"]) == ("layers.0.mlp.0", "forward", "output", 1)
     assert first["cosine"] < 0.99 and first["max_abs"] > 0.001
@@ -70,7 +70,7 @@ def test_dump_comparison_names_the_perturbed_module_with_its_stack(tmp_path, mon
 def test_msprobe_dump_directories_name_the_perturbed_api(tmp_path, capsys):
     write_msprobe_tensor_dump(tmp_path / "a", perturb=None)
     write_msprobe_tensor_dump(tmp_path / "b", perturb="Functional.linear.1")
-    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
     summary = json.loads(capsys.readouterr().out)
     first = summary["first_divergent"]
     assert first["module"] == "Functional.linear.1" and first["role"].startswith("output")

@@ -1,8 +1,20 @@
 """trainmon: numerical-health monitoring for large-model training."""
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from trainmon.monitor.config import ConfigError, load_config  # noqa: E402
-from trainmon.monitor.trainer_mon import TrainerMon  # noqa: E402
-from trainmon.read import Run, open_run  # noqa: E402
+# Imported on first use, so that the command line and the read layer start without torch.
+_LAZY = {"TrainerMon": "trainmon.monitor.trainer_mon", "open_run": "trainmon.read", "Run": "trainmon.read",
+         "ConfigError": "trainmon.monitor.config", "load_config": "trainmon.monitor.config"}
 
 __all__ = ["TrainerMon", "open_run", "Run", "ConfigError", "load_config", "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'trainmon' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional
 
+from trainmon.commands.arguments import EXIT_BAD_INPUT
+from trainmon.monitor.config import ConfigError
 from trainmon.read.errors import InputError
 
 # The exit status of a command whose reader went away (`trainmon ... | head`): that of a process that
@@ -15,7 +17,7 @@ BROKEN_PIPE_STATUS = 141
 
 # Modules that provide `register(subparsers)`; each adds one subcommand with `set_defaults(handler=...)`.
 COMMAND_MODULES = (
-    "trainmon.demo",
+    "trainmon.commands.demo",
     "trainmon.commands.show",
     "trainmon.commands.convert",
     "trainmon.commands.nan_analyze",
@@ -46,9 +48,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         return int(args.handler(args) or 0)
-    except InputError as err:  # bad input: the message names the file and line, no traceback
+    except (InputError, ConfigError) as err:  # bad input: the message names the file (and line or key)
         print(f"trainmon {args.command}: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except BrokenPipeError:
         # the reader closed the pipe: stop quietly; point stdout at devnull so the interpreter's final
         # flush does not fail again

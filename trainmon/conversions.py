@@ -7,7 +7,6 @@ directories are replaced, so a conversion run twice never duplicates a record.
 from __future__ import annotations
 
 import math
-import re
 import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -16,6 +15,7 @@ import numpy as np
 
 from trainmon.monitor.records import RecordKey
 from trainmon.read import stream_mirror
+from trainmon.output_dir import prepare_output
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
 from trainmon.read.run import Run
@@ -31,31 +31,6 @@ def no_progress(items: Iterable, total: int, description: str) -> Iterable:
     return items
 
 
-_OUTPUT_RANK_DIR = re.compile(r"^rank_\d+$")  # what a conversion writes, and so what `overwrite` replaces
-
-
-def prepare_output(src: Path, out: Path, overwrite: bool, replaced: re.Pattern = _OUTPUT_RANK_DIR) -> None:
-    """Checks that `out` may be written, and with `overwrite` removes the directories it holds whose
-    names `replaced` matches (by default the rank directories a conversion writes).
-
-    Raises:
-        InputError: `out` is not empty and `overwrite` is off, or `out` holds the source (or is in it).
-    """
-    source, target = src.resolve(), out.resolve()
-    if source == target or source.is_relative_to(target) or target.is_relative_to(source):
-        raise InputError.at(out, f"the output directory overlaps the source {src}; write somewhere else")
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise InputError.at(out, "not a directory")
-    if not overwrite:
-        if any(out.iterdir()):
-            raise InputError.at(out, "the output directory is not empty; choose another, or pass --overwrite to "
-                                     "replace what it holds")
-        return
-    for child in out.iterdir():
-        if child.is_dir() and replaced.match(child.name):
-            shutil.rmtree(child)
 
 
 def to_tensorboard(src: str | Path, out: str | Path, source: str = "auto", progress: Progress = no_progress,

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainmon.commands.arguments import positive_int
+from trainmon.commands import demo as command
+from trainmon.commands.demo import add_arguments
 
 # The embedded default config; configs/demo.json holds the same keys (a test keeps them equal). Training
 # writes only the database, the cheapest sink; the daemon (`watch`) makes the TensorBoard view from it.
@@ -156,21 +157,6 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
     return losses, str(monitor.output_dir), monitor.watch_process
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a trainmon JSON config (default: the embedded demo config)")
-    parser.add_argument("--steps", type=positive_int, default=300)
-    parser.add_argument("--grad-acc-steps", type=positive_int, default=1)
-    parser.add_argument("--inject", choices=["nan"], help=f"nan: put an Inf into {INJECT_MODULE}'s output half-way "
-                                                          "through, and show the alert and nan-analyze naming it")
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="train a small GPT-style model with monitoring and show the output",
-                                   description=__doc__)
-    add_arguments(parser)
-    parser.set_defaults(handler=run)
-
-
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     config_path = args.config
@@ -197,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  1. tensorboard --logdir {logdir}      # opens on Overview (loss, grad norm, NaN/Inf counts); "
           "one chart per layer, heatmaps (images), alerts (text)")
     print(f"  2. trainmon nan-analyze {run_dir}      # where a NaN/Inf first appeared")
-    print(f"  3. trainmon show {run_dir} --family grad_reduced --step {len(losses) - 1}      # the figures as a table")
+    print(f"  3. trainmon show {run_dir} --family grad_reduced --steps {len(losses) - 1}      # the figures as a table")
     return 0
 
 
@@ -232,4 +218,4 @@ def _show_injection(run_dir: str, logdir: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="train_demo", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return command.run(parser.parse_args(argv))

@@ -13,6 +13,7 @@ import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -133,15 +134,16 @@ _INTS = ("step", "micro_step", "vpp_stage", "pp_stage", "call_index")
 _STRINGS = ("name", "module", "phase", "tensor", "shape", "dtype")
 
 
-def export(src: str | Path, out: str | Path, progress: bool = False) -> int:
-    """Writes the dataset of the run at `src` into `out` (see the module docstring); returns the records written.
+def export(src: str | Path, out: str | Path, progress: bool = False, ranks: Optional[Sequence[int]] = None) -> int:
+    """Writes the dataset of the run at `src` (of `ranks` only, when given) into `out` (see the module
+    docstring); returns the records written.
 
     Raises:
-        InputError: bad input, named by file and line.
+        InputError: bad input, named by file and line; one of `ranks` is not in the run.
         ImportError: pyarrow is not installed.
     """
     check_pyarrow()
     run = find_run(src)
-    jobs: list[tuple[RankDir, Path]] = [(rank_dir, Path(out)) for rank_dir in run.ranks]
+    jobs: list[tuple[RankDir, Path]] = [(rank_dir, Path(out)) for rank_dir in run.only(ranks)]
     return sum(map_ranks(export_rank, jobs, progress, "export"))
 

@@ -34,9 +34,12 @@ def truth(job_dir, iteration):
 
 def ckpt_compare(capsys, tmp_path, a, b, *options):
     out = tmp_path / "result.json"
-    assert cli_main(["ckpt-compare", str(a), str(b), "-o", str(out), *options]) == 0
+    code = cli_main(["ckpt-compare", str(a), str(b), "-o", str(out), *options])
     printed = capsys.readouterr().out
-    return json.loads(out.read_text()), printed
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert code == (0 if summary["differ"] == summary["only_in_a"] == summary["only_in_b"] == 0 else 1)
+    return result, printed
 
 
 def test_with_itself_latest_iteration(jobs, capsys, tmp_path):

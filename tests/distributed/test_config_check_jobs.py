@@ -101,9 +101,12 @@ def test_secrets_never_reach_a_pack(jobs):
 
 def ckpt_compare(capsys, tmp_path, a, b):
     out = tmp_path / "result.json"
-    assert cli_main(["ckpt-compare", str(a), str(b), "-o", str(out)]) == 0
+    code = cli_main(["ckpt-compare", str(a), str(b), "-o", str(out)])
     capsys.readouterr()
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert code == (0 if summary["differ"] == summary["only_in_a"] == summary["only_in_b"] == 0 else 1)
+    return result
 
 
 def test_ckpt_compare_with_itself(jobs, capsys, tmp_path):

@@ -141,7 +141,8 @@ def nan_analyze(run_dir: str, text: bool = False):
 
     done = subprocess.run([sys.executable, "-m", "trainmon.cli", "nan-analyze", run_dir] + ([] if text else ["--json"]),
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    clean = ("clean: no NaN or Inf" in done.stdout) if text else json.loads(done.stdout)["first"] is None
+    assert done.returncode == (0 if clean else 1), done.stderr  # 0 clean, 1 found
     return done.stdout if text else json.loads(done.stdout)
 
 

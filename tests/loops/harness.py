@@ -128,6 +128,6 @@ def check_injected(output_dir: Path, module: str, capsys) -> None:
                 key=lambda r: (r["step"], r["micro_step"] if r["micro_step"] is not None else float("inf")))
     assert {k: first[k] for k in expected} == expected, first
     capsys.readouterr()
-    assert cli_main(["nan-analyze", str(output_dir), "--json"]) == 0
+    assert cli_main(["nan-analyze", str(output_dir), "--json"]) == 1  # 1: found
     report = json.loads(capsys.readouterr().out)
     assert {k: report["first"][k] for k in expected} == expected, report["first"]

@@ -101,8 +101,8 @@ def test_nan_in_the_input_batch_is_named_as_the_model_input(output_dir, write_co
     assert "came in with the input batch" in next(r.getMessage() for r in caplog.records if "anomaly at" in
                                                   r.getMessage())
     capsys.readouterr()
-    assert cli_main(["nan-analyze", str(output_dir), "--json"]) == 0
+    assert cli_main(["nan-analyze", str(output_dir), "--json"]) == 1  # 1: found
     report = json.loads(capsys.readouterr().out)
     assert {k: report["first"][k] for k in expected} == expected
-    assert cli_main(["nan-analyze", str(output_dir)]) == 0
+    assert cli_main(["nan-analyze", str(output_dir)]) == 1
     assert "came in with the input batch" in capsys.readouterr().out

@@ -22,6 +22,8 @@ from trainmon.monitor.records import (ACTV, ACTV_GRAD, ADAM_RATIO, ADAM_UPDATE, 
                                       GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
                                       PARAM_UPDATED, PHASES)
 
+ANOMALIES_FILE = "anomalies.jsonl"  # in each rank directory: one AnomalyEvent per line
+
 PARAM_TENSORS = {
     GRAD_UNREDUCED: "grad",
     GRAD_REDUCED: "reduced_grad",

@@ -20,8 +20,6 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
-import torch.distributed as dist
-
 from trainmon.monitor.collective_ops import (BATCH_P2P, COLLECTIVES, P2P, SENDS, collective_name, compact_ranks,
                                              p2p_name, tensor_names)
 
@@ -124,6 +122,8 @@ def _named(base: str, io: str, tensors: list[dict]) -> list[tuple[str, dict]]:
 
 def _bind(op: str, entry: dict) -> tuple[dict, dict]:
     """{parameter name: recorded value} before and after the call, by torch's signature of `op`."""
+    import torch.distributed as dist  # here: reading a dump without collectives needs no torch
+
     args, kwargs = entry.get("input_args") or [], entry.get("input_kwargs") or {}
     after = entry.get("output") or []
     try:

@@ -20,7 +20,7 @@ from typing import Optional
 from trainmon.anomaly.events import split_name
 from trainmon.anomaly.ordering import order_key
 from trainmon.monitor.records import ACTV, PHASES
-from trainmon.read import Run
+from trainmon.read import Run, find_run
 
 COMPUTED, INHERITED, INTERNAL = "computed here", "inherited", "internal"
 FROM_DATA = "data"
@@ -130,10 +130,16 @@ def loss_scale_summary(run: Run) -> Optional[dict]:
             "rate": skipped / updates if updates else None, "steps_with_skips": [int(s) for s in steps]}
 
 
-def analyze(path: str | Path, steps=None) -> dict:
-    """The overflow report of a run: the first bad module, classified, and the loss-scale summary."""
+def analyze(path: str | Path, steps=None, ranks=None) -> dict:
+    """The overflow report of a run (of `ranks` only, when given): the first bad module, classified, and the
+    loss-scale summary.
+
+    Raises:
+        InputError: bad input, or one of `ranks` is not in the run.
+    """
     with Run(path) as run:
-        firsts = [rows for rank in run.ranks if (rows := _first_bad_step(run, rank, steps))]
+        chosen = [d.rank for d in find_run(run.path).only(ranks)]
+        firsts = [rows for rank in chosen if (rows := _first_bad_step(run, rank, steps))]
         ops = sorted({op for rank in run.ranks for op in run.ops(rank)})
         chain = []
         if firsts:

@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 from trainmon.anomaly.db_anomalies import AnomalyTable
 from trainmon.anomaly.dump import DumpRequest, write_dump
-from trainmon.anomaly.events import SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent, phase_of, split_name
+from trainmon.anomaly.events import (ANOMALIES_FILE, SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent,
+                                     phase_of, split_name)
 from trainmon.anomaly.rules import Rule
 from trainmon.monitor.sentinel import verdict
 from trainmon.monitor.records import RecordKey, StepBatch
@@ -26,8 +27,6 @@ from trainmon.writers.db_schema import DB_NAME
 from trainmon.writers.tags import tag_of
 
 logger = logging.getLogger("trainmon")
-
-ANOMALIES_FILE = "anomalies.jsonl"
 
 
 class AlertRateLimit:

@@ -24,7 +24,8 @@ class RankSummary:
     rank: int
     records: int = 0  # distinct non-finite records
     firsts: list[AnomalyEvent] = field(default_factory=list)  # first of each (module, phase), key order
-    comm: list[AnomalyEvent] = field(default_factory=list)  # the collectives' non-finite records
+    # the collectives' non-finite records, but for outputs of calls whose input was non-finite on this rank
+    comm: list[AnomalyEvent] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -42,9 +43,18 @@ def summarize(rank: int, events: Iterable[AnomalyEvent]) -> RankSummary:
             chosen[ident] = event
     out = RankSummary(rank, records=len(chosen))
     seen = set()
+    inputs = set()  # (step, micro-step, call) of the collective calls whose input is non-finite here
     for event in sorted(chosen.values(), key=order_key):
         if event.family == COMM:
-            out.comm.append(event)
+            call, _, tensor = event.module.rpartition(".")  # <call>.input, <call>.output_1, ...
+            io = tensor.partition("_")[0]
+            where = (event.step, event.micro_step, call)
+            # an output after a non-finite input of the same call on this rank tells cross_rank nothing more:
+            # the rank is already among the call's sources, so not among the ranks it reached
+            if not (io == "output" and where in inputs):
+                out.comm.append(event)
+            if io == "input":
+                inputs.add(where)
         if (event.module, event.phase) not in seen:
             seen.add((event.module, event.phase))
             out.firsts.append(event)

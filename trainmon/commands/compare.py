@@ -4,6 +4,9 @@ Two runs (monitor output): their statistic records, aligned by (family, name, st
 the first divergent record in execution order and the most divergent ones. Two tensor dumps (trainmon's
 `dump` config block, or msprobe dump directories): per tensor cosine, RMSE, max abs/rel error, the first
 tensor beyond the thresholds, its call stack and both statistic records.
+
+Exit status: 0 the runs agree (every record, or tensor, on both sides and within tolerance), 1 they
+differ, 2 bad input.
 """
 from __future__ import annotations
 
@@ -11,16 +14,8 @@ import argparse
 import json
 import sys
 
-from trainmon.commands.arguments import non_negative_int
-
-
-def parse_step_range(text: str) -> tuple[int, int]:
-    """"7" -> (7, 7), "10-20" -> (10, 20) inclusive."""
-    try:
-        first, _, last = text.partition("-")
-        return int(first), int(last or first)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--steps {text!r}: give a step (7) or an inclusive range (10-20)") from None
+from trainmon.commands.arguments import (EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FOUND, add_json, add_ranks,
+                                         add_steps, positive_int)
 
 
 def non_negative_float(text: str) -> float:
@@ -34,35 +29,37 @@ def non_negative_float(text: str) -> float:
 
 
 def register(subparsers) -> None:
-    from trainmon.compare.records import DEFAULT_ATOL, DEFAULT_RTOL
-    from trainmon.compare.tensors import DEFAULT_COSINE, DEFAULT_MAX_ABS
+    from trainmon.compare.thresholds import DEFAULT_ATOL, DEFAULT_COSINE, DEFAULT_MAX_ABS, DEFAULT_RTOL
 
     parser = subparsers.add_parser("compare", help="compare two runs' statistics, or two tensor dumps",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", help="run A: a run directory, or a dump directory (trainmon's or msprobe's)")
     parser.add_argument("b", help="run B, of the same kind as A")
-    parser.add_argument("--rank", type=non_negative_int, help="compare only this rank")
-    parser.add_argument("--steps", type=parse_step_range, help="only these steps: 7 or 10-20 (inclusive)")
+    add_ranks(parser, help="compare only these ranks (--rank 3, or --ranks 3 5)")
+    add_steps(parser, help="only these steps: 7, or an inclusive range 10-20 (10- and -20 leave an end open); "
+                           "a range holding no step of a run is an error")
     parser.add_argument("--rtol", type=non_negative_float, default=DEFAULT_RTOL,
                         help=f"records: relative tolerance per op (default {DEFAULT_RTOL:g}); dumps: the relative "
                              "tolerance of the within-tolerance fraction")
     parser.add_argument("--atol", type=non_negative_float, default=DEFAULT_ATOL,
                         help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
     parser.add_argument("--map", metavar="FILE", help='JSON {"<module in B>": "<module in A>"}: renames B\'s names')
-    parser.add_argument("--top", type=non_negative_int, default=10, help="most divergent records listed (default 10)")
+    parser.add_argument("--top", type=positive_int, default=10, metavar="K",
+                        help="most divergent records listed (default 10)")
     parser.add_argument("--cosine", type=non_negative_float, default=DEFAULT_COSINE,
                         help=f"dumps: a tensor diverges below this cosine similarity (default {DEFAULT_COSINE})")
     parser.add_argument("--max-abs", type=non_negative_float, default=DEFAULT_MAX_ABS,
                         help=f"dumps: ... and above this max absolute error (default {DEFAULT_MAX_ABS})")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    add_json(parser)
     parser.add_argument("-o", "--output", metavar="FILE", help="write one CSV row per aligned record (or tensor)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainmon.compare import tensors
+    from trainmon.compare.dumps import is_dump
 
-    if tensors.is_dump(args.a) or tensors.is_dump(args.b):
+    if is_dump(args.a) or is_dump(args.b):
+        from trainmon.compare import tensors  # imports torch: only for dumps
         summary, write_rows, text = tensors.compare_command(args)
     else:
         summary, write_rows, text = _compare_runs(args)
@@ -72,20 +69,21 @@ def run(args: argparse.Namespace) -> int:
                 write_rows(fh)
         except OSError as err:
             print(f"trainmon compare: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
     print(json.dumps(summary, indent=1) if args.json else text())
-    return 0
+    return EXIT_CLEAN if summary["agree"] else EXIT_FOUND
 
 
 def _compare_runs(args: argparse.Namespace):
     from trainmon.compare.names import NameMap
-    from trainmon.compare.records import align, execution_order, rank_pairs
+    from trainmon.compare.records import align, check_steps, execution_order, rank_pairs
     from trainmon.compare.report import format_report, summarize, write_csv
     from trainmon.read import open_run
 
     name_map = NameMap.load(args.map)
     with open_run(args.a) as run_a, open_run(args.b) as run_b:
-        ranks = rank_pairs(run_a, run_b, args.rank)
+        ranks = rank_pairs(run_a, run_b, args.ranks)
+        check_steps((run_a, run_b), ranks, args.steps)
         records = execution_order(list(align(run_a, run_b, ranks, args.steps, name_map, args.rtol, args.atol)))
         summary = summarize(records, str(run_a.path), str(run_b.path), ranks, args.rtol, args.atol, args.top)
     return summary, lambda fh: write_csv(records, fh), lambda: format_report(summary)

@@ -6,7 +6,7 @@ import argparse
 import sqlite3
 import sys
 
-from trainmon import conversions
+from trainmon.commands.arguments import add_quiet
 
 _COMMANDS = {
     "csv2tb": ("CSV files (trainmon's or msprobe's) to TensorBoard event files", "csv"),
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
         parser.add_argument("src", help="run directory (holding rank_<R>/), a rank directory, or msprobe's output "
                                         "directory (holding <time>-rank<R>-<uuid>/)")
         parser.add_argument("out", help="output directory")
-        parser.add_argument("--quiet", action="store_true", help="no progress bar")
+        add_quiet(parser)
         parser.add_argument("--overwrite", action="store_true",
                             help="write into a non-empty output directory, replacing its rank_<R> directories")
         parser.set_defaults(handler=run, conversion=name)
@@ -50,6 +50,8 @@ def _progress_bar(items, total, description):
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainmon import conversions  # the writers import torch
+
     progress = conversions.no_progress if args.quiet else _progress_bar
     source = _COMMANDS[args.conversion][1]
     try:

@@ -5,7 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainmon import conversions, export
+from trainmon import export
+from trainmon.output_dir import prepare_output
+from trainmon.commands.arguments import add_quiet, add_ranks
 from trainmon.commands.notices import warn
 from trainmon.read.layout import find_run
 
@@ -17,7 +19,8 @@ def register(subparsers) -> None:
     parser.add_argument("--format", choices=("parquet",), default="parquet", help="the dataset's format")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty output directory, replacing its family=<family> directories")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_ranks(parser, help="only these ranks (--rank 3, or --ranks 3 5)")
+    add_quiet(parser)
     parser.set_defaults(handler=run)
 
 
@@ -28,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainmon export: {err}", file=sys.stderr)
         return 2
     run = find_run(args.src)  # cli.main reports an InputError
-    warn("export", run.missing_warning)
-    conversions.prepare_output(run.path, Path(args.out), args.overwrite, export.PARTITION_DIR)
-    records = export.export(args.src, args.out, progress=not args.quiet)
+    run.only(args.ranks)  # a rank the run lacks is an InputError, before the output is prepared
+    warn(args, run.missing_warning)
+    prepare_output(run.path, Path(args.out), args.overwrite, export.PARTITION_DIR)
+    records = export.export(args.src, args.out, progress=not args.quiet, ranks=args.ranks)
     print(f"trainmon export: {records} records written to {args.out}")
     return 0

@@ -1,4 +1,6 @@
-"""`trainmon nan-analyze DIR`: where NaN/Inf first appeared in a run, and where it spread."""
+"""`trainmon nan-analyze DIR`: where NaN/Inf first appeared in a run, and where it spread.
+
+Exit status: 0 clean (no NaN or Inf), 1 found, 2 bad input."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +11,9 @@ from pathlib import Path
 from trainmon.anomaly import overflow
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.nan_analyze import analyze, format_report
+from trainmon.commands.arguments import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FOUND, add_json, add_quiet, add_ranks
 from trainmon.commands.notices import warn
+from trainmon.read.layout import find_run
 
 
 def register(subparsers) -> None:
@@ -17,8 +21,9 @@ def register(subparsers) -> None:
                                    description=__doc__)
     parser.add_argument("dir", help="a run directory (holding rank_<R>/), the output root (latest run), or an "
                                     "msprobe dump directory (step<N>/rank<R>/dump.json)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    add_json(parser)
+    add_quiet(parser)
+    add_ranks(parser, help="only these ranks of a trainmon run (--rank 3, or --ranks 3 5)")
     parser.add_argument("--overflow", action="store_true",
                         help="also classify the first saturated or non-finite module (computed here, inherited, "
                              "internal), as `trainmon overflow` does; reads the records up to the first non-finite "
@@ -28,8 +33,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = analyze(args.dir, progress=not args.quiet)  # cli.main reports an InputError
-    warn("nan-analyze", result["missing_warning"])
+    if args.ranks and not read_dump(Path(args.dir)):
+        find_run(args.dir).only(args.ranks)  # a rank the run lacks is an InputError
+    result = analyze(args.dir, progress=not args.quiet, ranks=args.ranks)  # cli.main reports an InputError
+    warn(args, result["missing_warning"])
     result["overflow"] = _overflow(args.dir, result) if args.overflow else None
     text = json.dumps(result, indent=1, default=str) if args.json else format_report(result)
     if result["overflow"] and not args.json:
@@ -41,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
                 fh.write(text + "\n")
         except OSError as err:
             print(f"trainmon nan-analyze: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
     else:
         print(text)
-    return 0
+    return EXIT_CLEAN if result["first"] is None else EXIT_FOUND
 
 
 def _overflow(path: str, result: dict):
@@ -53,3 +60,4 @@ def _overflow(path: str, result: dict):
     if result["first"] is None or read_dump(Path(path)):
         return None
     return overflow.analyze(path, (None, result["first"]["step"]))
+

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmon.watch.history import RANK_SERIES, History
     from trainmon.watch.run_watcher import read_figures
     run_dirs = find_run(args.dir)  # cli.main reports an InputError (exit 2)
-    warn("plot", run_dirs.missing_warning)
+    warn(args, run_dirs.missing_warning)
     history = History(args.op, args.window)
     followers = [RankFollower(rank_dir) for rank_dir in run_dirs.ranks]
     for follower in followers:

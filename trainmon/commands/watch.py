@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from trainmon.commands.arguments import non_negative_int, positive_int
+from trainmon.commands.arguments import add_ranks, positive_int
 
 
 def positive_seconds(text: str) -> float:
@@ -41,8 +41,8 @@ def register(subparsers) -> None:
     parser.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
                         help="seconds between rounds (default 5)")
     parser.add_argument("--once", action="store_true", help="export what is there and exit (a finished run)")
-    parser.add_argument("--ranks", type=non_negative_int, nargs="+", default=[], metavar="R",
-                        help="also write every figure of these ranks as their own series (rank<R>/...)")
+    add_ranks(parser, help="also write every figure of these ranks as their own series (rank<R>/...; --rank 3, "
+                           "or --ranks 3 5)")
     parser.add_argument("--detail", nargs="+", default=[], metavar="REGEX", type=regex,
                         help="also chart every op of the tensors whose name matches one of these regular "
                              "expressions, e.g. 'layers\\.3\\.' (detail/...; default: one chart per layer)")
@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once, ranks=frozenset(args.ranks),
+    options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once,
+                           ranks=frozenset(args.ranks or ()),
                            on_anomaly=args.on_anomaly, exit_on_anomaly=args.exit_on_anomaly,
                            stall_after=args.stall_after, heatmap_every=args.heatmap_every, op=args.op,
                            window=args.window, source=args.source, detail=tuple(args.detail))

@@ -12,12 +12,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from trainmon.read.errors import InputError
-from trainmon.writers.tensor_dump_sink import DUMPS_DIR, INDEX_FILE, TENSOR_FILE
+from trainmon.writers.dump_layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE
+
+if TYPE_CHECKING:  # torch is imported when a tensor is loaded: finding dumps needs none
+    import torch
 _STEP = re.compile(r"^step(\d+)$")
 _RANK = re.compile(r"^(?:rank_?(\d*)|proc\d+)$")
 _MS_ENTRY = re.compile(r"^(?P<module>.+)\.(?P<phase>forward|backward)(?:\.(?P<n>\d+))?$")
@@ -134,6 +135,8 @@ def _tensor_leaves(value, prefix: str) -> Iterator[tuple[str, dict]]:
 
 def _load_file(path: Path) -> Callable[[], torch.Tensor]:
     def load() -> torch.Tensor:
+        import torch
+
         try:
             if path.suffix == ".npy":
                 import numpy as np

@@ -15,12 +15,11 @@ from typing import Iterator, Optional
 
 from trainmon.anomaly.ordering import order_key
 from trainmon.compare.names import NameMap
+from trainmon.compare.thresholds import DEFAULT_ATOL, DEFAULT_RTOL
 from trainmon.monitor.records import PHASES
 from trainmon.monitor.schema import OPS
 from trainmon.read import InputError, Run
 
-DEFAULT_RTOL = 1e-3
-DEFAULT_ATOL = 1e-6
 EQUAL, CLOSE, DIVERGED, ONLY_A, ONLY_B = "equal", "close", "diverged", "only_a", "only_b"
 
 
@@ -106,22 +105,42 @@ def _rows(run: Run, rank: int, steps, rename: Optional[NameMap]) -> dict:
     return out
 
 
-def rank_pairs(run_a: Run, run_b: Run, rank: Optional[int]) -> list[int]:
+def rank_pairs(run_a: Run, run_b: Run, ranks: Optional[list[int]]) -> list[int]:
     """The ranks to compare one to one.
 
     Raises:
-        InputError: `rank` is missing from a run, or the runs have different ranks and no `rank` was given.
+        InputError: one of `ranks` is missing from a run, or the runs have different ranks and no `ranks`
+            were given.
     """
-    if rank is not None:
+    if ranks:
         for run in (run_a, run_b):
-            if rank not in run.ranks:
-                raise InputError.at(run.path, f"has no rank {rank} (ranks: {run.ranks})")
-        return [rank]
+            missing = [rank for rank in ranks if rank not in run.ranks]
+            if missing:
+                raise InputError.at(run.path, f"has no rank {', '.join(map(str, missing))} (ranks: "
+                                              f"{_ranks(run.ranks)})")
+        return sorted(set(ranks))
     if run_a.ranks != run_b.ranks:
         raise InputError(f"the runs have different ranks: {run_a.path} has {len(run_a.ranks)} "
                          f"({_ranks(run_a.ranks)}), {run_b.path} has {len(run_b.ranks)} ({_ranks(run_b.ranks)}); "
                          "ranks are compared one to one: pick one with --rank R")
     return run_a.ranks
+
+
+def check_steps(runs: tuple[Run, Run], ranks: list[int], steps) -> None:
+    """A step range must hold steps of both runs (on the ranks compared).
+
+    Raises:
+        InputError: a run holds no step of `steps` (first, last), naming the steps it holds.
+    """
+    if steps is None:
+        return
+    first, last = steps
+    for run in runs:
+        held = set().union(*(run.steps(rank) for rank in ranks))
+        if not any((first is None or s >= first) and (last is None or s <= last) for s in held):
+            span = f"steps {min(held)}-{max(held)}" if held else "no step"
+            raise InputError.at(run.path, f"holds no step in --steps {'' if first is None else first}-"
+                                          f"{'' if last is None else last} (it holds {span})")
 
 
 def _ranks(ranks: list[int]) -> str:

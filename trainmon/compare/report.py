@@ -42,8 +42,14 @@ def summarize(records: list[Aligned], run_a: str, run_b: str, ranks: list[int], 
     diverged = [r for r in records if r.verdict == DIVERGED]
     worst = sorted(diverged, key=lambda r: -r.worst)[:top]
     first = diverged[0] if diverged else None
+    verdicts = {v: counts.get(v, 0) for v in VERDICTS}
+    compared = verdicts[EQUAL] + verdicts[CLOSE] + verdicts[DIVERGED]
+    one_side = verdicts[ONLY_A] + verdicts[ONLY_B]
     return {"run_a": run_a, "run_b": run_b, "ranks": ranks, "rtol": rtol, "atol": atol,
-            "records": len(records), "verdicts": {v: counts.get(v, 0) for v in VERDICTS},
+            "records": len(records), "compared": compared, "one_side_only": one_side,
+            "verdicts": verdicts,
+            # agreement is claimed only when every record exists on both sides and agrees
+            "agree": bool(records) and verdicts[DIVERGED] == 0 and one_side == 0,
             "first_divergent": describe(first) if first else None,
             "most_divergent": [describe(r) for r in worst]}
 
@@ -74,13 +80,19 @@ def _figures(d: dict) -> list[str]:
 
 def format_report(summary: dict) -> str:
     v = summary["verdicts"]
-    lines = [f"compared {summary['records']} records of rank(s) {', '.join(map(str, summary['ranks']))}: "
-             f"{v[EQUAL]} equal, {v[CLOSE]} within tolerance (rtol {summary['rtol']:g}, atol {summary['atol']:g}), "
-             f"{v[DIVERGED]} diverged; {v[ONLY_A]} only in A, {v[ONLY_B]} only in B",
+    lines = [f"compared {summary['compared']} records both runs hold, of rank(s) "
+             f"{', '.join(map(str, summary['ranks']))}: {v[EQUAL]} equal, {v[CLOSE]} within tolerance "
+             f"(rtol {summary['rtol']:g}, atol {summary['atol']:g}), {v[DIVERGED]} diverged; "
+             f"{summary['one_side_only']} exist on one side only ({v[ONLY_A]} only in A, {v[ONLY_B]} only in B)",
              f"  A: {summary['run_a']}", f"  B: {summary['run_b']}"]
     first = summary["first_divergent"]
+    if summary["agree"]:
+        lines.append("the runs agree within tolerance: every record exists in both and agrees")
+    elif first is None:
+        share = summary["one_side_only"] / summary["records"] if summary["records"] else 0.0
+        lines.append(f"the runs differ: no record both hold diverges, but {summary['one_side_only']} of "
+                     f"{summary['records']} records ({share:.0%}) exist in one run only")
     if first is None:
-        lines.append("no divergent record: the runs agree within tolerance")
         return "\n".join(lines)
     lines += ["", f"first divergent record: {_where(first)}"] + _figures(first)
     lines += ["", "most divergent records (largest relative difference):"]

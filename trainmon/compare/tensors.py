@@ -17,10 +17,9 @@ from typing import Optional, TextIO
 import torch
 
 from trainmon.compare.dumps import DumpTensor, StepDump, is_dump, read_dumps
+from trainmon.compare.thresholds import DEFAULT_COSINE, DEFAULT_MAX_ABS
 from trainmon.read.errors import InputError
 
-DEFAULT_COSINE = 0.99
-DEFAULT_MAX_ABS = 0.001
 COLUMNS = ("rank", "step", "micro_step", "order", "module", "phase", "role", "shape_a", "shape_b", "cosine", "rmse",
            "max_abs", "max_rel", "within_tolerance", "nonfinite_mismatch", "verdict")
 
@@ -42,7 +41,8 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) 
     elif nx == 0 or ny == 0:
         cosine = 0.0
     else:
-        cosine = float(torch.dot(x, y) / (nx * ny))
+        # rounding can take it just past 1 (1.0000001 for identical tensors): a cosine lies in [-1, 1]
+        cosine = min(1.0, max(-1.0, float(torch.dot(x, y) / (nx * ny))))
     scale = torch.maximum(x.abs(), y.abs())
     rel = torch.where(scale > 0, diff / scale.clamp_min(torch.finfo(acc).tiny), torch.zeros_like(diff))
     n = diff.numel()
@@ -83,20 +83,22 @@ def compare_step(a: StepDump, b: StepDump, rtol: float, atol: float, cosine: flo
     return rows
 
 
-def compare_dumps(path_a: str, path_b: str, rank: Optional[int], steps, rtol: float, atol: float,
+def compare_dumps(path_a: str, path_b: str, ranks: Optional[list[int]], steps, rtol: float, atol: float,
                   cosine: float, max_abs: float) -> tuple[list[dict], dict]:
-    """(rows, summary) of two dump directories, rank by rank.
+    """(rows, summary) of two dump directories, rank by rank (only `ranks`, and steps `steps` = (first,
+    last), either end None when open, when given).
 
     Raises:
         InputError: a side is not a dump, or the dumps have different rank counts.
     """
     dumps_a, dumps_b = read_dumps(path_a), read_dumps(path_b)
     ranks_a, ranks_b = sorted({r for r, _ in dumps_a}), sorted({r for r, _ in dumps_b})
-    if rank is None and ranks_a != ranks_b:
+    if ranks is None and ranks_a != ranks_b:
         raise InputError(f"the dumps have different ranks: {path_a} has {len(ranks_a)} ({ranks_a}), {path_b} has "
                          f"{len(ranks_b)} ({ranks_b}); dumps are compared rank by rank: pick one with --rank R")
-    pairs = sorted(k for k in dumps_a if k in dumps_b and (rank is None or k[0] == rank)
-                   and (steps is None or steps[0] <= k[1] <= steps[1]))
+    first_step, last_step = steps if steps is not None else (None, None)
+    pairs = sorted(k for k in dumps_a if k in dumps_b and (ranks is None or k[0] in ranks)
+                   and (first_step is None or k[1] >= first_step) and (last_step is None or k[1] <= last_step))
     if not pairs:
         raise InputError(f"no (rank, step) is in both dumps: {path_a} has {sorted(dumps_a)}, {path_b} has "
                          f"{sorted(dumps_b)}")
@@ -109,8 +111,12 @@ def compare_dumps(path_a: str, path_b: str, rank: Optional[int], steps, rtol: fl
             hit = next((r for r in step_rows if r["verdict"] == "diverged"), None)
             if hit is not None:
                 first = _details(hit, dumps_a[key], dumps_b[key])
+    one_side = sum(r["verdict"] in ("only_a", "only_b") for r in rows)
+    diverged = sum(r["verdict"] == "diverged" for r in rows)
     summary = {"a": str(path_a), "b": str(path_b), "pairs": [list(k) for k in pairs], "tensors": len(rows),
-               "diverged": sum(r["verdict"] == "diverged" for r in rows), "thresholds":
+               "compared": len(rows) - one_side, "one_side_only": one_side, "diverged": diverged,
+               "agree": diverged == 0 and one_side == 0 and all(r["verdict"] in ("match", "equal") for r in rows),
+               "thresholds":
                {"cosine": cosine, "max_abs": max_abs, "rtol": rtol, "atol": atol}, "first_divergent": first}
     return rows, summary
 
@@ -128,12 +134,15 @@ def _details(row: dict, a: StepDump, b: StepDump) -> dict:
 
 def format_report(summary: dict) -> str:
     t = summary["thresholds"]
-    lines = [f"compared {summary['tensors']} tensors of (rank, step) {summary['pairs']}: {summary['diverged']} "
-             f"diverged (cosine < {t['cosine']} and max abs error > {t['max_abs']})",
+    lines = [f"compared {summary['compared']} tensors both dumps hold, of (rank, step) {summary['pairs']}: "
+             f"{summary['diverged']} diverged (cosine < {t['cosine']} and max abs error > {t['max_abs']}); "
+             f"{summary['one_side_only']} exist in one dump only",
              f"  A: {summary['a']}", f"  B: {summary['b']}"]
     first = summary["first_divergent"]
     if first is None:
-        lines.append("no divergent tensor")
+        lines.append("the dumps agree: every tensor exists in both and matches" if summary["agree"] else
+                     "no divergent tensor, but the dumps differ: see the tensors in one dump only or not compared "
+                     "(-o writes each tensor's verdict)")
         return "\n".join(lines)
     micro = "" if first["micro_step"] is None else f", micro-step {first['micro_step']}"
     lines += ["", f"first divergent tensor: {first['module']} {first['phase']} {first['role']} "
@@ -158,6 +167,6 @@ def compare_command(args: argparse.Namespace):
     for path in (args.a, args.b):
         if not is_dump(path):
             raise InputError(f"{path}: not a tensor dump, while the other side is one: compare two dumps or two runs")
-    rows, summary = compare_dumps(args.a, args.b, args.rank, args.steps, args.rtol, args.atol, args.cosine,
+    rows, summary = compare_dumps(args.a, args.b, args.ranks, args.steps, args.rtol, args.atol, args.cosine,
                                   args.max_abs)
     return summary, lambda fh: write_csv(rows, fh), lambda: format_report(summary)

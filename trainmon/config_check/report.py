@@ -54,8 +54,12 @@ def write_details(directory: Path, results: list[CheckResult], packs: dict) -> N
             writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             writer.writerows(r.differences)
-    summary = {"packs": packs, "passed": all(r.status != "fail" for r in results),
-               "checks": {r.name: {"status": r.status, "compared": r.compared, "note": r.note,
-                                   "differences": r.differences} for r in results}}
     with open(directory / "result.json", "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+        json.dump(result_summary(results, packs), f, indent=1, default=str)
+
+
+def result_summary(results: list[CheckResult], packs: dict) -> dict:
+    """Everything about a comparison, as `result.json` and `--json` give it."""
+    return {"packs": packs, "passed": all(r.status != "fail" for r in results),
+            "checks": {r.name: {"status": r.status, "compared": r.compared, "note": r.note,
+                                "differences": r.differences} for r in results}}

@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 from typing import Callable, NamedTuple, Optional
 
-import torch
-
 
 class OpSpec(NamedTuple):
     inputs: Callable[[dict], list]
@@ -58,10 +56,6 @@ ALL_OPS = tuple(COLLECTIVES) + P2P + (BATCH_P2P,)
 
 _NAME = re.compile(r"^(?P<op>\w+)\[(?P<group>[^\]]*)\]@(?P<group_name>[^#]*)#(?P<seq>\d+)"
                    r"\.(?P<io>input|output)(?:_(?P<index>\d+))?$")
-
-
-def floating(tensors) -> list[torch.Tensor]:
-    return [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def compact_ranks(ranks) -> str:

@@ -35,17 +35,23 @@ import threading
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from trainmon.monitor.collective_bindings import COALESCING_MANAGER, repoint, restore
 from trainmon.monitor.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
-                                             compact_ranks, floating, p2p_name, tensor_names)
+                                             compact_ranks, p2p_name, tensor_names)
 from trainmon.monitor.records import COMM, RecordKey
 from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")
 _local = threading.local()
+
+
+def floating(tensors) -> list[torch.Tensor]:
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
 _OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # trainmon's frames are not call sites
 
 

@@ -8,7 +8,8 @@ allowed and the closest valid choice; msprobe keys trainmon does not act on yet 
 Where trainmon differs from msprobe 26.x (which mostly logs a warning and carries on):
 - unknown keys, unknown ops, unknown formats, non-integral step numbers are errors, not warnings;
 - `ops` and `format` may each be one string or a list; `shape`/`dtype` in `ops` are accepted and dropped
-  (every CSV row carries them), `infs` is an extra op; an empty `ops` means `["norm"]` as in msprobe;
+  (every CSV row carries them), `infs` is an extra op; an `ops` that lists no statistic is an error
+  (msprobe monitors `norm` then);
 - `ndigits` counts significant digits (msprobe: decimal places), so small values are not printed as 0;
   its default stays msprobe's 6;
 - `forward_only` and `backward_only` both true is an error (msprobe warns and records neither);
@@ -236,8 +237,12 @@ def _check_ops(value: Any, key: str) -> list[str]:
                 warn_not_honoured(f"ops:{op}")
         else:
             raise ConfigError("is not a known op", key=k, value=op, allowed=STAT_OPS, closest=closest(op, STAT_OPS))
-    # msprobe: "If there is no valid metric in ops, the norm metric is monitored by default".
-    return ops or _default_of(MonitorConfig, "ops")
+    if not ops:
+        # msprobe falls back to norm; silently computing a figure nobody asked for hides a typo or a slip
+        raise ConfigError('lists no statistic to compute: write the figures you want, e.g. "ops": ["norm"], '
+                          'or ["min", "max", "norm", "nans", "infs"]; leave "ops" out for the default ["norm"]',
+                          key=key, value=value, allowed=STAT_OPS)
+    return ops
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,10 +15,11 @@ from urllib.parse import quote
 
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.monitor import stats
+from trainmon.monitor.derive import derive_ops
 from trainmon.read.db_columns import RAW_PREFIX, Columns, read_columns
 from trainmon.read.db_nonfinite import DbNonfinite, read_nonfinite
 from trainmon.read.errors import InputError
+from trainmon.read.jsonl import whole_lines
 from trainmon.read.stream_mirror import is_mirror
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
@@ -114,7 +115,7 @@ class DbRankReader:
         # (Plain Python: numpy's per-call overhead on one short row was most of the cost of reading a run.)
         record = [stored[0], 0.0 if stored[1] != stored[1] else stored[1], 0.0 if stored[2] != stored[2] else stored[2],
                   *stored[3:]]
-        figures = stats.derive_ops(record, self.ops)
+        figures = derive_ops(record, self.ops)
         if not row["nan_fields"] and not (record[1] > 0 or record[2] > 0):
             # no field is NaN and no element is NaN or Inf, so a NaN figure comes from fields that were not
             # recorded: it has no value
@@ -163,6 +164,16 @@ class DbRankReader:
                           if s is not None]
             return min(found) if found else None
         return self._guard(read)
+
+    def holds_lines_of(self, jsonl: Path) -> bool:
+        """Whether the anomalies table holds every line of the rank's anomalies.jsonl: the anomaly processor
+        writes each anomaly to both, one step at a time, so when the table has as many rows as the file has
+        whole lines, they are the same anomalies and the file need not be read (a table that stopped on
+        a database error, or a cut-short last line, makes the counts differ: then the file is read)."""
+        if not self.has_anomalies():
+            return False
+        rows = self._guard(lambda: self.conn.execute("SELECT COUNT(*) FROM anomalies").fetchone()[0])
+        return rows == whole_lines(jsonl)
 
     def has_anomalies(self) -> bool:
         """Whether the database has the anomalies table (the run's anomaly processor wrote into it)."""

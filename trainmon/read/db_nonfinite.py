@@ -56,7 +56,8 @@ def read_nonfinite(conn: sqlite3.Connection, rank: int, has_anomalies: bool) -> 
             _ANOMALY_QUERY.replace("{uncommitted}", _marks(uncommitted)), uncommitted)]
         count += _anomalies_beside_records(conn, rank, places, uncommitted)
     comm_tags = [tag for tag, (family, _, _) in places.items() if family == COMM]
-    rows = conn.execute(_FIRST_RECORDS).fetchall()
+    indexes = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    rows = conn.execute(_FIRST_RECORDS_SEEK if "records_nonfinite_tag" in indexes else _FIRST_RECORDS).fetchall()
     if comm_tags:
         rows += conn.execute(f"SELECT {_RECORD_COLUMNS}, r.rowid FROM records r WHERE {_RECORD_NONFINITE} AND "
                              f"r.tag_id IN ({_marks(comm_tags)})", comm_tags).fetchall()
@@ -65,7 +66,13 @@ def read_nonfinite(conn: sqlite3.Connection, rank: int, has_anomalies: bool) -> 
     return DbNonfinite(count, anomalies + [_record_event(rank, places[row[0]], row) for row in rows])
 
 
-# The non-finite records at their tag's first non-finite step.
+# The non-finite records at their tag's first non-finite step: with the partial index, one seek per tag
+# (MATERIALIZED: flattened, SQLite would scan the whole index instead); without it, a scan.
+_FIRST_RECORDS_SEEK = f"""
+WITH f AS MATERIALIZED (SELECT t.id AS tag_id, (SELECT MIN(r.step) FROM records r WHERE r.tag_id = t.id
+                                               AND {_RECORD_NONFINITE}) AS step FROM tags t)
+SELECT {_RECORD_COLUMNS}, r.rowid FROM f JOIN records r INDEXED BY records_nonfinite_tag
+    ON r.tag_id = f.tag_id AND r.step = f.step WHERE {_RECORD_NONFINITE}"""
 _FIRST_RECORDS = f"""
 SELECT {_RECORD_COLUMNS}, r.rowid
 FROM (SELECT r.tag_id, MIN(r.step) AS step FROM records r WHERE {_RECORD_NONFINITE} GROUP BY r.tag_id) AS f

@@ -3,7 +3,7 @@
 The database (monitor.db) is the best source: it holds every record of each step it committed, with its
 call index, and the anomalies table. anomalies.jsonl and the CSV files are read only for the steps the
 database lacks (a run without `db`, or a database cut short by a crash); a CSV file whose steps the
-database all holds is not opened. Of a record that both of those hold, the copy with a call index wins.
+database all holds is not opened, nor is anomalies.jsonl when the anomalies table holds all its lines. Of a record that both of those hold, the copy with a call index wins.
 CSV rows carry no pipeline stage: it comes from the rank's `run.json` (`pp_stage`).
 
 Of the database, only what the report needs becomes an event (`db_nonfinite`: a few queries per rank);
@@ -52,12 +52,15 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
     out = RankEvidence()
     rank = rank_dir.rank
     db_steps: set[int] = set()
+    jsonl = rank_dir.jsonl
+    in_db = False  # the database's anomalies table holds every line of anomalies.jsonl
     db = rank_dir.db  # or the rank's record stream, read as a database
     if db is not None:
         reader = DbRankReader(db)
         try:
             db_steps = reader.steps()
             found = reader.nonfinite(rank)
+            in_db = jsonl is not None and reader.holds_lines_of(jsonl)
         finally:
             reader.close()
         out.events, out.records = found.events, found.records
@@ -74,13 +77,14 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
         return step not in db_steps
 
     others: dict[tuple, AnomalyEvent] = {}
-    if rank_dir.jsonl is not None:
-        for event in read_jsonl(rank_dir.jsonl, out.warnings.append, skip_step=db_steps.__contains__):
-            if event.nonfinite:
-                _keep(others, event)
+    if jsonl is not None:
+        if not in_db:
+            for event in read_jsonl(jsonl, out.warnings.append, skip_step=db_steps.__contains__):
+                if event.nonfinite:
+                    _keep(others, event)
         out.sources.insert(0, ANOMALIES_FILE)
     all_files = rank_dir.family_files()
-    files = [f for f in all_files if any(lacking(s) for s in range(f.first, f.last + 1))]
+    files = [f for f in all_files if not db_steps.issuperset(range(f.first, f.last + 1))]
     if all_files:
         out.sources.append("csv")
     if files:

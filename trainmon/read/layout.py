@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
-from trainmon.anomaly.processor import ANOMALIES_FILE
+from trainmon.anomaly.events import ANOMALIES_FILE
 from trainmon.monitor.records import FAMILIES
 from trainmon.read import stream_mirror
 from trainmon.read.errors import InputError
@@ -105,6 +105,21 @@ class RunDirs:
     ranks: list[RankDir]
     note: Optional[str] = None
 
+    def only(self, ranks: Optional[Iterable[int]]) -> list[RankDir]:
+        """The directories of `ranks` (all for None), for a command's `--rank`.
+
+        Raises:
+            InputError: one of `ranks` is not a rank of the run (naming the ranks it has).
+        """
+        if ranks is None:
+            return self.ranks
+        wanted = set(ranks)
+        missing = sorted(wanted - {d.rank for d in self.ranks})
+        if missing:
+            raise InputError.at(self.path, f"has no rank {', '.join(map(str, missing))} (ranks: "
+                                           f"{_listed([d.rank for d in self.ranks])})")
+        return [d for d in self.ranks if d.rank in wanted]
+
     @cached_property
     def missing_ranks(self) -> list[int]:
         """The ranks of the run that have no directory with output: those below the highest rank found, and
@@ -166,6 +181,10 @@ def _rank_dirs(root: Path) -> list[RankDir]:
                                       "several runs, give one run's directory")
         ranks[rank] = child
     return [RankDir(rank, ranks[rank]) for rank in sorted(ranks)]
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 16 else "")
 
 
 def _world_size(rank_dir: RankDir) -> int:

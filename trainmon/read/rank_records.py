@@ -34,8 +34,12 @@ class CsvRankReader:
         for step in sorted(by_step):
             yield step, by_step[step]
 
+    def steps(self) -> set[int]:
+        """The steps the files' names span (an upper bound: a file's range may have gaps)."""
+        return {step for f in self.rank_dir.family_files() for step in range(f.first, f.last + 1)}
+
     def step_count(self) -> int:
-        return len({step for f in self.rank_dir.family_files() for step in range(f.first, f.last + 1)})
+        return len(self.steps())
 
     def scalars(self, name: Optional[str], first: Optional[int], last: Optional[int]) -> list[dict]:
         return []  # the CSV format holds no training scalars

@@ -91,6 +91,10 @@ class Run:
         """(step, rows) of one rank in step order, rows as dicts (ops None where there is no value)."""
         return self._readers[rank].rows(family, *step_range(steps))
 
+    def steps(self, rank: int) -> set[int]:
+        """The steps `rank` holds (for CSV sources: the steps the file names span, an upper bound)."""
+        return self._readers[rank].steps()
+
     def step_count(self, rank: int) -> int:
         """Steps `rank` holds (for CSV sources: the steps the file names span, an upper bound)."""
         return self._readers[rank].step_count()

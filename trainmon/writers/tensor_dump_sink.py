@@ -18,9 +18,9 @@ from trainmon.monitor import stats
 from trainmon.monitor.schema import OPS
 from trainmon.monitor.tensor_dump import StepCapture
 from trainmon.writers.base import Sink, SinkContext
+from trainmon.writers.dump_layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE  # noqa: F401 (the layout readers find)
 
 logger = logging.getLogger("trainmon")
-DUMPS_DIR, INDEX_FILE, TENSOR_FILE = "dumps", "index.json", "tensors.safetensors"  # the layout readers find
 _ALL_FIELDS = stats.fields_for_ops(OPS)
 
 

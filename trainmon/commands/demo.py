@@ -1,0 +1,34 @@
+"""`trainmon demo`: train a small GPT-style model with monitoring and show the output (trainmon.demo, which
+imports torch only when the command runs)."""
+from __future__ import annotations
+
+import argparse
+
+from trainmon.commands.arguments import positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (also those of scripts/train_demo.py)."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="a trainmon JSON config (default: the embedded demo config); checked before training")
+    parser.add_argument("--steps", type=positive_int, default=300, metavar="N",
+                        help="how many training steps to run (default 300)")
+    parser.add_argument("--grad-acc-steps", type=positive_int, default=1, metavar="N",
+                        help="micro-batches accumulated per step (default 1)")
+    parser.add_argument("--inject", choices=["nan"], help="nan: put an Inf into a layer's output half-way through, "
+                                                          "and show the alert and nan-analyze naming it")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="train a small GPT-style model with monitoring and show the output",
+                                   description=__doc__)
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        from trainmon.monitor.config import load_config
+        load_config(args.config)  # a bad or missing config is a ConfigError (exit 2) before the model is built
+    from trainmon import demo
+    return demo.run(args)

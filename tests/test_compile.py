@@ -26,13 +26,18 @@ TIERS = {
 }
 ALL = {k: v for tier in TIERS.values() for k, v in tier.items() if k not in ("forward_only", "backward_only")}
 GA, STEPS = 2, 3
+MODES = ("default", "fullgraph", "blocks", "in_place")
 
 
 def compiled(model, mode: str, backend: str = "aot_eager"):
-    """`model` compiled as `mode` says: the whole model, with fullgraph, or each block (torchtitan's way)."""
+    """`model` compiled as `mode` says: the whole model, with fullgraph, in place, or each block (torchtitan's
+    way)."""
     if mode == "blocks":
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block, backend=backend)
+        return model
+    if mode == "in_place":  # Module.compile(): the root's own hooks are inside the graph too
+        model.compile(backend=backend)
         return model
     return torch.compile(model, backend=backend, fullgraph=mode == "fullgraph")
 
@@ -73,10 +78,10 @@ def monitored_run(write_config, config: dict | None, mode: str | None, backend="
 @pytest.fixture(scope="module")
 def unmonitored():
     """Losses, breaks and graphs of the unmonitored compiled runs, per mode."""
-    return {mode: monitored_run(None, None, mode)[:3] for mode in ("default", "fullgraph", "blocks")}
+    return {mode: monitored_run(None, None, mode)[:3] for mode in MODES}
 
 
-@pytest.mark.parametrize("mode", ["default", "fullgraph", "blocks"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tier", [*TIERS, "all"])
 def test_compiled_training_runs_to_the_end_with_no_graph_break_from_trainmon(output_dir, write_config, unmonitored,
                                                                             tier, mode):

@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+from trainmon.monitor.tensor_select import input_values
+
 logger = logging.getLogger("trainmon")
 
 _TOKEN = "_trainmon_token"
@@ -48,7 +50,7 @@ def _say_once(message: str) -> None:
 
 def stream_capturing() -> bool:
     """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now)."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 CAPTURE_REFUSED = ("a CUDA graph is being captured: hooks that run during capture would run only then, never at "
@@ -95,19 +97,13 @@ def _(token, kind, grad_enabled, inputs, outputs, out_positions, out_total) -> N
 torch.library._register_effectful_op(_observe._opoverload, torch._higher_order_ops.effects._EffectType.ORDERED)
 
 
-def _inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """A call's tensor arguments, positional ones and the keyword activations (what `input_values` takes)."""
-    values = [a.detach() for a in args if isinstance(a, torch.Tensor)]
-    values += [v.detach() for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-    return values
-
-
 def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: dict, output=None,
                       with_output: bool = False) -> None:
     """The traced form of a hook call: one `trainmon::observe` op (the eager hook runs when it does)."""
     leaves = tree_flatten(output)[0] if with_output else []
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    torch.ops.trainmon.observe(getattr(module, _TOKEN), kind, torch.is_grad_enabled(), _inputs(args, kwargs),
+    torch.ops.trainmon.observe(getattr(module, _TOKEN), kind, torch.is_grad_enabled(),
+                               [t.detach() for t in input_values(args, kwargs)],
                                [leaves[i].detach() for i in positions], positions, len(leaves))
 
 

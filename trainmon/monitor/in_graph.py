@@ -36,7 +36,7 @@ from trainmon.monitor.tensor_select import input_values
 logger = logging.getLogger("trainmon")
 
 _TOKEN = "_trainmon_token"
-# (module token, kind) -> (weak module, eager hook, its call signature, message when grads are refused)
+# (module token, kind) -> (weak module, eager hook, with_kwargs, with_output, grads_refused)
 _hooks: dict[tuple[int, str], tuple] = {}
 _tokens = itertools.count()
 _said: set[str] = set()  # messages said since the first hook was registered
@@ -49,7 +49,8 @@ def _say_once(message: str) -> None:
 
 
 def stream_capturing() -> bool:
-    """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now)."""
+    """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now).
+    torch has no device-generic query for this; an accelerator that is not initialised captures nothing."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 

@@ -18,8 +18,7 @@ autograd node), so activation grads there are not collected, and one message say
 
 CUDA graphs: a Python op under stream capture runs once, at capture, and never at replay. Rather than record
 nothing silently, a hook that runs under capture (traced or eager) records nothing and says so once. Inductor
-is told (`Tag.cudagraph_unsafe`) so that `mode="reduce-overhead"` leaves the graphs that hold the op uncaptured,
-and their records correct.
+is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it captures.
 """
 from __future__ import annotations
 

@@ -57,9 +57,10 @@ class LoopProbe:
         self.micro = -1
         self.micros: dict[int, int] = {}
         self.consumed: dict[int, dict[str, float]] = {}
-        model.register_forward_pre_hook(self._forward_started)
+        # Never traced into a compiled model: its counters would be guards that recompile every micro-batch.
+        model.register_forward_pre_hook(torch._dynamo.disable(self._forward_started))
         if inject is not None:
-            dict(model.named_modules())[inject].register_forward_hook(self._inject)
+            dict(model.named_modules())[inject].register_forward_hook(torch._dynamo.disable(self._inject))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Reads the consumed grads after every step of `optimizer` (the torch optimizer itself)."""

@@ -3,14 +3,18 @@ check and validation; and manual optimization."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from loops.harness import CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected, samples  # noqa: E402
+from loops.harness import (CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected, rank_dir_of,  # noqa: E402
+                           read_family, samples)
 from trainmon.integrations.lightning import TrainmonCallback  # noqa: E402
+from trainmon.monitor import in_graph  # noqa: E402
 
 
 class Regression(pl.LightningModule):
@@ -50,10 +54,12 @@ class ProbeCallback(pl.Callback):
         self.probe.attach(trainer.optimizers[0])
 
 
-def run(write_config, manual=False, inject=None):
+def run(write_config, manual=False, inject=None, compile_backend=None):
     torch.manual_seed(0)
     module = Regression(manual)
     probe = LoopProbe(module, inject=inject)
+    if compile_backend is not None:
+        module = torch.compile(module, backend=compile_backend)
     loader = torch.utils.data.DataLoader(samples(18), batch_size=2)
     validation = torch.utils.data.DataLoader(samples(6, seed=1), batch_size=2)
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
@@ -81,4 +87,23 @@ def test_manual_optimization(output_dir, write_config):
 
 def test_injected_inf(output_dir, write_config, capsys):
     run(write_config, inject="net.hidden")
+    check_injected(output_dir, "net.hidden", capsys)
+
+
+def test_compiled_module(output_dir, write_config, capsys, caplog):
+    """A LightningModule handed to `fit` compiled (Lightning compiles its forward and training_step): activation
+    grads are collected where the compiled region's backward starts (the loss), not inside it, and one
+    message says so; the rest is as in eager mode, and so is the named fault."""
+    torch._dynamo.reset()
+    counters.clear()
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        probe = run(write_config, compile_backend="aot_eager")
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert [r.getMessage() for r in caplog.records].count(f"trainmon: {in_graph.GRADS_REFUSED}") == 1
+    check_healthy(output_dir, probe)
+    assert set(read_family(rank_dir_of(output_dir), "actv_grad").name) == {".output"}
+    for run_dir in output_dir.iterdir():  # a second run beside it: the fault is its own
+        shutil.rmtree(run_dir)
+    torch._dynamo.reset()
+    run(write_config, inject="net.hidden", compile_backend="aot_eager")
     check_injected(output_dir, "net.hidden", capsys)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from trainmon.monitor import in_graph
 from trainmon.monitor.state import HookState
 
 
@@ -33,7 +34,7 @@ class ForwardPasses:
     def install(self) -> None:
         for vpp, chunk in enumerate(self.chunks):
             # First among the chunk's pre-hooks, so every other hook of this pass sees its micro-step.
-            self._handles.append(chunk.register_forward_pre_hook(self._pre_hook(vpp), prepend=True))
+            self._handles.append(in_graph.forward_pre_hook(chunk, "forward_passes", self._pre_hook(vpp), prepend=True))
 
     def _pre_hook(self, vpp: int):
         state = self.state

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
@@ -117,10 +118,12 @@ class ActivationHooks:
                 # Built once per module: the autograd callbacks of every call share them.
                 watched.grad_recorders = (self.state.guarded(item, self._record_input_grads),
                                           self.state.guarded(item, self._record_output_grad))
-            self._handles.append(watched.module.register_forward_pre_hook(
-                self.state.guarded(item, self._make_pre_forward(watched)), with_kwargs=True))
-            self._handles.append(watched.module.register_forward_hook(
-                self.state.guarded(item, self._make_forward(watched)), with_kwargs=True))
+            self._handles.append(in_graph.forward_pre_hook(
+                watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
+                with_kwargs=True, grads_refused=self.backward))
+            self._handles.append(in_graph.forward_hook(
+                watched.module, "activations", self.state.guarded(item, self._make_forward(watched)),
+                with_kwargs=True, grads_refused=self.backward))
 
     def remove(self) -> None:
         for handle in self._handles:

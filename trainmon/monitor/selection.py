@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from trainmon.monitor import in_graph
 from trainmon.monitor.config import MonitorConfig, parse_target_spec
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.module_hooks import WatchedModule
@@ -12,6 +13,7 @@ _WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", 
 
 
 def display_name(name: str, squash: bool) -> str:
+    name = in_graph.compiled_name(name)
     if not squash:
         return name
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
@@ -37,7 +39,7 @@ def watched_modules(chunks: list[torch.nn.Module], config: MonitorConfig) -> lis
     every = config.all_xy or not config.targets
     out = []
     for vpp, chunk in enumerate(chunks):
-        for name, module in chunk.named_modules():
+        for name, module in in_graph.named_modules(chunk):
             target = _target_for(config.targets, name, vpp)
             if not every and target is None:
                 continue

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from trainmon.anomaly.dump import DumpRequest, capture
 from trainmon.anomaly.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
+from trainmon.monitor import in_graph
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
@@ -155,10 +156,11 @@ class NanSentinel:
     def install(self) -> None:
         for name, module, vpp in self.modules:
             item = f"NaN sentinel on {name or '<root>'}"
-            self._handles.append(module.register_forward_pre_hook(
-                self.state.guarded(item, self._make_pre_forward(name, vpp)), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                self.state.guarded(item, self._make_forward(name, vpp))))
+            self._handles.append(in_graph.forward_pre_hook(
+                module, "sentinel", self.state.guarded(item, self._make_pre_forward(name, vpp)), with_kwargs=True,
+                grads_refused=True))
+            self._handles.append(in_graph.forward_hook(
+                module, "sentinel", self.state.guarded(item, self._make_forward(name, vpp)), grads_refused=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -308,7 +310,7 @@ def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: b
     (e.g. Megatron's global layer numbers, so stage 1's `layers.0` does not collide with stage 0's).
     """
     modules = [(rename(vpp, display_name(name, squash_name)), module, vpp)
-               for vpp, chunk in enumerate(chunks) for name, module in chunk.named_modules()]
+               for vpp, chunk in enumerate(chunks) for name, module in in_graph.named_modules(chunk)]
     params = [(rename(vpp, display_name(name, squash_name)), param, vpp)
               for vpp, chunk in enumerate(chunks) for name, param in chunk.named_parameters() if param.requires_grad]
     return NanSentinel(state, modules, params)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from trainmon.monitor import in_graph
 from trainmon.monitor.output import write_json
 
 
@@ -13,7 +14,7 @@ def module_structure(chunks: list[torch.nn.Module]) -> dict:
     """{`<vpp>:<module name>`: {class, parameters: {name: shape}}} for every module."""
     tree = {}
     for vpp, chunk in enumerate(chunks):
-        for name, module in chunk.named_modules():
+        for name, module in in_graph.named_modules(chunk):
             tree[f"{vpp}:{name}"] = {
                 "class": type(module).__name__,
                 "parameters": {p_name: list(p.shape) for p_name, p in module.named_parameters(recurse=False)},
@@ -34,7 +35,7 @@ class StackRecorder:
 
     def install(self) -> None:
         for watched in self.modules:
-            self._handles.append(watched.module.register_forward_pre_hook(self._make_hook(watched)))
+            self._handles.append(in_graph.forward_pre_hook(watched.module, "structure", self._make_hook(watched)))
 
     def _make_hook(self, watched):
         key = f"{watched.vpp_stage}:{watched.name}"

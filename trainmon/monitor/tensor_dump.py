@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from trainmon.anomaly.dump import host_copy
+from trainmon.monitor import in_graph
 from trainmon.monitor.accelerator import copy_done_event
 
 
@@ -123,11 +124,12 @@ class TensorDump:
         if not self.enabled:
             return
         for root in self.roots:
-            self._handles.append(root.register_forward_pre_hook(self.guard("tensor dump", self._root_pre_hook)))
+            self._handles.append(in_graph.forward_pre_hook(root, "tensor_dump_root",
+                                                           self.guard("tensor dump", self._root_pre_hook)))
         for name, module in self.modules:
             item = f"tensor dump of {name or '(root)'}"
-            self._handles.append(module.register_forward_pre_hook(self.guard(item, self._pre_hook(name))))
-            self._handles.append(module.register_forward_hook(self.guard(item, self._hook(name))))
+            self._handles.append(in_graph.forward_pre_hook(module, "tensor_dump", self.guard(item, self._pre_hook(name))))
+            self._handles.append(in_graph.forward_hook(module, "tensor_dump", self.guard(item, self._hook(name))))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -11,7 +11,7 @@ import torch
 
 from trainmon.anomaly.actions import StepGate
 from trainmon.anomaly.processor import AnomalyProcessor, processor_for
-from trainmon.monitor import stats
+from trainmon.monitor import in_graph, stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
@@ -293,7 +293,7 @@ class TrainerMon:
         """(name, module) of the modules `dump.modules` chooses: "all", or names with what is inside them."""
         out = []
         for vpp, chunk in enumerate(self._chunks):
-            for name, module in chunk.named_modules():
+            for name, module in in_graph.named_modules(chunk):
                 name = self._adapter.rename(vpp, name)
                 if chosen == "all" or any(name == m or name.startswith(m + ".") for m in chosen):
                     out.append((name, module))

@@ -1,0 +1,224 @@
+"""Compiled training with trainmon attached: `torch.compile(model)` (default and `fullgraph=True`) and
+block-by-block compile train to the end, trainmon adds no graph break and no graph, the records are the
+eager ones, and an Inf in one block is named exactly. `aot_eager` traces as inductor does (Dynamo, then
+AOTAutograd) without its C++ compile time; one end-to-end test uses inductor."""
+import json
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from training import batches, make_model
+from trainmon import TrainerMon
+from trainmon.cli import main as cli_main
+from trainmon.demo import lm_loss
+from trainmon.monitor import in_graph
+from trainmon.read import open_run
+
+OPS = ["min", "max", "norm", "nans", "infs"]
+TIERS = {
+    "sentinel": {"sentinel": True},
+    "weight_grads": {"wg_distribution": True},
+    "activations": {"xy_distribution": True, "all_xy": True, "forward_only": True},
+    "activation_grads": {"xy_distribution": True, "all_xy": True, "backward_only": True},
+    "adam_state": {"mv_distribution": True},
+}
+ALL = {k: v for tier in TIERS.values() for k, v in tier.items() if k not in ("forward_only", "backward_only")}
+GA, STEPS = 2, 3
+MODES = ("default", "fullgraph", "blocks", "in_place")
+
+
+def compiled(model, mode: str, backend: str = "aot_eager"):
+    """`model` compiled as `mode` says: the whole model, with fullgraph, in place, or each block (torchtitan's
+    way)."""
+    if mode == "blocks":
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend=backend)
+        return model
+    if mode == "in_place":  # Module.compile(): the root's own hooks are inside the graph too
+        model.compile(backend=backend)
+        return model
+    return torch.compile(model, backend=backend, fullgraph=mode == "fullgraph")
+
+
+def train(model, optimizer, fault=None, steps=STEPS):
+    """GA micro-batches per step; `fault(step, micro)` runs before each forward. Returns the losses."""
+    data, losses = batches(), []
+    for step in range(steps):
+        for micro in range(GA):
+            if fault is not None:
+                fault(step, micro)
+            tokens, labels = next(data)
+            loss = lm_loss(model, tokens, labels) / GA
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def monitored_run(write_config, config: dict | None, mode: str | None, backend="aot_eager", fault=None):
+    """(losses, graph breaks, graphs, monitor) of a 4-block run; mode None is eager."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model(layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_model = model if mode is None else compiled(model, mode, backend)
+    monitor = None
+    if config is not None:
+        monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **config))
+        monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+    losses = train(run_model, optimizer, fault)
+    if monitor is not None:
+        monitor.stop()
+    return losses, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], monitor
+
+
+@pytest.fixture(scope="module")
+def unmonitored():
+    """Losses, breaks and graphs of the unmonitored compiled runs, per mode."""
+    return {mode: monitored_run(None, None, mode)[:3] for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tier", [*TIERS, "all"])
+def test_compiled_training_runs_to_the_end_with_no_graph_break_from_trainmon(output_dir, write_config, unmonitored,
+                                                                            tier, mode):
+    losses, breaks, graphs, monitor = monitored_run(write_config, ALL if tier == "all" else TIERS[tier], mode)
+    base_losses, base_breaks, base_graphs = unmonitored[mode]
+    assert base_breaks == 0 and breaks == 0
+    assert graphs == base_graphs == 1  # and no recompile: one graph for all four blocks too
+    assert losses == base_losses  # monitoring does not change the numerics
+    with open_run(monitor.output_dir) as run:
+        assert run.ranks == [0]
+        if tier not in ("sentinel", "activation_grads"):  # the sentinel writes probes only when one fails
+            assert len(run.records()), "records were written"
+
+
+def _records(monitor) -> dict:
+    with open_run(monitor.output_dir, source="db") as run:
+        frame = run.records()
+    return {(r.family, r.name, r.step, None if r.micro_step != r.micro_step else int(r.micro_step)): r
+            for r in frame.itertuples()}
+
+
+@pytest.mark.parametrize("mode", ["default", "blocks"])
+def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, mode):
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        *_, eager = monitored_run(write_config, ALL, None)
+        *_, comp = monitored_run(write_config, ALL, mode)
+    eager_records, compiled_records = _records(eager), _records(comp)
+    assert not any("_orig_mod" in key[1] for key in compiled_records)
+    # Grads of activations made inside the compiled region are the one family not collected, and a
+    # message says so; those of the region's outputs (where its backward starts) are.
+    missing = set(eager_records) - set(compiled_records)
+    assert missing and all(key[0] == "actv_grad" for key in missing)
+    assert any(in_graph.GRADS_REFUSED in r.getMessage() for r in caplog.records)
+    if mode == "blocks":  # a block's output is outside its region, its grad a graph input of the backward
+        assert ("actv_grad", "layers.2.output", 1, 1) in compiled_records
+    assert set(compiled_records) - set(eager_records) == set()
+    families = {key[0] for key in compiled_records}
+    assert {"actv", "grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq"} <= families
+    for key, got in compiled_records.items():
+        want = eager_records[key]
+        for op in OPS:
+            assert getattr(got, op) == pytest.approx(getattr(want, op), rel=1e-4, abs=1e-6), (key, op)
+
+
+def test_eager_and_compiled_activation_records_match_torch(output_dir, write_config):
+    """A compiled run's activation record is the statistic of the tensor the module returned."""
+    torch._dynamo.reset()
+    model = make_model(layers=4)
+    outputs = {}
+    model.layers[1].mlp.register_forward_hook(lambda m, a, out: outputs.setdefault("out", out.detach().clone()))
+    run_model = compiled(model, "default")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **TIERS["activations"]))
+    monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+    train(run_model, optimizer, steps=1)
+    monitor.stop()
+    record = _records(monitor)[("actv", "layers.1.mlp.output", 0, 0)]
+    out = outputs["out"]
+    assert record.norm == pytest.approx(out.norm().item(), rel=1e-5)
+    assert (record.min, record.max) == pytest.approx((out.min().item(), out.max().item()))
+
+
+def weight_inf_fault(model, module: str, at: tuple[int, int]):
+    """Writes +Inf into row 0 of `module`'s weight before the forward of (step, micro): its output is the
+    first non-finite tensor of the run."""
+    weight = dict(model.named_modules())[module].weight
+
+    def fault(step, micro):
+        if (step, micro) == at:
+            with torch.no_grad():
+                weight[0, 0] = float("inf")
+
+    return fault
+
+
+# inductor once, with the sentinel alone: its C++ compile is slow here
+@pytest.mark.parametrize("mode,backend,config", [
+    ("default", "inductor", {"sentinel": True}),
+    ("blocks", "aot_eager", {"sentinel": True}), ("blocks", "aot_eager", ALL),
+    ("fullgraph", "aot_eager", {"sentinel": True}), ("fullgraph", "aot_eager", ALL)],
+    ids=["inductor-sentinel", "blocks-sentinel", "blocks-all", "fullgraph-sentinel", "fullgraph-all"])
+def test_an_inf_in_one_blocks_mlp_is_named_exactly_under_compile(output_dir, write_config, capsys, caplog, mode,
+                                                                 backend, config):
+    torch._dynamo.reset()
+    model = make_model(layers=4)
+    fault = weight_inf_fault(model, "layers.1.mlp.0", (1, 1))
+    run_model = compiled(model, mode, backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(format=["db"], targets={}, alert={"rules": [{"rule_name": "AnomalyNan"}]},
+                                      ops=OPS, **config))
+    monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        train(run_model, optimizer, fault)
+    monitor.stop()
+    expected = {"rank": 0, "step": 1, "micro_step": 1, "module": "layers.1.mlp.0", "phase": "forward",
+                "tensor": "output"}
+    online = [json.loads(line) for line in open(monitor.output_dir / "anomalies.jsonl")]
+    first = min((r for r in online if r["first"]), key=lambda r: (r["step"], r["call_index"]))
+    assert {k: first[k] for k in expected} == expected
+    assert cli_main(["nan-analyze", str(monitor.output_dir.parent), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {k: report["first"][k] for k in expected} == expected
+
+
+def test_a_hook_under_cuda_graph_capture_records_nothing_and_says_so(output_dir, write_config, caplog, monkeypatch):
+    """A stand-in for stream capture (no GPU here): the captured forwards record nothing, and one message
+    says why; the forwards outside capture are recorded, traced hooks and eager hooks alike."""
+    torch._dynamo.reset()
+    model = make_model(layers=4)
+    model.layers[0] = torch.compile(model.layers[0], backend="aot_eager")  # traced hooks and eager ones
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **TIERS["activations"]))
+    monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=GA)
+    capturing = {"on": False}
+    monkeypatch.setattr(in_graph, "stream_capturing", lambda: capturing["on"])
+
+    def capture_step_one(step, micro):
+        capturing["on"] = step == 1
+
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        train(model, optimizer, capture_step_one)
+    monitor.stop()
+    actv = {key for key in _records(monitor) if key[0] == "actv"}
+    names = {key[1] for key in actv}
+    assert {"layers.0.mlp.0.output", "layers.1.mlp.0.output"} <= names
+    assert {key[2] for key in actv} == {0, 2}
+    assert [r.getMessage() for r in caplog.records].count(f"trainmon: {in_graph.CAPTURE_REFUSED}") == 1
+
+
+def test_stop_removes_the_hooks_and_their_tokens_entries(output_dir, write_config):
+    torch._dynamo.reset()
+    model = make_model(layers=2)
+    run_model = compiled(model, "default")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **ALL))
+    monitor.set_monitor(run_model, optimizer=optimizer)
+    assert in_graph._hooks
+    monitor.stop()
+    assert not in_graph._hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

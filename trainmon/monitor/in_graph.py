@@ -1,0 +1,182 @@
+"""trainmon's forward hooks inside `torch.compile`d regions and captured graphs.
+
+Dynamo runs a compiled module's own hooks outside its graph, but traces the hooks of every module inside the
+region into it. The eager hook bodies cannot be traced: their bookkeeping (micro-steps, call indices, names,
+reuse by tensor identity, step gating) reads Python state that Dynamo would turn into graph breaks, or into
+guards that recompile every micro-step. So every forward hook trainmon registers goes through
+`forward_pre_hook` / `forward_hook` here: in eager mode it is the hook itself; under tracing it becomes one
+op of the graph, `trainmon::observe`, which receives the call's tensors (detached) and, when the graph runs,
+runs the same hook on them, in program order. The eager code then names and counts the event exactly as it
+would have without compile, and the records are the same.
+
+Nothing of the hook's own state is read while tracing. The module is named to the op by a scalar tensor
+attribute (`_trainmon_token`), a graph input: an int constant would be a guard, and a model compiled block by
+block (torchtitan) would compile one graph per block instead of one for all of them.
+
+What a hook cannot see inside a compiled region: the grads of tensors made there (its backward is one
+autograd node), so activation grads there are not collected, and one message says so.
+
+CUDA graphs: a Python op under stream capture runs once, at capture, and never at replay. Rather than record
+nothing silently, a hook that runs under capture (traced or eager) records nothing and says so once. Inductor
+is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it captures.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from trainmon.monitor.tensor_select import input_values
+
+logger = logging.getLogger("trainmon")
+
+_TOKEN = "_trainmon_token"
+# (module token, kind) -> (weak module, eager hook, with_kwargs, with_output, grads_refused)
+_hooks: dict[tuple[int, str], tuple] = {}
+_tokens = itertools.count()
+_said: set[str] = set()  # messages said since the first hook was registered
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning("trainmon: %s", message)
+
+
+def stream_capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now).
+    torch has no device-generic query for this; an accelerator that is not initialised captures nothing."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+CAPTURE_REFUSED = ("a CUDA graph is being captured: hooks that run during capture would run only then, never at "
+                   "replay, so nothing of the captured region is recorded (activations, activation grads and "
+                   "the NaN sentinel's probes there); weight grads and optimizer state outside it still are")
+GRADS_REFUSED = ("grads of activations made inside torch.compile'd regions are not collected (the compiled backward "
+                 "is one autograd node): actv_grad and the NaN sentinel's backward probes skip those modules; "
+                 "activations, weight grads and optimizer state are collected")
+
+
+@torch.library.custom_op("trainmon::observe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe(token: torch.Tensor, kind: str, grad_enabled: bool, inputs: list[torch.Tensor],
+             outputs: list[torch.Tensor], out_positions: list[int], out_total: int) -> None:
+    """Runs the eager hook `kind` of the module `token` names on the tensors of one call (see the module doc)."""
+    entry = _hooks.get((int(token), kind))
+    if entry is None:
+        return  # removed since the graph was traced
+    module_ref, hook, with_kwargs, with_output, grads_refused = entry
+    module = module_ref()
+    if module is None:
+        return
+    if stream_capturing():
+        _say_once(CAPTURE_REFUSED)
+        return
+    if grads_refused and grad_enabled:
+        _say_once(GRADS_REFUSED)
+    args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
+    if with_output:
+        leaves: list = [None] * out_total
+        for position, tensor in zip(out_positions, outputs):
+            leaves[position] = tensor
+        args += (leaves[0] if out_total == 1 else leaves,)
+    # A compiled forward runs its ops with grad off; the hook decides as the traced call would have.
+    with torch.set_grad_enabled(grad_enabled):
+        hook(module, *args)
+
+
+@_observe.register_fake
+def _(token, kind, grad_enabled, inputs, outputs, out_positions, out_total) -> None:
+    return None
+
+
+# Ordered: passes keep the ops in program order among themselves and never drop them as unused.
+torch.library._register_effectful_op(_observe._opoverload, torch._higher_order_ops.effects._EffectType.ORDERED)
+
+
+def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: dict, output=None,
+                      with_output: bool = False) -> None:
+    """The traced form of a hook call: one `trainmon::observe` op (the eager hook runs when it does)."""
+    leaves = tree_flatten(output)[0] if with_output else []
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    torch.ops.trainmon.observe(getattr(module, _TOKEN), kind, torch.is_grad_enabled(),
+                               [t.detach() for t in input_values(args, kwargs)],
+                               [leaves[i].detach() for i in positions], positions, len(leaves))
+
+
+class _Handle:
+    """Removes a hook registered here: torch's handle and the op's entry."""
+
+    def __init__(self, handle, key: tuple[int, str]):
+        self._handle, self._key = handle, key
+
+    def remove(self) -> None:
+        self._handle.remove()
+        _hooks.pop(self._key, None)
+        if not _hooks:  # the monitor is gone: a later one says it again
+            _said.clear()
+
+
+def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
+              grads_refused: bool, register: Callable) -> _Handle:
+    token = module.__dict__.get(_TOKEN)
+    if token is None:
+        token = torch.tensor(next(_tokens))
+        object.__setattr__(module, _TOKEN, token)
+    key = (int(token), kind)
+    if key in _hooks:
+        raise RuntimeError(f"trainmon: a {kind} hook is already on {type(module).__name__} (two monitors on one model)")
+    _hooks[key] = (weakref.ref(module), hook, with_kwargs, with_output, grads_refused)
+
+    # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call.
+    eager = torch._dynamo.disable(hook, recursive=True)
+
+    def traced_or_eager(mod, *args):
+        if torch.compiler.is_compiling():
+            call_args, call_kwargs = args[0], (args[1] if with_kwargs else {})
+            _observe_in_graph(mod, kind, call_args, call_kwargs, args[-1] if with_output else None, with_output)
+            return None
+        if stream_capturing():
+            _say_once(CAPTURE_REFUSED)
+            return None
+        return eager(mod, *args)
+
+    # The hooks of the compiled module itself are frames of their own, which Dynamo would compile too: they
+    # run eagerly (the grads of the region's outputs are watched there). Hooks inlined into a traced frame
+    # are traced all the same.
+    torch._dynamo.eval_frame.skip_code(traced_or_eager.__code__)
+    return _Handle(register(traced_or_eager), key)
+
+
+def forward_pre_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
+                     prepend: bool = False, grads_refused: bool = False) -> _Handle:
+    """Registers `hook` as `module`'s forward pre-hook, traceable (see the module doc); `kind` names it among
+    trainmon's hooks on that module. `grads_refused`: the hook watches activation grads, which a compiled call
+    cannot give it (one message says so). Under compile its return value (modified inputs) is not used."""
+    return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads_refused,
+                     lambda fn: module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend))
+
+
+def forward_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
+                 grads_refused: bool = False) -> _Handle:
+    """Registers `hook` as `module`'s forward hook, traceable (see `forward_pre_hook`)."""
+    return _register(module, f"{kind}.post", hook, with_kwargs, True, grads_refused,
+                     lambda fn: module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+
+def compiled_name(name: str) -> str:
+    """`name` without torch.compile's `_orig_mod` components: a compiled module is named as the one it wraps."""
+    return name if "_orig_mod" not in name else ".".join(p for p in name.split(".") if p != "_orig_mod")
+
+
+def named_modules(chunk: torch.nn.Module):
+    """`chunk.named_modules()` without torch.compile's wrappers (each would be a second name for the module it
+    wraps, whose hooks already see every call)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for name, module in chunk.named_modules():
+        if not isinstance(module, OptimizedModule):
+            yield compiled_name(name), module

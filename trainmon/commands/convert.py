@@ -35,6 +35,8 @@ def register(subparsers) -> None:
 
 
 def run_stream_to_db(args: argparse.Namespace) -> int:
+    from trainmon import conversions  # the writers import torch
+
     try:
         ranks = conversions.stream_to_db(args.src, args.force)
     except (OSError, ValueError, sqlite3.Error) as err:

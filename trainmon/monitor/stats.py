@@ -30,7 +30,6 @@ import struct
 import threading
 from typing import Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 
 from trainmon.monitor import schema

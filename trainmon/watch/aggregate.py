@@ -15,7 +15,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 import numpy as np
 

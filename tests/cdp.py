@@ -49,7 +49,8 @@ class Browser:
             path = shutil.which(name)
             if path:
                 return path, ""
-        return None, f"no headless browser installed (looked for {', '.join(BROWSERS)}; Debian: apt-get install chromium)"
+        return None, (f"no headless browser installed (looked for {', '.join(BROWSERS)}; Debian: "
+                      "apt-get install chromium)")
 
     def __init__(self, executable: str, profile: Path):
         import websocket

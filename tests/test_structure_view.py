@@ -188,38 +188,50 @@ def browser(tmp_path):
     page.close()
 
 
+# The view's frame in TensorBoard's page (inside the shadow roots of TensorBoard's components).
+_FRAME = ("(function find(root) { for (const e of root.querySelectorAll('*')) { if (e.tagName === 'IFRAME') return e;"
+          " if (e.shadowRoot) { const r = find(e.shadowRoot); if (r) return r; } } return null; })(document)")
+
+
+def in_view(expression: str) -> str:
+    """`expression`, with `doc` and `win` the document and window of the view's frame (null before it exists)."""
+    return (f"(() => {{ const frame = {_FRAME}; const doc = frame && frame.contentDocument; "
+            f"const win = frame && frame.contentWindow; return doc && doc.body ? ({expression}) : null; }})()")
+
+
 def test_the_page_in_a_browser_highlights_the_first_nan_and_finds_a_node(tensorboard, browser):
-    # the document TensorBoard's "trainmon structure" tab loads in its frame
-    browser.call("Page.navigate", url=f"{tensorboard}/data/plugin_entry.html?name=trainmon")
-    browser.wait_for("document.body && document.body.dataset.nanLoaded === '1'")
+    def view(expression):
+        return browser.evaluate(in_view(expression))
+
+    # TensorBoard's own page, on the "trainmon structure" tab, which loads the view in a frame
+    browser.call("Page.navigate", url=f"{tensorboard}/#trainmon")
+    browser.wait_for(in_view("doc.body.dataset.nanLoaded === '1'"), 120)
     # nan-analyze's first non-finite tensor: the view moved to its step and expanded the tree down to it
-    browser.wait_for(f"document.querySelector('.tm-node.first-nan[data-node=\"{FAULT_MODULE}\"]')")
-    assert browser.evaluate("document.querySelectorAll('.tm-node.first-nan').length") == 1
-    assert browser.evaluate("document.getElementById('tm-step').value") == str(FAULT_STEP)
-    assert browser.evaluate("document.getElementById('tm-run').value") == "faulty"
-    assert "layers.1.mlp.0 forward output" in browser.evaluate("document.getElementById('tm-first-nan').textContent")
-    assert browser.evaluate("document.getElementById('tm-selected').textContent") == FAULT_MODULE
-    assert browser.evaluate("getComputedStyle(document.querySelector('.tm-node.first-nan')).backgroundColor") == \
-        "rgb(197, 34, 31)"
+    browser.wait_for(in_view(f"doc.querySelector('.tm-node.first-nan[data-node=\"{FAULT_MODULE}\"]')"))
+    assert view("doc.querySelectorAll('.tm-node.first-nan').length") == 1
+    assert view("doc.getElementById('tm-step').value") == str(FAULT_STEP)
+    assert view("doc.getElementById('tm-run').value") == "faulty"
+    assert "layers.1.mlp.0 forward output" in view("doc.getElementById('tm-first-nan').textContent")
+    assert view("doc.getElementById('tm-selected').textContent") == FAULT_MODULE
+    assert view("win.getComputedStyle(doc.querySelector('.tm-node.first-nan')).backgroundColor") == "rgb(197, 34, 31)"
     # the block it is in: non-finite too, and on the path the NaN took after it
-    assert set(browser.evaluate("document.querySelector('.tm-node[data-node=\"layers.1\"]').className").split()) == \
+    assert set(view("doc.querySelector('.tm-node[data-node=\"layers.1\"]').className").split()) == \
         {"tm-node", "nonfinite", "nan-path"}
     # search: typed into the box, a hit for a collapsed module; Enter reveals and selects it
-    browser.evaluate("document.getElementById('tm-search').focus()")
+    view("doc.getElementById('tm-search').focus()")
     browser.call("Input.insertText", text="0.attn.pro")
-    browser.wait_for("document.querySelector('#tm-search-results .tm-hit')")
-    hits = browser.evaluate("[...document.querySelectorAll('#tm-search-results .tm-hit')].map(h => h.dataset.node)")
-    assert hits == ["layers.0.attn.proj"]
-    assert not browser.evaluate("document.querySelector('.tm-node[data-node=\"layers.0.attn.proj\"]')")  # lazy
+    browser.wait_for(in_view("doc.querySelector('#tm-search-results .tm-hit')"))
+    assert view("[...doc.querySelectorAll('#tm-search-results .tm-hit')].map(h => h.dataset.node)") == \
+        ["layers.0.attn.proj"]
+    assert not view("doc.querySelector('.tm-node[data-node=\"layers.0.attn.proj\"]')")  # built when revealed
     browser.call("Input.dispatchKeyEvent", type="keyDown", key="Enter", code="Enter", windowsVirtualKeyCode=13)
-    browser.wait_for("document.querySelector('.tm-node.selected[data-node=\"layers.0.attn.proj\"]')")
-    assert browser.evaluate("document.getElementById('tm-selected').textContent") == "layers.0.attn.proj"
+    browser.wait_for(in_view("doc.querySelector('.tm-node.selected[data-node=\"layers.0.attn.proj\"]')"))
+    assert view("doc.getElementById('tm-selected').textContent") == "layers.0.attn.proj"
     # a baseline run: the first divergent node gets its mark
-    browser.evaluate("const b = document.getElementById('tm-baseline'); b.value = 'clean';"
-                     "b.dispatchEvent(new Event('change'))")
-    browser.wait_for(f"document.querySelector('.tm-node.first-divergent[data-node=\"{FAULT_MODULE}\"]')")
-    assert "first divergence from clean" in browser.evaluate("document.getElementById('tm-first-divergent').textContent")
-    # Chromium asks for /favicon.ico of a top-level document (in TensorBoard's frame it does not)
-    assert [e for e in browser.console_errors() if not e.endswith(f"{tensorboard}/favicon.ico")] == []
+    view("(() => { const b = doc.getElementById('tm-baseline'); b.value = 'clean';"
+         " b.dispatchEvent(new win.Event('change')); return true; })()")
+    browser.wait_for(in_view(f"doc.querySelector('.tm-node.first-divergent[data-node=\"{FAULT_MODULE}\"]')"))
+    assert "first divergence from clean" in view("doc.getElementById('tm-first-divergent').textContent")
+    assert browser.console_errors() == []
     foreign = [u for u in browser.requested_urls() if not u.startswith(tensorboard)]
-    assert foreign == [], "the view fetched something that TensorBoard does not serve"
+    assert foreign == [], "the page fetched something that TensorBoard does not serve"

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
-from common import CC_MODES, LocalGrads, SavedLogits, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
+from common import (CC_MODES, LocalGrads, SavedLogits, TinyLM, Truth, batches, finish, inject_inf, injection_config,
+                    write_config)
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()

@@ -7,8 +7,8 @@ import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_injection_named, assert_norms_match, assert_reduced_is_the_mean,
-                    assert_same_labels, assert_unpatched, differing, the_run)
+from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_injection_named, assert_norms_match,
+                    assert_reduced_is_the_mean, assert_same_labels, assert_unpatched, differing, the_run)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)

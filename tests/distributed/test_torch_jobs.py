@@ -5,8 +5,8 @@ import os
 from common import TinyLM
 from launch import torchrun
 from test_csv_output import read_family
-from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels, differing,
-                    nan_analyze, the_run)
+from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean,
+                    assert_same_labels, differing, nan_analyze, the_run)
 
 
 def test_ddp_two_ranks(tmp_path):

@@ -14,9 +14,8 @@ import math
 import re
 import sqlite3
 from pathlib import Path
-from typing import Optional
 
-from trainmon.monitor.records import ACTIVATION_FAMILIES, COMM
+from trainmon.monitor.records import COMM
 from trainmon.read.layout import RANK_DIR, RankDir, RunDirs, find_run
 from trainmon.read.rank_records import open_rank
 

@@ -202,3 +202,32 @@ def test_evaluation_forwards_are_not_recorded(output_dir, write_config):
     monitor.stop()
     with open_run(next(output_dir.iterdir())) as data:
         assert list(data.family("save").name) == ["train"]
+
+
+def test_activation_checkpointing_records_each_variable_once(output_dir, write_config):
+    """The checkpointed function runs again in backward: its saves there record nothing, and the grad
+    `save_grad` hooked in the first run is recorded once, equal to the one a test hook reads."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+
+    def block(x):  # no module in it: the recomputation is no forward pass of the model
+        h = x.tanh()
+        trainmon.save("h", h)
+        if not torch._C._current_graph_task_id() != -1:  # the first run, not the recomputation
+            h.register_hook(lambda g: grads.append(g.detach().clone()))
+        h = trainmon.save_grad("h", h)
+        return h * h  # saves h for backward: the recomputation runs through the saves
+
+    monitor = TrainerMon(write_config(format=["csv"], ops=["norm"])).set_monitor(model, optimizer)
+    for _ in range(2):
+        checkpoint(block, model(torch.ones(2, 4)), use_reentrant=False).sum().backward()
+        optimizer.step()
+    monitor.stop()
+    with open_run(next(output_dir.iterdir())) as data:
+        values, recorded = data.family("save"), data.family("save_grad")
+    assert list(zip(values.step, values.name)) == [(0, "h"), (1, "h")]
+    assert list(zip(recorded.step, recorded.name)) == [(0, "h"), (1, "h")]
+    assert list(recorded.norm) == pytest.approx([g.double().norm().item() for g in grads], rel=1e-5)  # 6 digits

@@ -8,7 +8,8 @@ counts with micro-step 0), and a call index taken when it is saved (its grad: wh
 takes its place among the module records in the ordering key and nan-analyze can name it first. A name saved
 again in the same micro-step gets `#<k>` for its k-th extra call, as a module called twice does. With the
 NaN sentinel on, a saved variable is probed too; on a `dump` step whose `modules` choose its name, its
-tensor is dumped.
+tensor is dumped. Calls made inside backward record nothing: that is activation checkpointing running a
+forward again, whose first run was recorded (with non-reentrant checkpointing, `save_grad`'s grad too).
 
 Both only need the process's active monitor: the hook group of the TrainerMon that `set_monitor` installed
 registers itself here and `stop()` removes it, so they work in any framework the monitor does. Without an
@@ -23,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
 from trainmon.monitor.records import SAVE, SAVE_GRAD, RecordKey
 from trainmon.monitor.state import HookState
@@ -82,9 +84,10 @@ class SavedVariables:
         self._calls.clear()
 
     def _place(self, family: str, name: str) -> Optional[tuple[int, str]]:
-        """(micro-step, record name) of a save now, or None when nothing is recorded (an evaluation forward)."""
+        """(micro-step, record name) of a save now, or None when nothing is recorded: after an evaluation forward,
+        and inside backward, where activation checkpointing runs a forward again (its first run recorded it)."""
         state = self.state
-        if state.evaluating:
+        if state.evaluating or in_backward():
             return None
         micro = state.forward_micro(0)
         where = (state.collector.step, micro)

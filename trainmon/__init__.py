@@ -7,9 +7,10 @@ __version__ = "0.1.0"
 
 # Imported on first use, so that the command line and the read layer start without torch.
 _LAZY = {"TrainerMon": "trainmon.monitor.trainer_mon", "open_run": "trainmon.read", "Run": "trainmon.read",
-         "ConfigError": "trainmon.monitor.config", "load_config": "trainmon.monitor.config"}
+         "ConfigError": "trainmon.monitor.config", "load_config": "trainmon.monitor.config",
+         "save": "trainmon.monitor.saved", "save_grad": "trainmon.monitor.saved"}
 
-__all__ = ["TrainerMon", "open_run", "Run", "ConfigError", "load_config", "__version__"]
+__all__ = ["TrainerMon", "save", "save_grad", "open_run", "Run", "ConfigError", "load_config", "__version__"]
 
 
 def __getattr__(name: str):

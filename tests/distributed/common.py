@@ -21,12 +21,15 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
         self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1),
                              persistent=False)
+        self.saves = None  # a SavedLogits on the monitored model: its logits go to trainmon.save / save_grad
 
     def forward(self, x, y):
         h = self.emb(x)
         for block in self.blocks:
             h = block(h, src_mask=self.mask)
         logits = self.head(h)
+        if self.saves is not None:
+            logits = self.saves(logits)
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -46,6 +49,27 @@ def write_config(path: str, **keys) -> str:
     with open(path, "w") as f:
         json.dump(base, f)
     return path
+
+
+class SavedLogits:
+    """Gives the logits to `trainmon.save` and `trainmon.save_grad`, and keeps the tensors and grads it gave
+    (read by a test hook) for `Truth`, as families `save` and `save_grad` per micro-step."""
+
+    def __init__(self):
+        self.values, self.grads = [], []
+
+    def __call__(self, logits):
+        import trainmon
+
+        trainmon.save("logits", logits)
+        self.values.append(logits.detach().clone())
+        logits.register_hook(lambda grad: self.grads.append(grad.detach().clone()))
+        return trainmon.save_grad("logits", logits)
+
+    def add_to(self, truth: "Truth", step: int, micro: int = 0) -> None:
+        """After a micro-step's backward: its logits and their grad."""
+        truth.add(step, "save", "logits", self.values.pop(), micro=micro)
+        truth.add(step, "save_grad", "logits", self.grads.pop(), micro=micro)
 
 
 class Truth:

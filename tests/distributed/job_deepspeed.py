@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
-from common import CC_MODES, LocalGrads, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
+from common import (CC_MODES, LocalGrads, SavedLogits, TinyLM, Truth, batches, finish, inject_inf, injection_config,
+                    write_config)
 from trainmon import TrainerMon
 from trainmon.monitor.collectives import not_monitored
 
@@ -41,6 +42,7 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 model = TinyLM()
 replica = copy.deepcopy(model)  # without data parallelism: its grads are this rank's unreduced ones
+saved_logits = model.saves = SavedLogits()
 zero = {"stage": args.stage}
 if args.stage == 3:
     zero["stage3_param_persistence_threshold"] = 0  # else a tiny model is not partitioned at all
@@ -128,6 +130,7 @@ for step in range(args.steps):
         truth.add(step, "grad_unreduced", name, p.grad)
         local.add(step, name, p.grad)
     engine.backward(engine(x, y))
+    saved_logits.add_to(truth, step)
     with not_monitored():
         grads = {name: full_grad(p) for name, p in named}
         for name, p in named:

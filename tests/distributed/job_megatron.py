@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import train_megatron
 from common import CC_MODES, Truth, finish, inject_inf, injection_config, write_config
+import trainmon
 from trainmon import TrainerMon
 from trainmon.monitor.collectives import not_monitored
 
@@ -74,6 +75,26 @@ BOUND = ("dist_reduce_scatter_func", "dist_all_gather_func", "_coalescing_manage
 bound_before = {name: getattr(param_and_grad_buffer, name) for name in BOUND}
 monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
 repointed = sorted(name for name in BOUND if getattr(param_and_grad_buffer, name) is not bound_before[name])
+saved_micro = {"step": -1, "micro": -1}
+
+
+def save_fc1(module, inputs, output):
+    """The first decoder layer's fc1 output (a local TP shard) to trainmon.save / save_grad, from a forward hook
+    as a script would save it, with its norm and its grad's in Truth per micro-step."""
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    if saved_micro["step"] != step:
+        saved_micro.update(step=step, micro=-1)
+    saved_micro["micro"] += 1
+    where = (step, saved_micro["micro"])
+    tensor = output[0] if isinstance(output, tuple) else output
+    trainmon.save("fc1_out", tensor)
+    trainmon.save_grad("fc1_out", tensor)
+    truth.add(where[0], "save", "fc1_out", tensor, micro=where[1])
+    tensor.register_hook(lambda grad: truth.add(where[0], "save_grad", "fc1_out", grad, micro=where[1]))
+
+
+chunks[0].module.decoder.layers[0].mlp.linear_fc1.register_forward_hook(save_fc1)
 
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 
-from common import LocalGrads, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
+from common import LocalGrads, SavedLogits, TinyLM, Truth, batches, finish, inject_inf, injection_config, write_config
 from trainmon import TrainerMon
 
 parser = argparse.ArgumentParser()
@@ -37,6 +37,7 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 model = TinyLM()
 replica = copy.deepcopy(model)  # the same model without data parallelism: its grads are this rank's unreduced ones
+saved_logits = model.saves = SavedLogits()
 if args.mode == "ddp":
     model = torch.nn.parallel.DistributedDataParallel(model)
 else:
@@ -93,6 +94,7 @@ for step in range(args.steps):
         replica.zero_grad(set_to_none=True)
         replica(x, y).backward()
         model(x, y).backward()
+        saved_logits.add_to(truth, step, micro)
         for name, p in replica.named_parameters():
             truth.add(step, "grad_unreduced", name, p.grad, micro=micro if args.mode == "fsdp2" else None)
             local.add(step, name, p.grad)

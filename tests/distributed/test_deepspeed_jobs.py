@@ -9,7 +9,7 @@ import pytest
 
 from common import TinyLM
 from launch import torchrun
-from verify import (SHARDED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
+from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
                     assert_reduced_is_the_mean, assert_same_labels, assert_sharding_collectives, assert_unpatched,
                     differing, nan_analyze, norms, the_run)
 
@@ -43,6 +43,8 @@ def test_zero_stage_two_ranks(tmp_path, stage):
     assert changed == total, "each rank's unreduced grads come from its own data"
     for family in OPTIMIZER_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
+    # trainmon.save / save_grad of the logits: ranks × steps × families
+    assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2
 
 
 def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):

@@ -12,8 +12,8 @@ from trainmon.anomaly.cross_rank import attribute
 from trainmon.monitor.collective_ops import parse_comm_name
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import find_run
-from verify import (assert_clipped, assert_injection_named, assert_norms_match, assert_same_labels, assert_unpatched,
-                    differing, nan_analyze, norms, the_run, truth)
+from verify import (SAVED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match, assert_same_labels,
+                    assert_unpatched, differing, nan_analyze, norms, the_run, truth)
 
 pytest.importorskip("megatron.core")
 FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "mg_direction")
@@ -49,6 +49,8 @@ def test_tensor_parallel_2(tmp_path):
     assert [c["tp"] for c in coords] == [{"rank": r, "size": 2, "ranks": [0, 1]} for r in (0, 1)]
     for family in FAMILIES:  # the merged records of the full parameters, the same on both TP ranks
         assert differing(run, family, 0, 1)[0] == 0, family
+    # trainmon.save / save_grad of each TP rank's own shard: ranks × steps × micro-batches × families
+    assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2 * 2
 
 
 def test_activation_grads_under_megatron(tmp_path):
@@ -93,6 +95,8 @@ def test_pipeline_parallel_2(tmp_path):
     # layers carry their global numbers: 0-1 on stage 0, 2-3 on stage 1
     assert {n.split(".")[2] for n in first | last if n.startswith("decoder.layers.")} == {"0", "1", "2", "3"}
     assert "decoder.layers.2.mlp.linear_fc1.weight" in last and "decoder.layers.2.mlp.linear_fc1.weight" not in first
+    # trainmon.save / save_grad on each stage, under the 1F1B schedule: ranks × steps × micro-batches × families
+    assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2 * 2
     # the stages' p2p: every tensor one stage sends is received by the other with the same figures
     sent = {r: comm_rows(run, r, "isend") for r in (0, 1)}
     received = {r: comm_rows(run, r, "irecv") for r in (0, 1)}

@@ -6,8 +6,8 @@ import os
 from common import TinyLM
 from launch import torchrun
 from test_csv_output import read_family
-from verify import (SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean, assert_same_labels,
-                    assert_sharding_collectives, differing, nan_analyze, the_run)
+from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean,
+                    assert_same_labels, assert_sharding_collectives, differing, nan_analyze, the_run)
 
 
 def test_ddp_two_ranks(tmp_path):
@@ -26,6 +26,8 @@ def test_ddp_two_ranks(tmp_path):
     assert differing(run, "grad_reduced", 0, 1)[0] == 0, "after the all-reduce every rank holds the same grads"
     assert assert_reduced_is_the_mean(run, tmp_path, (0, 1)) == 2 * 3 * len(list(TinyLM().parameters()))
     assert_same_labels(run, SHARDED_FAMILIES + ("grad_unreduced",), 0, 1)
+    # trainmon.save / save_grad of the logits: ranks × steps × families
+    assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2
 
 
 def test_fsdp2_two_ranks(tmp_path):
@@ -54,6 +56,8 @@ def test_fsdp2_two_ranks(tmp_path):
     assert checked == 2 * 3 * 2 * parameters  # ranks × steps × micro-batches × parameters
     changed, total = differing(run, "grad_unreduced", 0, 1, per_micro=True)
     assert changed == total, "each rank's unreduced grads come from its own data"
+    # trainmon.save / save_grad of the logits, per micro-step: ranks × steps × micro-batches × families
+    assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2 * 2
     for family in SHARDED_FAMILIES:
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
     for rank in (0, 1):

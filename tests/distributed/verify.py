@@ -9,6 +9,7 @@ import os
 from test_csv_output import read_family
 
 SHARDED_FAMILIES = ("grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq")
+SAVED_FAMILIES = ("save", "save_grad")  # the jobs' SavedLogits
 
 
 def the_run(output_dir) -> str:

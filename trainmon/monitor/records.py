@@ -27,10 +27,15 @@ MG_DIRECTION = "mg_direction"
 # `<op>[<group ranks>]@<group name>#<seq>.<input|output>[_<i>]` (p2p: `<op>[<src>-><dst>]@...`), see
 # trainmon.monitor.collective_ops.parse_comm_name.
 COMM = "comm"
+# Variables of the training script given to `trainmon.save` (their values, in forward) and `trainmon.save_grad`
+# (their grads, in backward); a record's name is the one the script gave (see trainmon.monitor.saved).
+SAVE = "save"
+SAVE_GRAD = "save_grad"
 
 FAMILIES = (ACTV, ACTV_GRAD, ACTV_EVAL, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, PARAM_UPDATED,
-            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION, COMM)
+            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION, COMM, SAVE, SAVE_GRAD)
 ACTIVATION_FAMILIES = frozenset({ACTV, ACTV_GRAD, ACTV_EVAL})
+SAVED_FAMILIES = frozenset({SAVE, SAVE_GRAD})
 
 # Phase of training in which a family's tensors are produced (used to name where a fault appeared).
 PHASES = {
@@ -47,6 +52,8 @@ PHASES = {
     ADAM_RATIO: "optimizer",
     MG_DIRECTION: "optimizer",
     COMM: "communication",
+    SAVE: "forward",
+    SAVE_GRAD: "backward",
 }
 
 

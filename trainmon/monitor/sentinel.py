@@ -197,6 +197,10 @@ class NanSentinel:
             probed[id(tensor)] = (weakref.ref(tensor), tensor._version)
             self._probe_one(ACTV, name, tensor, vpp_stage, micro)
 
+    def probe_saved(self, family: str, name: str, tensor: torch.Tensor, micro: int) -> None:
+        """Probes a variable given to `trainmon.save` (or its grad, `save_grad`), in its place in the call order."""
+        self._probe_one(family, name, tensor, 0, micro)
+
     def _make_pre_forward(self, name: str, vpp: int):
         state = self.state
         prefix, root = f"{name}.input", name == ""

@@ -71,6 +71,11 @@ class HookState:
         counts = self._forward_micro if training else self._eval_pass
         counts[vpp_stage] = counts.get(vpp_stage, -1) + 1
 
+    @property
+    def evaluating(self) -> bool:
+        """Whether the step's last forward pass was an evaluation one (none yet: False)."""
+        return not self.training_forward and bool(self._eval_pass)
+
     def forward_micro(self, vpp_stage: int) -> int:
         """The micro-step of chunk `vpp_stage`'s running training forward (0 before its first)."""
         return self._forward_micro.get(vpp_stage, 0)

@@ -154,6 +154,18 @@ class TensorDump:
             capture, self._capture = self._capture, None
             self.deliver(capture)
 
+    def add_saved(self, name: str, phase: str, role: str, tensor: torch.Tensor) -> None:
+        """Captures a variable given to `trainmon.save` (phase "forward") or its grad (`save_grad`, "backward")
+        on a dump step, when `modules` chooses its name as it would a module's."""
+        chosen = self.config.modules
+        if phase == "backward" and not self.config.backward:
+            return
+        if chosen != "all" and not any(name == m or name.startswith(m + ".") for m in chosen):
+            return
+        capture = self._current()
+        if capture is not None:
+            capture.add(name, phase, role, max(self._micro, 0), tensor.detach())
+
     def _root_pre_hook(self, module, args) -> None:
         if module.training and torch.is_grad_enabled() and self._current() is not None:
             self._micro += 1

@@ -28,7 +28,8 @@ from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_d
                                      write_json)
 from trainmon.monitor.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
                                       GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
-                                      PARAM_UPDATED, StepBatch)
+                                      PARAM_UPDATED, SAVED_FAMILIES, StepBatch)
+from trainmon.monitor.saved import SavedVariables
 from trainmon.monitor.schedule import CollectionSchedule
 from trainmon.monitor.sentinel import NanSentinel, nan_sentinel
 from trainmon.monitor.selection import watched_modules, watched_params
@@ -169,7 +170,7 @@ class TrainerMon:
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
-        per_micro = set(ACTIVATION_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode(cfg) in
+        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode(cfg) in
                                                 (PER_MICRO_BATCH, ADAPTER_PER_MICRO_BATCH) else set())
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
@@ -245,9 +246,13 @@ class TrainerMon:
         self._hooks.append(ForwardPasses(state, self._chunks))
         self._loss_scale = LossScaleWatch(self.log_scalar, state.guarded, self._optimizer)
         self._hooks.append(self._loss_scale)
+        dump = None
         if config.dump is not None and self._dump_sink is not None:
-            self._hooks.append(TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks,
-                                          self.rank, lambda: self.step, self._dump_sink.add, state.guarded))
+            dump = TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks, self.rank,
+                              lambda: self.step, self._dump_sink.add, state.guarded)
+            self._hooks.append(dump)
+        if writes:  # trainmon.save / save_grad reach this monitor through the process's active hook group
+            self._hooks.append(SavedVariables(state, self._sentinel, dump))
         cc = config.cc_distribution
         if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
@@ -472,6 +477,7 @@ _WHAT_HOOKS_COLLECT = {
     CollectiveMonitor: "collectives (comm)",
     StackRecorder: "call stacks (stack_info)",
     StepGate: "the alert action",
+    SavedVariables: "saved variables (save, save_grad)",
 }
 
 

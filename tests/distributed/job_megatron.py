@@ -94,7 +94,10 @@ def save_fc1(module, inputs, output):
     tensor.register_hook(lambda grad: truth.add(where[0], "save_grad", "fc1_out", grad, micro=where[1]))
 
 
-chunks[0].module.decoder.layers[0].mlp.linear_fc1.register_forward_hook(save_fc1)
+# (Float16Module wraps the model once more under --bf16; MoE layers have no dense fc1 to save)
+fc1 = next((m for n, m in chunks[0].named_modules() if n.endswith("decoder.layers.0.mlp.linear_fc1")), None)
+if fc1 is not None:
+    fc1.register_forward_hook(save_fc1)
 
 
 

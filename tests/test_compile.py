@@ -181,7 +181,7 @@ def test_an_inf_in_one_blocks_mlp_is_named_exactly_under_compile(output_dir, wri
     online = [json.loads(line) for line in open(monitor.output_dir / "anomalies.jsonl")]
     first = min((r for r in online if r["first"]), key=lambda r: (r["step"], r["call_index"]))
     assert {k: first[k] for k in expected} == expected
-    assert cli_main(["nan-analyze", str(monitor.output_dir.parent), "--json"]) == 0
+    assert cli_main(["nan-analyze", str(monitor.output_dir.parent), "--json"]) == 1  # found
     report = json.loads(capsys.readouterr().out)
     assert {k: report["first"][k] for k in expected} == expected
 

@@ -73,7 +73,7 @@ def test_a_saved_variable_that_goes_nan_first_is_named_first_online_and_by_nan_a
     first = [e for e in events if e["first"]]
     assert len(first) == 1 and {k: first[0][k] for k in expected} == expected
     assert first[0]["family"] == "save"
-    assert cli_main(["nan-analyze", str(run), "--json"]) == 0
+    assert cli_main(["nan-analyze", str(run), "--json"]) == 1  # found
     report = json.loads(capsys.readouterr().out)
     assert {k: report["first"][k] for k in expected} == expected
     # the gate's NaN reached fc2 next: without the save, fc2's forward would have been named first
@@ -113,7 +113,7 @@ def test_compare_names_the_saved_variable_that_was_perturbed(tmp_path, monkeypat
         out = tmp_path / name
         monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
         runs.append(monitored_run(write_config, out, dict(STATS, format=["db"]), perturb_at=perturb)[1])
-    assert cli_main(["compare", str(runs[0]), str(runs[1]), "--json"]) == 0
+    assert cli_main(["compare", str(runs[0]), str(runs[1]), "--json"]) == 1  # the runs differ
     first = json.loads(capsys.readouterr().out)["first_divergent"]
     assert (first["family"], first["name"], first["step"], first["micro_step"]) == ("save", "gate", 1, 0)
     assert first["ops"]["norm"]["rel"] == pytest.approx(0.01 / 1.01, rel=1e-3)

@@ -21,7 +21,7 @@ import sqlite3
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
@@ -30,7 +30,9 @@ from trainmon.anomaly.events import AnomalyEvent
 from trainmon.monitor.records import RecordKey
 from trainmon.read.errors import InputError
 from trainmon.writers import db_schema, stream_format
-from trainmon.writers.db_sink import MonitorDb
+
+if TYPE_CHECKING:
+    from trainmon.writers.db_sink import MonitorDb
 
 CACHE_ENV = "TRAINMON_CACHE_DIR"
 MIRROR_SUFFIX = ".stream-mirror.db"
@@ -110,6 +112,8 @@ def _state(mirror: Path) -> dict:
 
 
 def _update(path: Path, stream: Path, jsonl: Optional[Path], seen: list) -> None:
+    from trainmon.writers.db_sink import MonitorDb  # the writers import torch: only a stream-only rank needs them
+
     db = MonitorDb(path, journal_mode="DELETE")
     try:
         db.conn.execute("PRAGMA synchronous=OFF")  # a cache: a damaged one is read again from the stream

@@ -4,6 +4,7 @@
       scripts/train_megatron.py --tp 2 --config configs/megatron.json
   # --pp 2 (1F1B pipeline), --pp 2 --vpp 2 (interleaved, 2 model chunks per stage),
   # --distopt (DistributedOptimizer over DP), --overlap (async grad reduce / param gather), --bf16 (Float16Module);
+  # --fp16 (Float16Module in fp16, dynamic loss scaling: a step with a non-finite grad is skipped);
   # 4 processes: --tp 2 --pp 2.
   # --moe-experts 4 --ep 2: every layer's MLP is 4 experts (SequentialMLP), 2 on each expert-parallel rank.
   # --optimizer torch: torch.optim.AdamW on unwrapped chunks, as Megatron-Core's quick-start trains.
@@ -37,6 +38,8 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer", choices=["megatron", "torch"], default="megatron",
                         help="megatron: DDP-wrapped chunks and get_megatron_optimizer; torch: AdamW, no DDP")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
+    parser.add_argument("--fp16", action="store_true", help="fp16 model (Float16Module), fp32 main params, "
+                        "dynamic loss scaling")
     parser.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=2)
@@ -72,10 +75,11 @@ def setup(args):
                                              expert_model_parallel_size=args.ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     config = TransformerConfig(
         num_layers=args.layers or 2 * args.pp * args.vpp, hidden_size=args.hidden, num_attention_heads=4, use_cpu_initialization=True,
-        pipeline_dtype=dtype, params_dtype=torch.float32, bf16=args.bf16, tensor_model_parallel_size=args.tp,
+        pipeline_dtype=dtype, params_dtype=torch.float32, bf16=args.bf16, fp16=args.fp16,
+        tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=vpp, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -99,7 +103,7 @@ def setup(args):
                          post_process=parallel_state.is_pipeline_last_stage(**stage_kw),
                          share_embeddings_and_output_weights=args.pp == 1, position_embedding_type="learned_absolute",
                          vp_stage=stage if vpp else None)
-        if args.bf16:
+        if args.bf16 or args.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
     if args.optimizer == "torch":
@@ -107,8 +111,12 @@ def setup(args):
                                          weight_decay=0.0)
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model) for model in chunks]
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=args.bf16, params_dtype=torch.float32,
+        optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=args.bf16, fp16=args.fp16, params_dtype=torch.float32,
+        # the default initial scale (2**32) overflows this model's fp16 grads: its first steps would be skipped
+        loss_scale=None, initial_loss_scale=2.0 ** 12,
         use_distributed_optimizer=args.distopt, clip_grad=1.0), chunks)
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss  # the schedules then scale the loss before backward
     config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return chunks, optimizer
@@ -147,7 +155,9 @@ def forward_step(data, model):
 
 
 def train_step(args, chunks, optimizer, data):
-    """One optimizer step over `args.micro_batches` micro-batches; returns the mean loss (last stage) or None."""
+    """One optimizer step over `args.micro_batches` micro-batches; returns (the mean loss on the last stage or
+    None, whether the optimizer updated the params: Megatron's skips a step whose grads are not finite under
+    fp16 loss scaling)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in chunks:
@@ -158,8 +168,9 @@ def train_step(args, chunks, optimizer, data):
         forward_step_func=forward_step, data_iterator=data,
         model=chunks, num_microbatches=args.micro_batches,
         seq_length=args.seq, micro_batch_size=args.mbs, decoder_seq_length=args.seq, forward_only=False)
-    optimizer.step()
-    return sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else None
+    result = optimizer.step()  # Megatron's: (update applied, grad norm, zeros in grads); torch's: None
+    loss = sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else None
+    return loss, result is None or bool(result[0])
 
 
 def main() -> None:
@@ -175,11 +186,11 @@ def main() -> None:
     timer = StepTimer(args.timings, dist.get_rank()) if args.timings else None
     data = data_iterators(args, chunks)
     for step in range(args.steps):
-        loss = train_step(args, chunks, optimizer, data)
+        loss, applied = train_step(args, chunks, optimizer, data)
         if timer:
             timer.step_done()
         if loss is not None:
-            print(f"[rank{dist.get_rank()}] step {step} loss {loss:.4f}", flush=True)
+            print(f"[rank{dist.get_rank()}] step {step} loss {loss:.4f}{'' if applied else ' (skipped)'}", flush=True)
     if timer:
         with timer.count_calls([m for chunk in chunks for m in chunk.modules()]):
             train_step(args, chunks, optimizer, data)

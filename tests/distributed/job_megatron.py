@@ -8,6 +8,8 @@
   # With --cc and --distopt: comm_truth.rank<R>.json, this rank's figures of the DP reduce-scatter and
   # all-gather buffers, per step and bucket, read from Megatron's buffers.
   # --clip 0.05: Megatron's clip_grad (default the example's 1.0), small enough to bite; also writes monitor.db
+  # Always writes steps.rank<R>.json: per step, whether Megatron's optimizer applied the update ("applied"; with
+  # --fp16 it skips a step with non-finite grads), and the steps whose grads the inner torch optimizer consumed.
 
 The expected `grad_reduced` is what the inner torch optimizer's step sees (a step pre-hook on it reads the main
 params' grads); `grad_preclip` is the DP mean of the ranks' grads, computed here before Megatron reduces them.
@@ -94,7 +96,7 @@ def save_fc1(module, inputs, output):
     tensor.register_hook(lambda grad: truth.add(where[0], "save_grad", "fc1_out", grad, micro=where[1]))
 
 
-# (Float16Module wraps the model once more under --bf16; MoE layers have no dense fc1 to save)
+# (Float16Module wraps the model once more under --bf16 and --fp16; MoE layers have no dense fc1 to save)
 fc1 = next((m for n, m in chunks[0].named_modules() if n.endswith("decoder.layers.0.mlp.linear_fc1")), None)
 if fc1 is not None:
     fc1.register_forward_hook(save_fc1)
@@ -240,8 +242,9 @@ def record_optimizer_state(step):
 
 
 data = train_megatron.data_iterators(args, chunks)
+applied = {}
 for step in range(args.steps):
-    train_megatron.train_step(args, chunks, optimizer, data)
+    applied[step] = train_megatron.train_step(args, chunks, optimizer, data)[1]
     if args.distopt and not args.overlap:  # gathered in the optimizer's step
         record_buffers(step, "all_gather_output", [b.param_data for b in buckets])
     with not_monitored():
@@ -251,6 +254,8 @@ monitor.stop()
 with open(os.path.join(out, f"bindings.rank{rank}.json"), "w") as f:
     json.dump({"repointed": repointed, "restored": all(getattr(param_and_grad_buffer, name) is bound_before[name]
                                                        for name in BOUND)}, f)
+with open(os.path.join(out, f"steps.rank{rank}.json"), "w") as f:
+    json.dump({"applied": applied, "consumed": sorted(consumed_at)}, f)
 truth.write(out, rank)
 with open(os.path.join(out, f"comm_truth.rank{rank}.json"), "w") as f:
     json.dump(comm_truth, f)

@@ -215,6 +215,40 @@ def test_data_parallel_2_bf16_labels(tmp_path):
     assert set(read_family(os.path.join(run, "rank_1"), "exp_avg").dtype) == {"torch.float32"}
 
 
+def test_fp16_skipped_step_records_the_nonfinite_grads(tmp_path):
+    """fp16 with dynamic loss scaling, clipping on: NaN grads on DP rank 1 at step 1 make Megatron skip that step,
+    so its inner torch optimizer never consumes them. grad_reduced at step 1 is then read when Megatron's step
+    returns: recorded on both ranks for every parameter, not finite, and no clipping scalar; at steps 0 and 2 it
+    is what the inner optimizer consumed (unscaled and clipped)."""
+    from trainmon import open_run
+
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_megatron.py", 2, ["--out", str(tmp_path), "--fp16", "--inject-grad", "1:1", *CLIP], output_dir)
+    run = the_run(output_dir)
+    with open_run(run) as opened:
+        scalars = opened.scalars()
+    for rank in (0, 1):
+        steps = json.load(open(tmp_path / f"steps.rank{rank}.json"))
+        assert steps == {"applied": {"0": True, "1": False, "2": True}, "consumed": [0, 2]}, steps
+        consumed = truth(tmp_path, rank)
+        assert sorted(consumed) == ["0", "1", "2"] and "grad_reduced" not in consumed["1"]
+        params = set(consumed["0"]["grad_reduced"])
+        written = read_family(os.path.join(run, f"rank_{rank}"), "grad_reduced")
+        skipped = written[written.step == 1]
+        assert sorted(skipped.name) == sorted(params) and (skipped.nans > 0).all(), skipped[["name", "nans"]]
+        written = written.set_index(["step", "name"])
+        for step in (0, 2):
+            expected = consumed[str(step)]["grad_reduced"]
+            assert set(expected) == params
+            for name, value in expected.items():
+                row = written.loc[(step, name)]
+                assert row.nans == 0 and row.norm == pytest.approx(value, rel=1e-5, abs=1e-12), (rank, step, name)
+        mine = scalars[scalars["rank"] == rank]
+        coef, norm = (mine[mine["name"] == name] for name in ("grad_clip_coef", "grad_norm_preclip"))
+        assert sorted(coef.step) == sorted(norm.step) == [0, 2], mine
+        assert (coef.value < 1).all(), coef  # the clip bit at the steps that were applied
+
+
 def test_tensor_2_by_pipeline_2(tmp_path):
     run, coords = run_job(tmp_path, 4, "--tp", "2", "--pp", "2")
     assert [c["tp"]["ranks"] for c in coords] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -85,13 +85,17 @@ class Partitions:
 
     def __init__(self):
         self.inner = optimizer.optimizer
-        self.consumed = {}  # index of a flat partition: its grad when the inner step began
+        self.consumed = {}  # id of a flat partition: its grad when the inner step that updates it began
         self.inner.register_step_pre_hook(self.save)
 
     def save(self, inner, *_):
-        for index, flat in enumerate(optimizer.single_partition_of_fp32_groups):
-            if flat.grad is not None:
-                self.consumed[index] = flat.grad.detach().clone()
+        for group in inner.param_groups:  # ZeRO steps one param group at a time
+            for flat in group["params"]:
+                self.consumed[id(flat)] = flat.grad.detach().clone()
+
+    def grad(self, p):
+        flats = optimizer.single_partition_of_fp32_groups
+        return self.whole(p, lambda index: self.consumed[id(flats[index])])
 
     def whole(self, p, flat_of_group):
         """`p`'s tensor from `flat_of_group(param group index)`, a flat partition's tensor of that param group."""
@@ -121,7 +125,7 @@ for step in range(args.steps):
     engine.step()
     with not_monitored():  # the job's own sums over ranks are no part of the training's collectives
         for name, p in named:
-            truth.add(step, "grad_reduced", name, partitions.whole(p, partitions.consumed.__getitem__))
+            truth.add(step, "grad_reduced", name, partitions.grad(p))
             for key in ("exp_avg", "exp_avg_sq"):
                 truth.add(step, key, name, partitions.state(p, key))
             truth.add(step, "param_updated", name, p.detach())

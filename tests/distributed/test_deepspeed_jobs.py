@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-0/1/2/3 on 2 processes (CPU accelerator, gloo): the figures written for partitioned tensors
 are those of the full tensors that DeepSpeed's safe_get_full_* gather, and reduced grads are the ranks' mean.
-With clipping that bites (max norm 0.05), grad_reduced is what the inner torch optimizer's step consumes."""
+With clipping that bites (max norm 0.05), grad_reduced is what the inner torch optimizer's step consumes. With
+DeepSpeed MoE under expert parallelism each rank records its own experts, under their global numbers."""
 import json
 import math
 import os
@@ -9,9 +10,10 @@ import pytest
 
 from common import TinyLM
 from launch import torchrun
+from test_csv_output import read_family
 from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
                     assert_reduced_is_the_mean, assert_same_labels, assert_sharding_collectives, assert_unpatched,
-                    differing, nan_analyze, norms, the_run)
+                    differing, nan_analyze, norms, the_run, truth)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
@@ -99,3 +101,37 @@ def test_inf_on_rank_1_is_named_first(tmp_path, stage, cc):
         at_fault = {name: norm for (step, name), norm in norms(os.path.join(run, f"rank_{rank}"), "grad_reduced").items()
                     if step == 1}
         assert at_fault and any(not math.isfinite(norm) for norm in at_fault.values()), (rank, at_fault)
+
+
+def expert_numbers(run, rank, family):
+    """The expert numbers a rank's records of `family` name (`deepspeed_experts.<i>`)."""
+    names = read_family(os.path.join(run, f"rank_{rank}"), family).name
+    return sorted({n.split("deepspeed_experts.")[1].split(".")[0] for n in names if "deepspeed_experts." in n})
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_moe_expert_parallel_2_each_rank_records_its_own_experts(tmp_path, stage):
+    """DeepSpeed MoE, 4 experts on EP2 (2 ranks, expert data parallel 1), ZeRO-1/2 with a torch AdamW: every figure
+    of an expert equals the job's own tensors of that rank's experts, under the global expert number (rank 0:
+    experts 0 and 1, rank 1: 2 and 3), activations included; dense parameters merge over data parallel."""
+    output_dir = tmp_path / "monitor_output"
+    torchrun("job_deepspeed_moe.py", 2, ["--stage", str(stage), "--moe-experts", "4", "--ep", "2",
+                                         "--out", str(tmp_path)], output_dir)
+    run = the_run(output_dir)
+    for rank in (0, 1):
+        parallel = json.load(open(os.path.join(run, f"rank_{rank}", "run.json")))["parallel"]
+        assert parallel["ep"] == {"rank": rank, "size": 2, "ranks": [0, 1]}
+        assert parallel["edp"] == {"rank": 0, "size": 1, "ranks": [rank]}
+    assert_unpatched(tmp_path, (0, 1))
+    checked = assert_norms_match(run, tmp_path, (0, 1), SHARDED_FAMILIES)
+    parameters = len(truth(tmp_path, 0)["0"]["param_origin"])
+    assert checked == 2 * 3 * 5 * parameters  # ranks × steps × families × parameters
+    for family in SHARDED_FAMILIES + ("actv",):
+        assert expert_numbers(run, 0, family) == ["0", "1"] and expert_numbers(run, 1, family) == ["2", "3"], family
+    for family in SHARDED_FAMILIES:  # experts: each rank its own; dense: the same merged records on both ranks
+        a, b = (norms(os.path.join(run, f"rank_{r}"), family) for r in (0, 1))
+        dense = [k for k in a if "deepspeed_experts" not in k[1]]
+        assert dense and all(a[k] == pytest.approx(b[k], rel=1e-9) for k in dense), family
+        for step, name in a:
+            if "deepspeed_experts.0." in name:  # rank 1's expert 2 is not rank 0's expert 0
+                assert b[(step, name.replace("experts.0.", "experts.2."))] != pytest.approx(a[(step, name)], rel=1e-3)

@@ -33,7 +33,7 @@ def select_adapter(chunks: list[torch.nn.Module], optimizer) -> TrainingAdapter:
         logger.info("trainmon: the optimizer step is %s.step(), inside %s", type(optimizer).__name__,
                     " > ".join(wrappers))
     if is_deepspeed_optimizer(optimizer):
-        adapter = DeepSpeedAdapter(optimizer)
+        adapter = DeepSpeedAdapter(optimizer, chunks)
         reason = f"the optimizer is DeepSpeed's {type(optimizer).__name__}"
     elif is_megatron_optimizer(optimizer):
         adapter = MegatronAdapter(optimizer, chunks)

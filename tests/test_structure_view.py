@@ -3,6 +3,7 @@ its entry point by a real `tensorboard` process, and the page in a real headless
 from __future__ import annotations
 
 import configparser
+import importlib.metadata
 import json
 import os
 import shutil
@@ -124,16 +125,19 @@ def test_the_nan_path_and_the_comparison_name_the_faulty_module(logdir):
 @pytest.fixture(scope="module")
 def tensorboard(logdir, tmp_path_factory):
     """`python -m tensorboard.main` serving `logdir`, with trainmon's plugin found through the entry point that
-    setup.cfg declares (installed here as a distribution's metadata on the path: the checkout may not be
-    the installed trainmon)."""
+    setup.cfg declares: the installed one, or, where the installed trainmon does not declare it (an install
+    older than the checkout), the same written here as a distribution's metadata on the path."""
     parser = configparser.ConfigParser()
     parser.read(REPO / "setup.cfg")
     entry_points = parser["options.entry_points"]["tensorboard_plugins"].strip()
     site = tmp_path_factory.mktemp("site")
-    dist = site / "trainmon_structure_view-0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trainmon-structure-view\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[tensorboard_plugins]\n{entry_points}\n")
+    name, _, value = (part.strip() for part in entry_points.partition("="))
+    installed = {(e.name, e.value) for e in importlib.metadata.entry_points(group="tensorboard_plugins")}
+    if (name, value) not in installed:  # TensorBoard refuses a plugin name declared twice
+        dist = site / "trainmon_structure_view-0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trainmon-structure-view\nVersion: 0\n")
+        (dist / "entry_points.txt").write_text(f"[tensorboard_plugins]\n{entry_points}\n")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",

@@ -43,6 +43,7 @@ from trainmon.monitor.output import run_metadata
 from trainmon.monitor.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, RecordKey, StepBatch)
 from trainmon.monitor import stats
+from trainmon.monitor.derive import derive_rows
 from trainmon.writers import db_schema
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
@@ -119,7 +120,7 @@ def write_rank(job: tuple) -> None:
             bad = _nonfinite(keys, rank, step, origin, inf_step)
             values[bad] = (n - 1, 0, 1, 0, 0.0, n, -1.0, 1.0, 0, 1)  # one +Inf element
             batch = StepBatch(step=step, rank=rank, pp_stage=0, keys=keys, values=values, flags=np.empty(0))
-            batch.deriver = functools.partial(stats.derive_rows, ops=OPS)
+            batch.deriver = functools.partial(derive_rows, ops=OPS)
             sinks.write(batch)
     finally:
         sinks.close()

@@ -151,7 +151,7 @@ if __name__ == "__main__":
     elif mode == "reader":
         reader(stream_path, count, handshake)
     elif mode == "mirror":
-        import trainmon.writers.db_sink  # noqa: F401 (imported by the update on first use: not timed with it)
+        import trainmon.writers.db_sink  # noqa: F401 (the update imports it on first use: not to be timed with it)
 
         print("start", flush=True)
         stream_mirror.sync(Path(stream_path))

@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainmon.monitor import stats
-from trainmon.monitor.stats import (FIELDS, N_FIELDS, OPS, derive_ops, fields_for_ops, merge_records,
-                                    tensor_records)
+from trainmon.monitor.derive import derive_ops, derive_rows
+from trainmon.monitor.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, merge_records, tensor_records
 
 ALL = frozenset(FIELDS)
 NAN, INF = math.nan, math.inf
@@ -233,7 +233,7 @@ def test_one_record_and_a_column_derive_the_same_figures():
     unknown_sign = records[:3].copy()
     unknown_sign[:, FIELDS.index("pinfs")] = NAN
     records = np.concatenate([records, unknown_sign])
-    columns = stats.derive_rows(records, OPS)
+    columns = derive_rows(records, OPS)
     for row, column in zip(records, columns):
         one = derive_ops(row, OPS)
         assert one.keys() == column.keys()

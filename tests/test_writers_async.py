@@ -15,8 +15,8 @@ import torch
 from writer_helpers import OPS, GatedSink, integrity, monitored
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.monitor import stats
-from trainmon.monitor.stats import derive_rows
+from trainmon.monitor import trainer_mon
+from trainmon.monitor.derive import derive_rows
 from trainmon.writers.base import Sink
 
 CHILD = os.path.join(os.path.dirname(__file__), "train_child.py")
@@ -197,7 +197,7 @@ def test_figures_are_derived_once_per_step_and_only_for_sinks_that_read_them(out
         derived.append(len(records))
         return derive_rows(records, ops)
 
-    monkeypatch.setattr(stats, "derive_rows", counting_derive_rows)
+    monkeypatch.setattr(trainer_mon, "derive_rows", counting_derive_rows)  # the deriver TrainerMon hands its writer
     for formats, steps_derived_by_sinks in ((["db"], 0), (["csv", "db"], 3)):
         derived.clear()
         monitor, gated, train = start_monitor(write_config, format=formats)

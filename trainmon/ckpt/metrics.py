@@ -8,6 +8,7 @@ import torch
 
 from trainmon.compare.tensors import compare_tensors as tensor_figures
 from trainmon.monitor import stats
+from trainmon.monitor.derive import derive_ops
 
 _OPS = ("norm", "nans", "infs")
 _FIELDS = stats.fields_for_ops(_OPS)
@@ -32,7 +33,7 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     both = a64.isfinite() & b64.isfinite()
     diff = torch.where(both, a64 - b64, 0.0)  # inf - inf is NaN: differences count where both are finite
     records = stats.tensor_records([diff, a64, b64], 0.0, _FIELDS).cpu()
-    d, ra, rb = (stats.derive_ops(r, _OPS, _FIELDS) for r in records)
+    d, ra, rb = (derive_ops(r, _OPS, _FIELDS) for r in records)
     out.update(l2=d["norm"], cosine=1.0 if out["identical"] else figures["cosine"], max_abs_diff=figures["max_abs"],
                norm_a=ra["norm"], norm_b=rb["norm"], nonfinite_mismatch=figures["nonfinite_mismatch"],
                nonfinite_a=int(ra["nans"] + ra["infs"]), nonfinite_b=int(rb["nans"] + rb["infs"]))

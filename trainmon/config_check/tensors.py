@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 
 from trainmon.monitor import stats
+from trainmon.monitor.derive import derive_ops
 
 DIGEST_OPS = ("norm", "mean", "min", "max", "nans", "infs")
 _FIELDS = stats.fields_for_ops(DIGEST_OPS)
@@ -32,7 +33,7 @@ def digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
         if tensor.is_floating_point() and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16,
                                                            torch.float64):
             record = stats.tensor_records([tensor.detach()], 0.0, _FIELDS)[0].cpu()
-            row.update(stats.derive_ops(record, DIGEST_OPS, _FIELDS))
+            row.update(derive_ops(record, DIGEST_OPS, _FIELDS))
         elif tensor.numel():  # token ids, masks: the engine takes floating tensors only
             as_float = tensor.detach().double()
             row.update(norm=float(as_float.norm()), mean=float(as_float.mean()), min=float(as_float.min()),

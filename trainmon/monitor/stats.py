@@ -34,7 +34,6 @@ import torch
 
 from trainmon.monitor import schema
 from trainmon.monitor.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
-from trainmon.monitor.derive import derive_ops, derive_rows  # noqa: F401 (re-exported: the host-side figures)
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8

@@ -14,6 +14,7 @@ from trainmon.anomaly.processor import AnomalyProcessor, processor_for
 from trainmon.monitor import in_graph, stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
+from trainmon.monitor.derive import derive_rows
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
 from trainmon.monitor.forward_passes import ForwardPasses
 from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH,
@@ -182,7 +183,7 @@ class TrainerMon:
                               ([self._anomalies] if self._anomalies else []) +
                               ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
-        writer = AsyncWriter(sinks, functools.partial(stats.derive_rows, ops=tuple(cfg.ops)),
+        writer = AsyncWriter(sinks, functools.partial(derive_rows, ops=tuple(cfg.ops)),
                              max_queue=cfg.writer_queue_size, policy=cfg.writer_policy)
         writer.start()
         return writer

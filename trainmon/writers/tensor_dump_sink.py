@@ -15,6 +15,7 @@ import torch
 
 from trainmon.anomaly.dump import save_tensors
 from trainmon.monitor import stats
+from trainmon.monitor.derive import derive_ops
 from trainmon.monitor.schema import OPS
 from trainmon.monitor.tensor_dump import StepCapture
 from trainmon.writers.base import Sink, SinkContext
@@ -66,7 +67,7 @@ class TensorDumpSink(Sink):
         records = {}
         if stored:  # the statistic record of each stored tensor, computed here from its host copy
             rows = torch.cat([stats.tensor_records([t.host], self._eps, _ALL_FIELDS) for t in stored])
-            records = {t.key: stats.derive_ops(row.tolist(), OPS) for t, row in zip(stored, rows)}
+            records = {t.key: derive_ops(row.tolist(), OPS) for t, row in zip(stored, rows)}
         cut = [t for t in capture.tensors if t.host is None]
         return {"format": "trainmon-dump", "version": 1, "rank": capture.rank, "step": capture.step,
                 "file": TENSOR_FILE, "max_mb_per_step": capture.max_bytes >> 20, "stored_bytes": capture.stored_bytes,

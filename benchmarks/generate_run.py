@@ -35,15 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
+from trainmon.core.layout import DB_NAME
 from trainmon.anomaly.processor import AnomalyProcessor
 from trainmon.anomaly.rules import build_rules
 from trainmon.monitor.config import RuleConfig
-from trainmon.monitor.collective_ops import collective_name, compact_ranks
+from trainmon.core.collective_ops import collective_name, compact_ranks
 from trainmon.monitor.output import run_metadata
-from trainmon.monitor.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
+from trainmon.core.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, RecordKey, StepBatch)
 from trainmon.monitor import stats
-from trainmon.monitor.derive import derive_rows
+from trainmon.core.derive import derive_rows
 from trainmon.writers import db_schema
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
@@ -133,13 +134,13 @@ def copy_rank(job: tuple) -> None:
     source_dir, target = Path(out) / f"rank_{source}", Path(out) / f"rank_{rank}"
     target.mkdir()
     for path in source_dir.iterdir():
-        if path.name == db_schema.DB_NAME:
+        if path.name == DB_NAME:
             shutil.copyfile(path, target / path.name)
         elif path.name != "run.json":
             os.link(path, target / path.name)
     metadata = json.loads((source_dir / "run.json").read_text())
     (target / "run.json").write_text(json.dumps({**metadata, "rank": rank}))
-    conn = sqlite3.connect(target / db_schema.DB_NAME)
+    conn = sqlite3.connect(target / DB_NAME)
     with conn:
         db_schema.write_meta(conn, {"rank": rank})
         conn.execute("UPDATE anomalies SET rank = ?", (rank,))

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainmon.core.layout import STREAM_NAME
 from trainmon.read import stream_mirror
 from trainmon.read.database import DbRankReader
 from trainmon.writers import stream_format
@@ -52,7 +53,7 @@ def main() -> int:
     frames = frames_of(args.records_from, args.steps)
     records = None
 
-    growing = work / "follow" / stream_format.STREAM_NAME
+    growing = work / "follow" / STREAM_NAME
     growing.parent.mkdir()
     growing.write_bytes(frames[0])
     sync_cpu, read_cpu = [], []
@@ -70,7 +71,7 @@ def main() -> int:
         sync_cpu.append((c1 - c0) / args.per_poll)
         read_cpu.append((c2 - c1) / args.per_poll)
 
-    whole = work / "whole" / stream_format.STREAM_NAME
+    whole = work / "whole" / STREAM_NAME
     whole.parent.mkdir()
     whole.write_bytes(b"".join(frames))
     c0 = time.process_time()

@@ -60,7 +60,7 @@ def _recorded_step(path: str) -> tuple:
     """(keys, ops, values) of the last step of a rank's monitor.db, e.g. one `overhead.py --format db` wrote."""
     import numpy as np
 
-    from trainmon.monitor.records import RecordKey
+    from trainmon.core.records import RecordKey
     from trainmon.read.database import DbRankReader
     from trainmon.read.db_columns import RAW_PREFIX
     from trainmon.writers import db_schema
@@ -84,6 +84,7 @@ def _writer(job) -> None:
     import numpy as np
 
     from generate_run import SHAPE, _keys
+    from trainmon.core.layout import DB_NAME
     from trainmon.writers import db_schema
     from trainmon.writers.db_sink import MonitorDb
     rank_dir = Path(run) / f"rank_{rank}"
@@ -95,7 +96,7 @@ def _writer(job) -> None:
         keys, ops = _keys(world), ["min", "max", "norm", "mean", "nans", "infs"]
         base = {"count": float(np.prod(SHAPE)), "sumsq": float(np.prod(SHAPE)), "min": -1.0, "max": 1.0}
         values = np.tile([base.get(f, 0.0) for f in db_schema.FIELDS], (len(keys), 1))
-    db = MonitorDb(rank_dir / db_schema.DB_NAME)
+    db = MonitorDb(rank_dir / DB_NAME)
     db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": ops,
                  "fields": list(db_schema.FIELDS)})
     rng = np.random.default_rng(rank)

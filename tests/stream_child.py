@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from trainmon.monitor.records import RecordKey  # noqa: E402
+from trainmon.core.records import RecordKey  # noqa: E402
 from trainmon.read.database import DbRankReader  # noqa: E402
 from trainmon.read import stream_mirror  # noqa: E402
 from trainmon.writers import db_schema, stream_format  # noqa: E402

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map
 from trainmon.monitor import stats
 from trainmon.monitor.accelerator import collective_device, collective_device_type
 from trainmon.monitor.collector import StepCollector
-from trainmon.monitor.records import RecordKey
+from trainmon.core.records import RecordKey
 
 # ---------------------------------------------------------------------------------------- the host copy
 COPY_DELAY_S = 0.3

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from test_anomaly_online import SENTINEL_ONLY, Clock, forward_inf
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.anomaly.dump import DumpRequest, capture
+from trainmon.monitor.dump_capture import DumpRequest, capture
 
 
 def test_first_anomalous_module_is_dumped_once(output_dir, write_config):

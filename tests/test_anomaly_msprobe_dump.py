@@ -19,7 +19,7 @@ import pytest
 from trainmon.anomaly.msprobe_comm import CommNamer
 from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.cli import main as cli_main
-from trainmon.monitor.collective_ops import parse_comm_name
+from trainmon.core.collective_ops import parse_comm_name
 
 DUMPS = Path(__file__).parent / "data" / "msprobe"
 WHERE = ("rank", "step", "module", "phase", "tensor", "call_index")

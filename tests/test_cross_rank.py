@@ -1,6 +1,6 @@
 """Cross-rank attribution from collective records (trainmon.anomaly.cross_rank) on hand-made event lists."""
 from trainmon.anomaly.cross_rank import attribute, format_chain
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.events import AnomalyEvent
 
 
 def event(rank, step, family, module, micro=None, phase="forward", tensor="output", call=None):

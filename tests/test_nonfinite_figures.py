@@ -12,7 +12,7 @@ from reference import assert_ops_close, reference_ops
 from writer_helpers import monitored, tensorboard_scalars
 from trainmon import open_run
 from trainmon.cli import main
-from trainmon.monitor.records import GRAD_REDUCED
+from trainmon.core.records import GRAD_REDUCED
 
 OPS = ["norm", "mean", "min", "max", "nans", "infs", "norm_finite", "mean_finite", "min_finite", "max_finite"]
 FAULT_STEP = 1

@@ -1,4 +1,4 @@
-"""The ordering key (trainmon.anomaly.ordering): phases, pipeline stages and virtual chunks in causal order,
+"""The ordering key (trainmon.core.ordering): phases, pipeline stages and virtual chunks in causal order,
 rank last, ties across ranks; and what nan-analyze makes of it on hand-made runs."""
 import json
 
@@ -8,8 +8,8 @@ import torch
 from test_anomaly_online import nan_analyze_json
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.anomaly import ordering
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core import ordering
+from trainmon.core.events import AnomalyEvent
 from trainmon.cli import main as cli_main
 
 

@@ -8,14 +8,15 @@ import sqlite3
 import numpy as np
 import pytest
 
+from trainmon.core.layout import DB_NAME
 from trainmon.anomaly.db_anomalies import AnomalyTable
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.events import AnomalyEvent
 from trainmon.anomaly.rank_summary import summarize, summarize_rank_dir
 from trainmon.read import find_run, open_run
 from trainmon.read import jsonl
 from trainmon.read.database import DbRankReader
 from trainmon.read.db_nonfinite import record_event
-from trainmon.monitor.records import RecordKey
+from trainmon.core.records import RecordKey
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 
@@ -37,7 +38,7 @@ def _write_rank(rank_dir):
     the anomalies table repeats records, holds a NaN loss, an infinite figure of a finite record, and an
     anomaly of a step whose records were not committed; step 3's records were not committed."""
     rank_dir.mkdir(parents=True)
-    path = rank_dir / db_schema.DB_NAME
+    path = rank_dir / DB_NAME
     conn = db_schema.connect(str(path))
     db_schema.write_meta(conn, {"ops": OPS, "schema_version": db_schema.SCHEMA_VERSION})
     conn.executemany("INSERT INTO tags (id, family, name, vpp_stage, shape, dtype) VALUES (?, ?, ?, 0, '[2]', 'f')",

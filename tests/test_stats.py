@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainmon.monitor import stats
-from trainmon.monitor.derive import derive_ops, derive_rows
+from trainmon.core.derive import derive_ops, derive_rows
 from trainmon.monitor.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, merge_records, tensor_records
 
 ALL = frozenset(FIELDS)

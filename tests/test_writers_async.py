@@ -16,7 +16,7 @@ from writer_helpers import OPS, GatedSink, integrity, monitored
 from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.monitor import trainer_mon
-from trainmon.monitor.derive import derive_rows
+from trainmon.core.derive import derive_rows
 from trainmon.writers.base import Sink
 
 CHILD = os.path.join(os.path.dirname(__file__), "train_child.py")

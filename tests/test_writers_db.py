@@ -11,7 +11,7 @@ import torch
 
 from writer_helpers import OPS, integrity, monitored, tensorboard_scalars
 from trainmon import open_run
-from trainmon.monitor.records import GRAD_REDUCED, RecordKey
+from trainmon.core.records import GRAD_REDUCED, RecordKey
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from trainmon.core.version import __version__
 
 # Imported on first use, so that the command line and the read layer start without torch.
-_LAZY = {"TrainerMon": "trainmon.monitor.trainer_mon", "open_run": "trainmon.read", "Run": "trainmon.read",
+_LAZY = {"TrainerMon": "trainmon.trainer_mon", "open_run": "trainmon.read", "Run": "trainmon.read",
          "ConfigError": "trainmon.monitor.config", "load_config": "trainmon.monitor.config",
          "save": "trainmon.monitor.saved", "save_grad": "trainmon.monitor.saved"}
 

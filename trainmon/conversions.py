@@ -13,7 +13,8 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from trainmon.monitor.records import RecordKey
+from trainmon.core.layout import DB_NAME, rank_dir_name
+from trainmon.core.records import RecordKey
 from trainmon.read import stream_mirror
 from trainmon.output_dir import prepare_output
 from trainmon.read.errors import InputError
@@ -52,7 +53,7 @@ def to_tensorboard(src: str | Path, out: str | Path, source: str = "auto", progr
     all_scalars = run.scalars()
     done = 0
     for rank in run.ranks:
-        writer = EventWriter(Path(out) / f"rank_{rank}")
+        writer = EventWriter(Path(out) / rank_dir_name(rank))
         scalars: dict[int, list] = {}
         for row in all_scalars[all_scalars["rank"] == rank].itertuples():
             scalars.setdefault(row.step, []).append((row.name, row.value))
@@ -89,9 +90,9 @@ def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress
         raise
     done = 0
     for rank in run.ranks:
-        target = Path(out) / f"rank_{rank}"
+        target = Path(out) / rank_dir_name(rank)
         target.mkdir(parents=True, exist_ok=True)
-        db = MonitorDb(target / db_schema.DB_NAME)
+        db = MonitorDb(target / DB_NAME)
         try:
             meta_written = False
             for step, rows in progress(run.iter_steps(rank), run.step_count(rank), f"rank {rank} -> db"):
@@ -191,7 +192,7 @@ def stream_to_db(src: str | Path, force: bool = False) -> list[int]:
     for rank_dir in found.ranks:
         if rank_dir.stream is None:
             continue
-        target = rank_dir.path / db_schema.DB_NAME
+        target = rank_dir.path / DB_NAME
         if target.exists():
             raise InputError.at(target, "already there; remove it to build it again from records.stream")
         if not force and "writer" not in rank_dir.metadata():

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from trainmon.anomaly.events import phase_of, split_name
-from trainmon.anomaly.ordering import stage_place
+from trainmon.core.events import phase_of, split_name
+from trainmon.core.ordering import stage_place
 from trainmon.read.database import DbRankReader
 from trainmon.read.layout import RankDir, find_run
 from trainmon.read.parallel import map_ranks

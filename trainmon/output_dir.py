@@ -5,12 +5,12 @@ import re
 import shutil
 from pathlib import Path
 
+from trainmon.core.layout import TRAINMON_RANK_DIR
 from trainmon.read.errors import InputError
 
-_OUTPUT_RANK_DIR = re.compile(r"^rank_\d+$")  # what a conversion writes, and so what `overwrite` replaces
 
 
-def prepare_output(src: Path, out: Path, overwrite: bool, replaced: re.Pattern = _OUTPUT_RANK_DIR) -> None:
+def prepare_output(src: Path, out: Path, overwrite: bool, replaced: re.Pattern = TRAINMON_RANK_DIR) -> None:
     """Checks that `out` may be written, and with `overwrite` removes the directories it holds whose
     names `replaced` matches (by default the rank directories a conversion writes).
 

@@ -16,7 +16,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from common import TinyLM, batches, finish, write_config
 from trainmon import TrainerMon
-from trainmon.monitor.collective_ops import ALL_OPS
+from trainmon.core.collective_ops import ALL_OPS
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

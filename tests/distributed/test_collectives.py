@@ -6,7 +6,7 @@ import os
 
 from launch import torchrun
 from test_csv_output import read_family
-from trainmon.monitor.collective_ops import parse_comm_name
+from trainmon.core.collective_ops import parse_comm_name
 from verify import the_run
 
 

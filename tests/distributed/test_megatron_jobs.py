@@ -9,7 +9,7 @@ import pytest
 from launch import torchrun
 from test_csv_output import read_family
 from trainmon.anomaly.cross_rank import attribute
-from trainmon.monitor.collective_ops import parse_comm_name
+from trainmon.core.collective_ops import parse_comm_name
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import find_run
 from verify import (SAVED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match, assert_same_labels,

@@ -209,7 +209,7 @@ def assert_sharding_collectives(run_dir: str, steps: int, gather: str, scatter: 
     recorded the same `gather` (param all-gather) and `scatter` (grad reduction) calls on their group; a gather's
     output is the concatenation of the ranks' inputs (its norm² is the sum of theirs; the same on both ranks), and
     the scatters' outputs are finite, non-zero grads."""
-    from trainmon.monitor.collective_ops import parse_comm_name
+    from trainmon.core.collective_ops import parse_comm_name
 
     figures = {}  # rank: {(step, call, io): (norm, max)}
     for rank in (0, 1):

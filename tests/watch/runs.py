@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.monitor.records import ACTV, GRAD_REDUCED, RecordKey
+from trainmon.core.layout import DB_NAME
+from trainmon.core.records import ACTV, GRAD_REDUCED, RecordKey
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 from trainmon.writers.record_stream import RecordStream
-from trainmon.writers.stream_format import STREAM_NAME
+from trainmon.core.layout import STREAM_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ["min", "max", "norm", "nans", "infs"]
@@ -42,7 +43,7 @@ class LiveRank:
         self.dir = run / f"rank_{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "run.json").write_text(json.dumps({"rank": rank, "pp_stage": 0}))
-        self.db = RecordStream(self.dir / STREAM_NAME) if stream else MonitorDb(self.dir / db_schema.DB_NAME)
+        self.db = RecordStream(self.dir / STREAM_NAME) if stream else MonitorDb(self.dir / DB_NAME)
         self.db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": OPS,
                           "fields": list(db_schema.FIELDS)})
         self.rank = rank

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainmon.monitor.records import ACTV
+from trainmon.core.records import ACTV
 from trainmon.watch.aggregate import StepFigures, StepRows
 from trainmon.watch.history import History
 

@@ -6,7 +6,7 @@ import time
 
 from runs import KEYS, LiveRank, terminate, wait_for, watch
 from trainmon.anomaly.db_anomalies import AnomalyTable
-from trainmon.anomaly.events import AnomalyEvent, phase_of, split_name
+from trainmon.core.events import AnomalyEvent, phase_of, split_name
 
 
 def _sentinel(rank: LiveRank, step: int) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.events import AnomalyEvent
 from trainmon.anomaly.processor import AnomalyProcessor
 from trainmon.monitor.patching import patch_attribute
 

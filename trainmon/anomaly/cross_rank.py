@@ -24,10 +24,10 @@ import math
 from collections import defaultdict
 from typing import Optional, Sequence
 
-from trainmon.anomaly.events import AnomalyEvent
-from trainmon.anomaly.ordering import order_key
-from trainmon.monitor.collective_ops import P2P, parse_comm_name
-from trainmon.monitor.records import COMM
+from trainmon.core.events import AnomalyEvent
+from trainmon.core.ordering import order_key
+from trainmon.core.collective_ops import P2P, parse_comm_name
+from trainmon.core.records import COMM
 
 
 def _call_key(step: int, parsed: dict) -> tuple:

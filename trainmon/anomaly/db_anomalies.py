@@ -5,7 +5,7 @@ import sqlite3
 from pathlib import Path
 from typing import Sequence
 
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.events import AnomalyEvent
 from trainmon.writers import db_schema
 
 _COLUMNS = db_schema.ANOMALY_COLUMNS
@@ -39,5 +39,5 @@ class AnomalyTable:
 def anomaly_row(e: AnomalyEvent) -> tuple:
     """The row of one anomaly for INSERT_ANOMALY."""
     value, is_nan = db_schema.encode_real(e.value)
-    return (e.rank, e.step, e.micro_step, e.pp_stage, e.vpp_stage, e.call_index, e.module, e.phase, e.tensor, e.op,
-            value, e.rule, e.family, int(e.first), is_nan)
+    row = {name: getattr(e, name) for name in _COLUMNS} | {"value": value, "first": int(e.first)}
+    return tuple(row[name] for name in _COLUMNS) + (is_nan,)

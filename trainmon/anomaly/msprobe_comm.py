@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
-from trainmon.monitor.collective_ops import (BATCH_P2P, COLLECTIVES, P2P, SENDS, collective_name, compact_ranks,
+from trainmon.core.collective_ops import (BATCH_P2P, COLLECTIVES, P2P, SENDS, collective_name, compact_ranks,
                                              p2p_name, tensor_names)
 
 DEFAULT_GROUP = "default"

@@ -31,16 +31,16 @@ import re
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.layout import DUMP_RANK_DIR
+from trainmon.core.events import AnomalyEvent
 from trainmon.anomaly.msprobe_comm import CommNamer, gap_notes, is_tensor, known_op
 from trainmon.read.errors import InputError
-from trainmon.monitor.collective_ops import compact_ranks
-from trainmon.monitor.records import ACTV, ACTV_GRAD, COMM, GRAD_UNREDUCED, PARAM_ORIGIN
+from trainmon.core.collective_ops import compact_ranks
+from trainmon.core.records import ACTV, ACTV_GRAD, COMM, GRAD_UNREDUCED, PARAM_ORIGIN
 
 DUMP_FILE = "dump.json"
 RULE = "msprobe"  # the `rule` of every event read from a dump
 _STEP_DIR = re.compile(r"^step(\d+)$")
-_RANK_DIR = re.compile(r"^(?:rank(\d*)|proc\d+)$")
 _MODULE_ENTRY = re.compile(r"^(?:Module|Cell)\.(?P<body>.+)\.(?P<kind>forward|backward|parameters_grad)"
                            r"\.(?P<n>\d+)$")
 _API_ENTRY = re.compile(r"^(?P<call>(?P<kind>[^.]+)\.(?P<api>.+)\.\d+)\.(?P<phase>forward|backward)$")
@@ -110,7 +110,7 @@ def locate(path: Path) -> tuple[list[tuple[int, int, Path]], list[str]]:
         step = int(match.group(1)) if match else 0
         for rank_dir in ranks:
             rank = _rank_of(rank_dir.name, len(ranks))
-            if not _RANK_DIR.match(rank_dir.name):
+            if not DUMP_RANK_DIR.match(rank_dir.name):
                 notes.append(f"{rank_dir}: not a rank<R> directory; its dump is reported as rank 0")
             if not (rank_dir / DUMP_FILE).is_file():
                 notes.append(f"{rank_dir}: no {DUMP_FILE} (that rank wrote nothing for step {step})")
@@ -124,13 +124,13 @@ def locate(path: Path) -> tuple[list[tuple[int, int, Path]], list[str]]:
 def _rank_dirs(step_dir: Path) -> list[Path]:
     if not step_dir.is_dir():
         return []
-    return sorted(c for c in step_dir.iterdir() if c.is_dir() and _RANK_DIR.match(c.name))
+    return sorted(c for c in step_dir.iterdir() if c.is_dir() and DUMP_RANK_DIR.match(c.name))
 
 
 def _rank_of(name: str, siblings: int) -> Optional[int]:
     """The rank an msprobe rank directory stands for. A lone `proc<pid>` is a single-process run (rank 0),
     and so is a lone directory given directly under another name."""
-    match = _RANK_DIR.match(name)
+    match = DUMP_RANK_DIR.match(name)
     if match is None or name.startswith("proc"):
         return 0 if siblings == 1 else None
     return int(match.group(1) or 0)

@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from trainmon.anomaly.events import split_name
-from trainmon.anomaly.ordering import order_key
-from trainmon.monitor.records import ACTV, PHASES
+from trainmon.core.events import split_name
+from trainmon.core.ordering import order_key
+from trainmon.core.records import ACTV, PHASES
 from trainmon.read import Run, find_run
 
 COMPUTED, INHERITED, INTERNAL = "computed here", "inherited", "internal"

@@ -16,14 +16,15 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from trainmon.anomaly.db_anomalies import AnomalyTable
-from trainmon.anomaly.dump import DumpRequest, write_dump
-from trainmon.anomaly.events import (ANOMALIES_FILE, SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent,
+from trainmon.monitor.dump_capture import DumpRequest
+from trainmon.writers.tensor_files import write_dump
+from trainmon.core.events import (SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent,
                                      phase_of, split_name)
 from trainmon.anomaly.rules import Rule
 from trainmon.monitor.sentinel import verdict
-from trainmon.monitor.records import RecordKey, StepBatch
+from trainmon.core.records import RecordKey, StepBatch
 from trainmon.writers.base import Sink, SinkContext
-from trainmon.writers.db_schema import DB_NAME
+from trainmon.core.layout import ANOMALIES_FILE, DB_NAME
 from trainmon.writers.tags import tag_of
 
 logger = logging.getLogger("trainmon")

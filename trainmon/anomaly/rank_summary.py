@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from trainmon.anomaly.events import AnomalyEvent
-from trainmon.anomaly.ordering import order_key
-from trainmon.monitor.records import COMM
+from trainmon.core.events import AnomalyEvent
+from trainmon.core.ordering import order_key
+from trainmon.core.records import COMM
 from trainmon.read.evidence import rank_evidence, record_identity
 from trainmon.read.layout import RankDir
 

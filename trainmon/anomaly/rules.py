@@ -14,7 +14,7 @@ import statistics
 from typing import Iterable, Mapping, Optional, Sequence
 
 from trainmon.monitor import stats
-from trainmon.monitor.records import EXP_AVG_SQ
+from trainmon.core.records import EXP_AVG_SQ
 
 NANS, INFS = stats.FIELDS.index("nans"), stats.FIELDS.index("infs")
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation

@@ -8,7 +8,7 @@ import torch
 
 from trainmon.compare.tensors import compare_tensors as tensor_figures
 from trainmon.monitor import stats
-from trainmon.monitor.derive import derive_ops
+from trainmon.core.derive import derive_ops
 
 _OPS = ("norm", "nans", "infs")
 _FIELDS = stats.fields_for_ops(_OPS)

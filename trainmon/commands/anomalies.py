@@ -1,5 +1,5 @@
 """`trainmon anomalies DIR --top K [--steps A-B]`: the earliest anomalies of a run, across ranks, in the
-order of the ordering key (trainmon.anomaly.ordering) (msprobe's anomaly_analyse)."""
+order of the ordering key (trainmon.core.ordering) (msprobe's anomaly_analyse)."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from trainmon.anomaly.events import AnomalyEvent
-from trainmon.anomaly.ordering import order_key
+from trainmon.core.events import AnomalyEvent
+from trainmon.core.ordering import order_key
 from trainmon.commands.arguments import add_json, add_quiet, add_ranks, add_steps, positive_int
 from trainmon.read.database import DbRankReader
 from trainmon.read.jsonl import read_jsonl

@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from trainmon.anomaly.ordering import order_key
+from trainmon.core.ordering import order_key
 from trainmon.compare.names import NameMap
 from trainmon.compare.thresholds import DEFAULT_ATOL, DEFAULT_RTOL
-from trainmon.monitor.records import PHASES
-from trainmon.monitor.schema import OPS
+from trainmon.core.records import PHASES
+from trainmon.core.schema import OPS
 from trainmon.read import InputError, Run
 
 EQUAL, CLOSE, DIVERGED, ONLY_A, ONLY_B = "equal", "close", "diverged", "only_a", "only_b"

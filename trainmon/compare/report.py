@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Optional, TextIO
 
 from trainmon.compare.records import CLOSE, DIVERGED, EQUAL, ONLY_A, ONLY_B, Aligned
-from trainmon.monitor.schema import OPS
+from trainmon.core.schema import OPS
 
 VERDICTS = (EQUAL, CLOSE, DIVERGED, ONLY_A, ONLY_B)
 _KEY_COLUMNS = ("family", "name", "step", "micro_step", "rank", "phase", "vpp_stage", "pp_stage", "call_index")

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import torch
 
 from trainmon.monitor import stats
-from trainmon.monitor.derive import derive_ops
+from trainmon.core.derive import derive_ops
 
 DIGEST_OPS = ("norm", "mean", "min", "max", "nans", "infs")
 _FIELDS = stats.fields_for_ops(DIGEST_OPS)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from trainmon.monitor.trainer_mon import TrainerMon
+from trainmon.trainer_mon import TrainerMon
 
 logger = logging.getLogger("trainmon")
 

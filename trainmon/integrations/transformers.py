@@ -11,7 +11,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from trainmon.monitor.trainer_mon import TrainerMon
+from trainmon.trainer_mon import TrainerMon
 
 LOGGED = ("loss", "grad_norm", "learning_rate")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, NamedTuple
 
-from trainmon.monitor.collective_ops import ALL_OPS
+from trainmon.core.collective_ops import ALL_OPS
 
 # torch's own modules hold every wrapped function under its name, and `_coalescing_manager`, which defers
 # the collectives called inside it to its exit.

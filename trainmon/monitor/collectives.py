@@ -40,9 +40,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from trainmon.monitor.collective_bindings import COALESCING_MANAGER, repoint, restore
-from trainmon.monitor.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
+from trainmon.core.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
                                              compact_ranks, p2p_name, tensor_names)
-from trainmon.monitor.records import COMM, RecordKey
+from trainmon.core.records import COMM, RecordKey
 from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")

@@ -9,7 +9,7 @@ import torch
 
 from trainmon.monitor import stats
 from trainmon.monitor.accelerator import copy_done_event
-from trainmon.monitor.records import RecordKey, StepBatch
+from trainmon.core.records import RecordKey, StepBatch
 
 logger = logging.getLogger("trainmon")
 

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from trainmon.monitor.schema import OPS
+from trainmon.core.schema import OPS
 
 # Output formats that this version can write. Add a format here (and nowhere else) once its sink exists.
 AVAILABLE_FORMATS: tuple[str, ...] = ("csv", "api", "tensorboard", "db")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from trainmon.monitor.adapters.base import PER_MICRO_BATCH, WatchedParam
-from trainmon.monitor.records import GRAD_UNREDUCED
+from trainmon.core.records import GRAD_UNREDUCED
 from trainmon.monitor.shard_merge import record_pieces
 from trainmon.monitor.state import HookState
 

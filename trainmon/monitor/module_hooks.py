@@ -34,7 +34,7 @@ from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
-from trainmon.monitor.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey
+from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, input_values, values_at
 

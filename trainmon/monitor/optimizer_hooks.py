@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from trainmon.monitor.adapters.base import AdamPiece, TrainingAdapter, WatchedParam
-from trainmon.monitor.records import (ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
+from trainmon.core.records import (ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
                                       MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED)
 from trainmon.monitor.patching import patch_attribute
 from trainmon.monitor.shard_merge import PieceRecords

@@ -12,7 +12,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from trainmon.anomaly import ordering
+from trainmon.core.layout import rank_dir_name
+from trainmon.core.version import __version__
+from trainmon.core import ordering
 
 DEFAULT_OUTPUT_DIR = "./monitor_output"
 logger = logging.getLogger("trainmon")
@@ -66,7 +68,7 @@ def _new_run_name() -> str:
 
 
 def rank_dir(run: str, rank: int) -> Path:
-    return output_root() / run / f"rank_{rank}"
+    return output_root() / run / rank_dir_name(rank)
 
 
 def run_metadata(config: dict, rank: int, world_size: int, extra: dict) -> dict:
@@ -77,7 +79,7 @@ def run_metadata(config: dict, rank: int, world_size: int, extra: dict) -> dict:
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "trainmon": _trainmon_version()},
+                     "trainmon": __version__},
         "ordering_key": ordering.DESCRIPTION,
         "config": config,
         **extra,
@@ -91,7 +93,3 @@ def write_json(path: Path, data) -> None:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
 
-
-def _trainmon_version() -> str:
-    from trainmon import __version__
-    return __version__

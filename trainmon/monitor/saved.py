@@ -26,7 +26,7 @@ import torch
 
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
-from trainmon.monitor.records import SAVE, SAVE_GRAD, RecordKey
+from trainmon.core.records import SAVE, SAVE_GRAD, RecordKey
 from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")

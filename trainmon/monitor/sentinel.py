@@ -22,12 +22,12 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from trainmon.anomaly.dump import DumpRequest, capture
-from trainmon.anomaly.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
+from trainmon.monitor.dump_capture import DumpRequest, capture
+from trainmon.core.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.monitor import in_graph
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
-from trainmon.monitor.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
+from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_values

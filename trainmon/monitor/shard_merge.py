@@ -14,11 +14,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from trainmon.monitor import schema, stats
+from trainmon.core import schema
+from trainmon.monitor import stats
 from trainmon.monitor.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
-from trainmon.monitor.records import RecordKey
+from trainmon.core.records import RecordKey
 from trainmon.monitor.state import HookState
 
 def identity_record(device, dtype=torch.float64) -> torch.Tensor:

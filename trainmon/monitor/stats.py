@@ -1,6 +1,6 @@
 """Statistic engine: mergeable per-tensor records, computed on the tensors' device without a host sync.
 
-A record is a float64 row ``FIELDS`` (trainmon.monitor.schema: count, nans, infs, zeros, sum, sumsq, min,
+A record is a float64 row ``FIELDS`` (trainmon.core.schema: count, nans, infs, zeros, sum, sumsq, min,
 max, sat) over the FINITE elements (design §3): count = finite elements, nans/infs = non-finite ones, zeros = finite |x| < eps
 (compared exactly against the float64 eps >= 0; eps below a dtype's smallest normal number relies on
 subnormal arithmetic, i.e. no flush-to-zero).  Sums add, min/max combine, so chunks, micro-batches,
@@ -32,8 +32,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from trainmon.monitor import schema
-from trainmon.monitor.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
+from trainmon.core import schema
+from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8

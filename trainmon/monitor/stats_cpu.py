@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from trainmon.monitor.schema import N_FIELDS
+from trainmon.core.schema import N_FIELDS
 
 _FAST_DTYPES = (torch.float32, torch.float64)
 # Tensors up to this size (biases, norms, small weights) are reduced together as segments of one

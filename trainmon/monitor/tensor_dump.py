@@ -3,7 +3,7 @@
 A separate set of hooks, installed only when `dump` is configured; on other steps each hook returns at
 once. On a dump step every floating input and output of the chosen modules (and, with `backward`, the
 grads of those that need one, through tensor hooks) is copied to the host (non-blocking into pinned
-memory on accelerators, `anomaly.dump.host_copy`) in call order, until `max_mb_per_step` is used: later
+memory on accelerators, `dump_capture.host_copy`) in call order, until `max_mb_per_step` is used: later
 tensors are not stored and the index lists them. The Python stack of each module's first call of the
 step is kept. When the step is over, its capture goes to the writer thread (`writers.tensor_dump_sink`),
 which waits for the copies, computes each tensor's statistic record and writes the files.
@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from trainmon.anomaly.dump import host_copy
+from trainmon.monitor.dump_capture import host_copy
 from trainmon.monitor import in_graph
 from trainmon.monitor.accelerator import copy_done_event
 

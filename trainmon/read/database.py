@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 from urllib.parse import quote
 
 
-from trainmon.anomaly.events import AnomalyEvent
-from trainmon.monitor.derive import derive_ops
+from trainmon.core.events import AnomalyEvent
+from trainmon.core.derive import derive_ops
 from trainmon.read.db_columns import RAW_PREFIX, Columns, read_columns
 from trainmon.read.db_nonfinite import DbNonfinite, read_nonfinite
 from trainmon.read.errors import InputError

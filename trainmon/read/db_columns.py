@@ -18,8 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-from trainmon.monitor.records import FIELDS
-from trainmon.monitor.schema import OP_BY_NAME
+from trainmon.core.schema import FIELDS
+from trainmon.core.schema import OP_BY_NAME
 from trainmon.writers import db_schema
 
 RAW_PREFIX = "raw_"  # columns of the stored record fields: raw_count, raw_nans, ..., raw_sat

@@ -18,8 +18,8 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Optional
 
-from trainmon.anomaly.events import AnomalyEvent, phase_of, split_name
-from trainmon.monitor.records import COMM
+from trainmon.core.events import AnomalyEvent, phase_of, split_name
+from trainmon.core.records import COMM
 from trainmon.writers import db_schema
 
 _RECORD_NONFINITE = "(r.nans > 0 OR r.infs > 0)"  # the partial indexes' condition (db_schema.NONFINITE_RECORD)

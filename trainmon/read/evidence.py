@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.events import AnomalyEvent
 from trainmon.read import stream_mirror
 from trainmon.read.csv_rows import read_csv_rows
 from trainmon.read.database import DbRankReader
 from trainmon.read.db_nonfinite import record_event
 from trainmon.read.jsonl import read_jsonl
-from trainmon.read.layout import ANOMALIES_FILE, RankDir
-from trainmon.writers.db_schema import DB_NAME
+from trainmon.core.layout import ANOMALIES_FILE, DB_NAME
+from trainmon.read.layout import RankDir
 
 
 @dataclass

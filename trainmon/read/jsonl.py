@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.core.events import AnomalyEvent
 from trainmon.read.errors import InputError
 
 Warn = Callable[[str], None]

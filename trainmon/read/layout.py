@@ -7,22 +7,16 @@ root. Both hold `<family>_<first>-<last>.csv` files with the same columns; train
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Optional
 
-from trainmon.anomaly.events import ANOMALIES_FILE
-from trainmon.monitor.records import FAMILIES
+from trainmon.core.layout import ANOMALIES_FILE, DB_NAME, FAMILY_FILE, RANK_DIR, RUN_JSON, STREAM_NAME
+from trainmon.core.records import FAMILIES
 from trainmon.read import stream_mirror
 from trainmon.read.errors import InputError
-from trainmon.writers.db_schema import DB_NAME
-from trainmon.writers.stream_format import STREAM_NAME
 
-RUN_JSON = "run.json"
-RANK_DIR = re.compile(r"^rank_(\d+)$|-rank(\d+)-")  # trainmon's and msprobe's rank directories
-_FAMILY_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +68,7 @@ class RankDir:
         """The CSV files of one family (or all), ordered by first step, then family."""
         files = []
         for path in self.path.glob("*.csv"):
-            match = _FAMILY_FILE.match(path.name)
+            match = FAMILY_FILE.match(path.name)
             if match and match["family"] in FAMILIES and family in (None, match["family"]):
                 files.append(FamilyFile(match["family"], int(match["first"]), int(match["last"]), path))
         return sorted(files, key=lambda f: (f.first, f.family))

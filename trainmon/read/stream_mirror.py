@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import numpy as np
 
 from trainmon.anomaly.db_anomalies import INSERT_ANOMALY, anomaly_row
-from trainmon.anomaly.events import AnomalyEvent
-from trainmon.monitor.records import RecordKey
+from trainmon.core.events import AnomalyEvent
+from trainmon.core.records import RecordKey
 from trainmon.read.errors import InputError
 from trainmon.writers import db_schema, stream_format
 

@@ -15,8 +15,9 @@ import re
 import sqlite3
 from pathlib import Path
 
-from trainmon.monitor.records import COMM
-from trainmon.read.layout import RANK_DIR, RankDir, RunDirs, find_run
+from trainmon.core.records import COMM
+from trainmon.core.layout import RANK_DIR
+from trainmon.read.layout import RankDir, RunDirs, find_run
 from trainmon.read.rank_records import open_rank
 
 ROOT = ""  # the model itself

@@ -19,9 +19,9 @@ from typing import Optional
 
 import numpy as np
 
-from trainmon.monitor.collective_ops import parse_comm_name
+from trainmon.core.collective_ops import parse_comm_name
 from trainmon.monitor.config_keys import STAT_OPS
-from trainmon.monitor.records import (ACTV, ACTV_GRAD, COMM, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
+from trainmon.core.records import (ACTV, ACTV_GRAD, COMM, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, PARAM_UPDATED)
 from trainmon.writers.db_schema import NO_MICRO_STEP
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from trainmon.anomaly.cross_rank import format_chain
 from trainmon.anomaly.nan_analyze import analyze, describe_place
-from trainmon.anomaly.ordering import order_key
+from trainmon.core.ordering import order_key
 from trainmon.watch.follow import RankFollower
 
 logger = logging.getLogger("trainmon.watch")

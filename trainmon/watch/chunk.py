@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from trainmon.monitor.config_keys import STAT_OPS
-from trainmon.monitor.records import GRAD_REDUCED, GRAD_UNREDUCED
+from trainmon.core.records import GRAD_REDUCED, GRAD_UNREDUCED
 from trainmon.read.errors import InputError
 from trainmon.read.rank_records import open_rank
 from trainmon.writers.db_schema import NO_MICRO_STEP

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from trainmon.read.errors import InputError
-from trainmon.read.layout import RANK_DIR, find_run
+from trainmon.core.layout import RANK_DIR
+from trainmon.read.layout import find_run
 from trainmon.watch.run_watcher import RunWatcher, WatchOptions
 
 logger = logging.getLogger("trainmon.watch")

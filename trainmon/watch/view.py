@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from trainmon.monitor.collective_ops import parse_comm_name
-from trainmon.monitor.records import COMM
+from trainmon.core.collective_ops import parse_comm_name
+from trainmon.core.records import COMM
 from trainmon.watch.aggregate import (MAX_RANK, SCALARS, StepFigures, cross_rank, family_rank, label_of, layer_of,
                                       tag_base)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from trainmon.monitor.records import StepBatch
+from trainmon.core.records import StepBatch
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.writers.tags import tag_of
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from trainmon.monitor.records import StepBatch
+from trainmon.core.records import StepBatch
 from trainmon.writers.base import Sink
 
 logger = logging.getLogger("trainmon")

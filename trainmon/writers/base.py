@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from trainmon.monitor.records import StepBatch
+from trainmon.core.records import StepBatch
 
 logger = logging.getLogger("trainmon")
 

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 from typing import Callable, TextIO
 
-from trainmon.monitor.records import StepBatch
+from trainmon.core.layout import family_file_name
+from trainmon.core.records import StepBatch
 from trainmon.writers.base import Sink, SinkContext
 
 
@@ -29,7 +30,7 @@ class _RangeFiles:
         self.writers: dict[str, csv.writer] = {}
 
     def path(self, family: str, last: int) -> Path:
-        return self.directory / f"{family}_{self.first}-{last}.csv"
+        return self.directory / family_file_name(family, self.first, last)
 
     def extend_to(self, step: int) -> None:
         if step != self.last:

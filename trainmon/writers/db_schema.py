@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from trainmon.monitor.records import FIELDS  # the record's fields, in their order
-DB_NAME = "monitor.db"  # in each rank directory
+from trainmon.core.events import EVENT_FIELDS, EVENT_TYPES
+from trainmon.core.schema import FIELDS  # the record's fields, in their order
 # Version 2 added the `sat` column, version 3 the `record_blocks` table, version 4 the `pinfs` column (and
 # with it a wider block row); an older database gains them when a job appends to it (its earlier steps have
 # no blocks: readers read those from `records`).
@@ -87,15 +87,15 @@ BLOCK_DTYPE = np.dtype([("tag_id", "<i4"), ("micro_step", "<i4"), ("call_index",
                         ("fields", "<f8", (len(FIELDS),))])
 NO_MICRO_STEP = -1
 
-# The rows of anomalies.jsonl, when `format` has `db` (the anomaly processor writes them).
-ANOMALY_COLUMNS = ("rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_index", "module", "phase",
-                   "tensor", "op", "value", "rule", "family", "first")
-ANOMALY_SCHEMA = """
+# The rows of anomalies.jsonl, when `format` has `db` (the anomaly processor writes them): one column per
+# AnomalyEvent field, plus is_nan (`value` is REAL, which SQLite stores NaN in as NULL).
+ANOMALY_COLUMNS = EVENT_FIELDS
+_SQL_TYPES = {int: "INTEGER NOT NULL", Optional[int]: "INTEGER", str: "TEXT NOT NULL", float: "REAL",
+              bool: "INTEGER NOT NULL"}
+ANOMALY_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS anomalies (
-    rank INTEGER NOT NULL, step INTEGER NOT NULL, micro_step INTEGER, pp_stage INTEGER NOT NULL,
-    vpp_stage INTEGER NOT NULL, call_index INTEGER, module TEXT NOT NULL, phase TEXT NOT NULL,
-    tensor TEXT NOT NULL, op TEXT NOT NULL, value REAL, rule TEXT NOT NULL, family TEXT NOT NULL,
-    first INTEGER NOT NULL, is_nan INTEGER NOT NULL DEFAULT 0
+    {", ".join(f"{name} {_SQL_TYPES[EVENT_TYPES[name]]}" for name in EVENT_FIELDS)},
+    is_nan INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS anomalies_order ON anomalies (step, micro_step, rank, call_index);
 -- the post-mortem's first non-finite anomaly of each (phase, module), and the collectives' (read.db_nonfinite);

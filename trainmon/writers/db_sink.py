@@ -12,11 +12,11 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from trainmon.monitor import stats
-from trainmon.monitor.records import RecordKey, StepBatch
+from trainmon.core.records import RecordKey, StepBatch
 from trainmon.writers import db_schema
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.writers.record_stream import RecordStream
-from trainmon.writers.stream_format import STREAM_NAME
+from trainmon.core.layout import DB_NAME, STREAM_NAME
 
 
 class MonitorDb:
@@ -131,7 +131,7 @@ class DbSink(Sink):
         if self.stream:
             self._db = RecordStream(context.rank_dir / STREAM_NAME)
         else:
-            path = context.rank_dir / db_schema.DB_NAME
+            path = context.rank_dir / DB_NAME
             try:
                 self._db = MonitorDb(path)
             except sqlite3.DatabaseError as err:

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from trainmon.monitor.records import RecordKey
+from trainmon.core.records import RecordKey
 from trainmon.writers import db_schema, stream_format
 
 # Each batch is written (one write(2)) as it comes; fsync makes it reach the file server, from where other

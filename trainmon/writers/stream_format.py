@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Optional
 
-STREAM_NAME = "records.stream"  # in each rank directory
 MAGIC = b"\xa7TMs"
 _HEAD = struct.Struct("<4sII")
 _U32 = struct.Struct("<I")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from trainmon.monitor.records import (ACTIVATION_FAMILIES, GRAD_REDUCED, GRAD_UNREDUCED, RecordKey)
+from trainmon.core.records import (ACTIVATION_FAMILIES, GRAD_REDUCED, GRAD_UNREDUCED, RecordKey)
 
 # msprobe names the weight-grad families pre_grad / post_grad in its tags.
 _TAG_FAMILY = {GRAD_UNREDUCED: "pre_grad", GRAD_REDUCED: "post_grad"}

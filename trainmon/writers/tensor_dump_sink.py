@@ -13,13 +13,13 @@ import threading
 
 import torch
 
-from trainmon.anomaly.dump import save_tensors
+from trainmon.writers.tensor_files import save_tensors
 from trainmon.monitor import stats
-from trainmon.monitor.derive import derive_ops
-from trainmon.monitor.schema import OPS
+from trainmon.core.derive import derive_ops
+from trainmon.core.schema import OPS
 from trainmon.monitor.tensor_dump import StepCapture
 from trainmon.writers.base import Sink, SinkContext
-from trainmon.writers.dump_layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE  # noqa: F401 (the layout readers find)
+from trainmon.core.layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE  # noqa: F401 (the layout readers find)
 
 logger = logging.getLogger("trainmon")
 _ALL_FIELDS = stats.fields_for_ops(OPS)

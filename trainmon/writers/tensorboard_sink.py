@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from trainmon.monitor.records import StepBatch
+from trainmon.core.records import StepBatch
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.writers.event_encoding import scalar_event
 from trainmon.writers.tags import tag_of

@@ -1,19 +1,14 @@
-"""`alert.dump`: the inputs and outputs of the first anomalous module, saved with safetensors plus a JSON
-description, once per rank (the first anomalous step), size-capped.
-
-Capture (`capture`) runs on the training thread while the tensors still exist and copies at most
-`max_bytes` to the host; each tensor beyond its share is cut to its first elements (flattened) and
-the JSON says so. Writing (`write_dump`) runs in the writer thread.
+"""Capture for `alert.dump` and the `dump` block: host copies of a module's tensors, taken on the training
+thread while the tensors still exist, at most `max_bytes` in all; each tensor beyond its share is cut to its
+first elements (flattened) and the description says so. The writer thread writes them
+(`trainmon.writers.tensor_files`).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-DUMP_DIR = "anomaly_dumps"
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -47,13 +42,6 @@ def host_copy(tensor: torch.Tensor, keep: int, non_blocking: bool = True) -> tor
     return host.reshape(tensor.shape) if keep == flat.numel() else host
 
 
-def save_tensors(path: Path, tensors: dict) -> None:
-    """Writes host tensors to one safetensors file."""
-    from safetensors.torch import save_file
-
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
-
-
 def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
     """Copies `tensors` to the host into `request`, each within an equal share of `max_bytes`."""
     share = max_bytes // max(1, len(tensors))
@@ -69,16 +57,3 @@ def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_b
             "nans_in_stored": int(torch.isnan(host).sum()) if floating else 0,
             "infs_in_stored": int(torch.isinf(host).sum()) if floating else 0,
         }
-
-
-def write_dump(rank_dir: Path, request: DumpRequest) -> Path:
-    """Writes `<rank_dir>/anomaly_dumps/step<S>_micro<M>_<module>.safetensors` and its `.json`."""
-    directory = rank_dir / DUMP_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = f"step{request.step}_micro{request.micro_step}_{request.module or 'root'}"
-    save_tensors(directory / f"{stem}.safetensors", request.tensors)
-    description = {"rank": request.rank, "step": request.step, "micro_step": request.micro_step,
-                   "module": request.module, "phase": request.phase, "tensors": request.described,
-                   "file": f"{stem}.safetensors"}
-    (directory / f"{stem}.json").write_text(json.dumps(description, indent=1))
-    return directory / f"{stem}.json"

@@ -14,15 +14,15 @@ Names: a record's `RecordKey.name` is split into `module` and `tensor`.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from trainmon.anomaly import ordering
-from trainmon.monitor.records import (ACTV, ACTV_GRAD, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
+from trainmon.core import ordering
+from trainmon.core.records import (ACTV, ACTV_GRAD, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
                                       GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
                                       PARAM_UPDATED, PHASES)
 
-ANOMALIES_FILE = "anomalies.jsonl"  # in each rank directory: one AnomalyEvent per line
 
 PARAM_TENSORS = {
     GRAD_UNREDUCED: "grad",
@@ -125,9 +125,19 @@ class AnomalyEvent:
         return cls(**{n: data[n] for n in names if n in data} | {"value": value, "first": bool(data.get("first"))})
 
 
-_FIELD_TYPES = {"rank": int, "step": int, "micro_step": (int, type(None)), "pp_stage": int, "vpp_stage": int,
-                "call_index": (int, type(None)), "module": str, "phase": str, "tensor": str, "op": str,
-                "rule": str, "family": str}
+# The event's fields in order, with their types: the JSON reader, the database table (writers.db_schema) and its
+# rows (anomaly.db_anomalies) take them from here.
+EVENT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AnomalyEvent))
+EVENT_TYPES: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(AnomalyEvent).items()
+                                if name in EVENT_FIELDS}
+
+
+def _json_types(hint) -> tuple:
+    """The Python types a JSON value of a field may have (Optional[int]: int or None)."""
+    return typing.get_args(hint) or (hint,)
+
+
+_FIELD_TYPES = {name: _json_types(hint) for name, hint in EVENT_TYPES.items() if name not in ("value", "first")}
 
 
 INPUT_BATCH_ORIGIN = "it came in with the input batch: no module produced it (look at the data)"

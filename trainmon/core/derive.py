@@ -6,8 +6,8 @@ from typing import Sequence
 
 import numpy as np
 
-from trainmon.monitor import schema
-from trainmon.monitor.schema import FIELDS, N_FIELDS, OPS
+from trainmon.core import schema
+from trainmon.core.schema import FIELDS, N_FIELDS, OPS
 
 
 def derive_ops(record, ops: Sequence[str], fields: frozenset[str] | None = None) -> dict[str, float | None]:

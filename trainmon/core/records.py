@@ -6,7 +6,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from trainmon.monitor.schema import FIELDS, N_FIELDS  # noqa: F401  (re-exported: the fields, defined once)
+from trainmon.core.schema import N_FIELDS
 
 # Families, in the order msprobe writes them. The value is the CSV file prefix.
 ACTV = "actv"
@@ -25,7 +25,7 @@ ADAM_RATIO = "adam_ratio"
 MG_DIRECTION = "mg_direction"
 # Inputs/outputs of torch.distributed collectives and p2p ops (cc_distribution). A record's name is
 # `<op>[<group ranks>]@<group name>#<seq>.<input|output>[_<i>]` (p2p: `<op>[<src>-><dst>]@...`), see
-# trainmon.monitor.collective_ops.parse_comm_name.
+# trainmon.core.collective_ops.parse_comm_name.
 COMM = "comm"
 # Variables of the training script given to `trainmon.save` (their values, in forward) and `trainmon.save_grad`
 # (their grads, in backward); a record's name is the one the script gave (see trainmon.monitor.saved).

@@ -14,7 +14,7 @@ from trainmon.anomaly.processor import AnomalyProcessor, processor_for
 from trainmon.monitor import in_graph, stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
-from trainmon.monitor.derive import derive_rows
+from trainmon.core.derive import derive_rows
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
 from trainmon.monitor.forward_passes import ForwardPasses
 from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH,
@@ -27,7 +27,7 @@ from trainmon.monitor.module_hooks import ActivationHooks
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
                                      write_json)
-from trainmon.monitor.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
+from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
                                       GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
                                       PARAM_UPDATED, SAVED_FAMILIES, StepBatch)
 from trainmon.monitor.saved import SavedVariables

@@ -5,7 +5,7 @@
 import os
 import sys
 
-from trainmon import demo
+from trainmon.commands import demo
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

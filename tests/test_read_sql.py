@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainmon.core.layout import DB_NAME
-from trainmon.anomaly.db_anomalies import AnomalyTable
+from trainmon.writers.anomaly_table import AnomalyTable
 from trainmon.core.events import AnomalyEvent
 from trainmon.anomaly.rank_summary import summarize, summarize_rank_dir
 from trainmon.read import find_run, open_run

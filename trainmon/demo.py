@@ -17,8 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainmon.commands import demo as command
-from trainmon.commands.demo import add_arguments
 
 # The embedded default config; configs/demo.json holds the same keys (a test keeps them equal). Training
 # writes only the database, the cheapest sink; the daemon (`watch`) makes the TensorBoard view from it.
@@ -132,7 +130,7 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
         inject_inf(model, INJECT_MODULE, inject_step, lambda: step)
     monitor = None
     if config_path is not None:
-        from trainmon import TrainerMon
+        from trainmon.trainer_mon import TrainerMon
         monitor = TrainerMon(config_path)
         monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=grad_acc_steps)
     losses = []
@@ -213,9 +211,3 @@ def _show_injection(run_dir: str, logdir: str) -> None:
     first = analyze(run_dir)["first"]
     print(f"trainmon nan-analyze {run_dir}:\n  first non-finite tensor: "
           f"{describe_place(first) if first else 'none'}")
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="train_demo", description=__doc__)
-    add_arguments(parser)
-    return command.run(parser.parse_args(argv))

@@ -5,7 +5,7 @@ import math
 import time
 
 from runs import KEYS, LiveRank, terminate, wait_for, watch
-from trainmon.anomaly.db_anomalies import AnomalyTable
+from trainmon.writers.anomaly_table import AnomalyTable
 from trainmon.core.events import AnomalyEvent, phase_of, split_name
 
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from trainmon.anomaly.db_anomalies import AnomalyTable
+from trainmon.writers.anomaly_table import AnomalyTable
 from trainmon.monitor.dump_capture import DumpRequest
 from trainmon.writers.tensor_files import write_dump
 from trainmon.core.events import (SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent,

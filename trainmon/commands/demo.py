@@ -3,6 +3,7 @@ imports torch only when the command runs)."""
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from trainmon.commands.arguments import positive_int
 
@@ -32,3 +33,10 @@ def run(args: argparse.Namespace) -> int:
         load_config(args.config)  # a bad or missing config is a ConfigError (exit 2) before the model is built
     from trainmon import demo
     return demo.run(args)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """scripts/train_demo.py: the demo's options, without the rest of the command line."""
+    parser = argparse.ArgumentParser(prog="train_demo", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

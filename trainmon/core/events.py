@@ -126,7 +126,7 @@ class AnomalyEvent:
 
 
 # The event's fields in order, with their types: the JSON reader, the database table (writers.db_schema) and its
-# rows (anomaly.db_anomalies) take them from here.
+# rows (writers.anomaly_table) take them from here.
 EVENT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AnomalyEvent))
 EVENT_TYPES: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(AnomalyEvent).items()
                                 if name in EVENT_FIELDS}

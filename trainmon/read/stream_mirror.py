@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
-from trainmon.anomaly.db_anomalies import INSERT_ANOMALY, anomaly_row
+from trainmon.writers.anomaly_table import INSERT_ANOMALY, anomaly_row
 from trainmon.core.events import AnomalyEvent
 from trainmon.core.records import RecordKey
 from trainmon.read.errors import InputError

@@ -8,7 +8,7 @@ Floors, bottom to top; a part may import its own modules and those of lower floo
   read: the one read layer
   anomaly: rules, the online processor, post-mortem analysis
   compare, config_check, output_dir / ckpt, watch, tb_plugin, conversions, export: tools over runs
-  trainer_mon: the wiring / integrations (training loops that attach it), demo (the demo job)
+  hook_table / trainer_mon: the wiring / integrations (training loops that attach it), demo (the demo job)
   commands / cli and the package root: the command line and the public names
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ FLOORS = (
     {"anomaly"},
     {"compare", "config_check", "output_dir"},
     {"ckpt", "watch", "tb_plugin", "conversions", "export"},
-    {"trainer_mon", "hook_table"},
+    {"hook_table"},
+    {"trainer_mon"},
     {"integrations", "demo"},
     {"commands"},
     {"cli", "__init__"},

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from trainmon.core import sinks
 from trainmon.monitor import config_keys
 from trainmon.monitor.config import (
-    AVAILABLE_FORMATS, NOT_HONOURED, AlertConfig, CCConfig, ConfigError, ConfigNotHonouredWarning, MonitorConfig,
+    NOT_HONOURED, AlertConfig, CCConfig, ConfigError, ConfigNotHonouredWarning, MonitorConfig,
     RuleConfig, TargetSpec, load_config, parse_target_spec,
 )
 
@@ -100,7 +101,7 @@ def test_defaults_equal_msprobe():
     # deliberate difference: collectives' inputs are recorded by default (msprobe: cc_pre_hook false)
     assert cfg.cc_distribution == CCConfig(enable=False, cc_codeline=[], cc_pre_hook=True, cc_log_only=False)
     assert cfg.alert.rules == [] and cfg.alert.dump is False and cfg.alert.action == "warn"
-    assert (cfg.sentinel, cfg.strict, cfg.params_have_main_grad) == (False, False, None)
+    assert (cfg.sentinel, cfg.strict) == (False, False)
     assert MonitorConfig() == cfg
 
 
@@ -155,16 +156,21 @@ def test_format_string_or_list(value, expected):
     assert load_config({"format": value}).format == expected
 
 
-def test_every_format_is_available():
-    assert AVAILABLE_FORMATS == ("csv", "api", "tensorboard", "db")
+def test_the_formats_are_the_sink_tables():
+    assert sinks.formats() == ("csv", "api", "tensorboard", "db")
     assert load_config({"format": ["db", "tensorboard", "csv"]}).format == ["db", "tensorboard", "csv"]
 
 
-def test_planned_formats_are_not_yet_available(monkeypatch):
-    monkeypatch.setattr(config_keys, "AVAILABLE_FORMATS", ("csv", "api"))
-    monkeypatch.setattr(config_keys, "PLANNED_FORMATS", ("tensorboard", "db"))
-    msg = error_of({"format": ["csv", "db"]})
-    assert "not yet available in this version" in msg and "'format[1]'" in msg and '"csv", "api"' in msg
+def test_a_registered_sink_is_a_format(monkeypatch):
+    msg = error_of({"format": ["csv", "jsonl"]})
+    assert "'format[1]'" in msg and "register_sink" in msg and '"csv", "api", "tensorboard", "db"' in msg
+    sinks.register_sink("jsonl", object)
+    try:
+        assert load_config({"format": ["csv", "jsonl"]}).format == ["csv", "jsonl"]
+    finally:
+        sinks.unregister_sink("jsonl")
+    with pytest.raises(ValueError, match="built-in"):
+        sinks.register_sink("csv", object)
 
 
 # ---- writer ------------------------------------------------------------------------------------------
@@ -237,7 +243,7 @@ def test_writer_key_errors(raw, parts):
     ({"forward_only": True, "backward_only": True}, ["'backward_only'", "forward_only and backward_only",
                                                      "did you mean false"]),
     ({"sa_order": "b s h d"}, ["'sa_order'", '"s,b,h,d", "b,s,h,d"']),
-    ({"params_have_main_grad": "auto"}, ["'params_have_main_grad'", "true, false"]),
+    ({"params_have_main_grad": True}, ["'params_have_main_grad'", "no longer a key", "adapter", "delete the key"]),
 ])
 def test_error_names_key_value_allowed_and_fix(raw, parts):
     msg = error_of(raw)

@@ -15,7 +15,7 @@ import torch
 from writer_helpers import OPS, GatedSink, integrity, monitored
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.monitor import trainer_mon
+from trainmon import trainer_mon
 from trainmon.core.derive import derive_rows
 from trainmon.writers.base import Sink
 

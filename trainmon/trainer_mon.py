@@ -9,41 +9,32 @@ from typing import Optional, Sequence
 
 import torch
 
-from trainmon.anomaly.actions import StepGate
 from trainmon.anomaly.processor import AnomalyProcessor, processor_for
-from trainmon.monitor import in_graph, stats
+from trainmon.core.layout import DYNAMIC_STATE_FILE, MODULE_STRUCT_FILE, RUN_JSON
+from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
+                                   GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED, SAVED_FAMILIES,
+                                   StepBatch)
+from trainmon.core.derive import derive_rows
+from trainmon.hook_table import SetUp, build_groups, warn_about
+from trainmon.monitor import stats
+from trainmon.monitor.adapters import ADAPTER_PER_MICRO_BATCH, PER_MICRO_BATCH, TrainingAdapter, select_adapter
+from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.config import MonitorConfig, load_config
-from trainmon.core.derive import derive_rows
 from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
-from trainmon.monitor.forward_passes import ForwardPasses
-from trainmon.monitor.adapters import (ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH,
-                                       TrainingAdapter, select_adapter)
-from trainmon.monitor.adapters.base import group_coordinates
-from trainmon.monitor.collectives import CollectiveMonitor
-from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
-from trainmon.monitor.loss_scale import LossScaleWatch
-from trainmon.monitor.module_hooks import ActivationHooks
-from trainmon.monitor.optimizer_hooks import OptimizerHooks
-from trainmon.monitor.output import (agree_on_run_name, distributed_rank, rank_dir, run_metadata,
-                                     write_json)
-from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
-                                      GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
-                                      PARAM_UPDATED, SAVED_FAMILIES, StepBatch)
-from trainmon.monitor.saved import SavedVariables
+from trainmon.monitor.hook_group import HookGroup
+from trainmon.monitor.output import agree_on_run_name, distributed_rank, rank_dir, run_metadata, write_json
 from trainmon.monitor.schedule import CollectionSchedule
-from trainmon.monitor.sentinel import NanSentinel, nan_sentinel
-from trainmon.monitor.selection import watched_modules, watched_params
+from trainmon.monitor.selection import watched_params
 from trainmon.monitor.state import HookState, without_torch_function
-from trainmon.monitor.structure import StackRecorder, module_structure
-from trainmon.monitor.tensor_dump import TensorDump
+from trainmon.monitor.structure import module_structure
+from trainmon.watch.spawn import spawn_watch
+from trainmon.writers import filesystem
 from trainmon.writers.api_sink import ApiSink
 from trainmon.writers.async_writer import AsyncWriter
-from trainmon.writers import filesystem
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.shutdown import SigtermDrain
-from trainmon.watch.spawn import spawn_watch
 from trainmon.writers.tensor_dump_sink import TensorDumpSink
 
 logger = logging.getLogger("trainmon")
@@ -61,34 +52,28 @@ class TrainerMon:
 
     Args:
         config_file_path: the JSON config (msprobe monitor keys); validated here, before training.
-        process_group: the group whose rank names the output directory (default: the world).
-        params_have_main_grad: whether grads live in `param.main_grad` (Megatron); detected when None.
+        process_group, params_have_main_grad: msprobe's arguments, accepted at their defaults only (see
+            `_refuse_msprobe_arguments`).
     """
 
     def __init__(self, config_file_path: str, process_group=None, params_have_main_grad: Optional[bool] = None):
+        _refuse_msprobe_arguments(process_group, params_have_main_grad)
         self.config_path = config_file_path
         self.config: MonitorConfig = load_config(config_file_path)
-        self.process_group = process_group
-        self.params_have_main_grad = (params_have_main_grad if params_have_main_grad is not None
-                                      else self.config.params_have_main_grad)
         self.step = 0
-        self.rank, self.world_size = distributed_rank(process_group)
+        self.rank, self.world_size = distributed_rank()
         self.output_dir = None
         self._api = ApiSink()
         self._writer: Optional[AsyncWriter] = None
-        self._hooks: list = []
+        self._hooks: list[HookGroup] = []
         self._schedule: Optional[CollectionSchedule] = None
         self._state: Optional[HookState] = None
-        self._stacks: Optional[StackRecorder] = None
-        self._comm: Optional[CollectiveMonitor] = None
         self._dynamic: Optional[DynamicConfigWatcher] = None
         self._chunks: list[torch.nn.Module] = []
         self._optimizer = None
         self._adapter: Optional[TrainingAdapter] = None
         self._grad_acc_steps = 1
         self._anomalies: Optional[AnomalyProcessor] = None
-        self._sentinel: Optional[NanSentinel] = None
-        self._loss_scale: Optional[LossScaleWatch] = None
         self._dump_sink: Optional[TensorDumpSink] = None
         self._eval_collector: Optional[StepCollector] = None
         self._metadata: dict = {}
@@ -150,7 +135,7 @@ class TrainerMon:
             filesystem.log_choice(self._filesystem, self.output_dir.parent)
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            write_json(self.output_dir / "run.json", self._metadata)
+            write_json(self.output_dir / RUN_JSON, self._metadata)
         except OSError as err:
             # Monitoring never takes training down: the file sinks report their own failure at start.
             logger.error("trainmon: cannot write to the output directory %s (%s); training continues, file "
@@ -161,7 +146,7 @@ class TrainerMon:
         self._state = HookState(self._new_collector(), self._grad_acc_steps, self.config.strict)
         self._writer = self._start_writer()
         if dynamic_enabled():
-            self._dynamic = DynamicConfigWatcher(self.config_path, str(self.output_dir / "dynamic_state.json"))
+            self._dynamic = DynamicConfigWatcher(self.config_path, str(self.output_dir / DYNAMIC_STATE_FILE))
         self._install(self.config)
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
@@ -171,15 +156,15 @@ class TrainerMon:
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
-        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode(cfg) in
+        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode() in
                                                 (PER_MICRO_BATCH, ADAPTER_PER_MICRO_BATCH) else set())
+        stream = self._filesystem.write_path == filesystem.STREAM_PATH
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
-                              per_micro_families=frozenset(per_micro), metadata=self._metadata)
-        stream = self._filesystem.write_path == filesystem.STREAM_PATH
+                              per_micro_families=frozenset(per_micro), metadata=self._metadata, stream=stream)
         self._anomalies = processor_for(cfg, database=not stream)
         self._dump_sink = TensorDumpSink() if cfg.dump is not None else None
-        sinks = SinkContainer([self._api] + build_sinks(cfg.format, stream) +
+        sinks = SinkContainer([self._api] + build_sinks(cfg.format) +
                               ([self._anomalies] if self._anomalies else []) +
                               ([self._dump_sink] if self._dump_sink else []))
         sinks.start(context)
@@ -189,7 +174,7 @@ class TrainerMon:
         return writer
 
     def _install(self, config: MonitorConfig) -> None:
-        """Registers the hooks that `config` asks for; `_remove` undoes exactly this."""
+        """Builds and installs the hook groups `config` asks for (trainmon.hook_table); `_remove` undoes it."""
         state = self._state
         writes = self._writes_records(config)
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
@@ -198,73 +183,18 @@ class TrainerMon:
                                             rank_enabled=writes or self._merges_across_ranks(params))
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
-        if config.sentinel:
-            self._sentinel = nan_sentinel(state, self._chunks, config.squash_name, self._adapter.rename)
-            if config.alert.dump and self._anomalies is not None:
-                self._sentinel.enable_dump(self._anomalies.add_dump, self.rank)
-            self._hooks.append(self._sentinel)
-        elif config.alert.dump:
-            logger.warning("trainmon: alert.dump saves tensors found by the NaN sentinel; add \"sentinel\": true "
-                           "to the config to get dumps")
-        if config.alert.action != "warn" and not (config.sentinel or config.xy_distribution or config.wg_distribution):
-            logger.warning("trainmon: alert.action %r acts on NaN/Inf seen before optimizer.step(), but neither the "
-                           "sentinel nor activation/weight-grad statistics are on; add \"sentinel\": true",
-                           config.alert.action)
-        if config.alert.action != "warn" and self._anomalies is not None:
-            self._hooks.append(StepGate(
-                config.alert.action, self._adapter.step_owner(), step_of=lambda: self.step, end_step=self._end_step,
-                evidence=lambda: [state.collector.any_nonfinite(), self._sentinel and self._sentinel.any_nonfinite()],
-                drain=self._writer.drain, processor=self._anomalies))
+        warn_about(config)
         self._eval_collector = state.eval_collector = None  # armed when a step has been applied (_end_step)
         if config.eval_xy_distribution and config.xy_distribution and writes:
             self._eval_collector = self._new_collector()
-        if config.xy_distribution and writes:  # activations are never merged across ranks
-            modules = watched_modules(self._chunks, config)
-            for watched in modules:
-                watched.name = self._adapter.rename(watched.vpp_stage, watched.name)
-            self._hooks.append(ActivationHooks(state, modules, forward=not config.backward_only,
-                                               backward=not config.forward_only))
-            if config.stack_info:
-                self._stacks = StackRecorder(state, modules, self.output_dir / "stack_info.json")
-                self._hooks.append(self._stacks)
-        before_update = []
-        if config.wg_distribution:
-            mode = self._unreduced_mode(config)
-            if mode in (ADAPTER, ADAPTER_PER_MICRO_BATCH):
-                self._hooks.append(AdapterGradCapture(state, self._adapter, params,
-                                                      per_micro_batch=mode == ADAPTER_PER_MICRO_BATCH))
-            elif mode == NOT_RECORDED:
-                logger.warning("trainmon: grad_unreduced is not recorded with the %s adapter", self._adapter.name)
-            else:
-                grad_hooks = GradHooks(state, params, mode)
-                before_update.append(grad_hooks.at_update)
-                self._hooks.append(grad_hooks)
-        self._hooks.append(OptimizerHooks(
-            state, self._adapter, params, reduced_grads=config.wg_distribution,
-            params_before_after=config.param_distribution, moments=config.mv_distribution,
-            update_ratio=config.ur_distribution, sign_agreement=config.mg_direction, end_step=self._end_step,
-            before_update=before_update))
-        self._hooks.append(ForwardPasses(state, self._chunks))
-        self._loss_scale = LossScaleWatch(self.log_scalar, state.guarded, self._optimizer)
-        self._hooks.append(self._loss_scale)
-        dump = None
-        if config.dump is not None and self._dump_sink is not None:
-            dump = TensorDump(config.dump, self._dump_modules(config.dump.modules), self._chunks, self.rank,
-                              lambda: self.step, self._dump_sink.add, state.guarded)
-            self._hooks.append(dump)
-        if writes:  # trainmon.save / save_grad reach this monitor through the process's active hook group
-            self._hooks.append(SavedVariables(state, self._sentinel, dump))
-        cc = config.cc_distribution
-        if cc.enable and writes and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._comm = CollectiveMonitor(state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only,
-                                           self.output_dir / "cc_log.json")
-            self._hooks.append(self._comm)
-        elif cc.enable:
-            logger.warning("trainmon: cc_distribution is on but torch.distributed is not initialised: "
-                           "no collectives to record")
+        self._hooks = build_groups(SetUp(
+            config=config, state=state, chunks=self._chunks, optimizer=self._optimizer, adapter=self._adapter,
+            params=params, rank=self.rank, output_dir=self.output_dir, writes=writes, anomalies=self._anomalies,
+            dump_sink=self._dump_sink, drain=self._writer.drain, step_of=lambda: self.step,
+            end_step=self._end_step, log_scalar=self.log_scalar))
         self._install_each()
         if config.print_struct:
-            write_json(self.output_dir / "module_struct.json", module_structure(self._chunks))
+            write_json(self.output_dir / MODULE_STRUCT_FILE, module_structure(self._chunks))
         state.start_step(self.step, self._schedule.wants(self.step))
 
     def _install_each(self) -> None:
@@ -276,11 +206,10 @@ class TrainerMon:
             try:
                 hooks.install()
             except Exception as err:
-                if self.config.strict or isinstance(hooks, (OptimizerHooks, ForwardPasses)):
+                if self.config.strict or hooks.required:
                     raise
                 logger.error("trainmon: %s could not be installed (%s: %s) and is not collected; training "
-                             "continues", _WHAT_HOOKS_COLLECT.get(type(hooks), type(hooks).__name__),
-                             type(err).__name__, err)
+                             "continues", hooks.collects, type(err).__name__, err)
                 try:
                     hooks.remove()
                 except Exception:
@@ -294,16 +223,6 @@ class TrainerMon:
         config = self.config
         return StepCollector(config.eps, record_fields(config), self.rank, self._adapter.pp_stage(),
                              batch_bytes=config.stats_batch_mb << 20)
-
-    def _dump_modules(self, chosen) -> list:
-        """(name, module) of the modules `dump.modules` chooses: "all", or names with what is inside them."""
-        out = []
-        for vpp, chunk in enumerate(self._chunks):
-            for name, module in in_graph.named_modules(chunk):
-                name = self._adapter.rename(vpp, name)
-                if chosen == "all" or any(name == m or name.startswith(m + ".") for m in chosen):
-                    out.append((name, module))
-        return out
 
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
@@ -319,19 +238,15 @@ class TrainerMon:
                        self._adapter.name)
         return True
 
-    def _unreduced_mode(self, config: MonitorConfig) -> str:
+    def _unreduced_mode(self) -> str:
+        """How unreduced grads are captured (the hook table's `SetUp.unreduced_mode`, needed before it)."""
         capture = self._adapter.unreduced_capture
-        # An adapter that captures every backward pass already gives what monitor_mbs_grad asks for.
-        return PER_MICRO_BATCH if config.monitor_mbs_grad and capture != ADAPTER_PER_MICRO_BATCH else capture
+        return PER_MICRO_BATCH if self.config.monitor_mbs_grad and capture != ADAPTER_PER_MICRO_BATCH else capture
 
     def _remove(self) -> None:
         for hooks in self._hooks:
             hooks.remove()
-        self._hooks.clear()
-        self._stacks = None
-        self._sentinel = None
-        self._loss_scale = None
-        self._comm = None
+        self._hooks = []
 
     # ------------------------------------------------------------------------------ step cycle
     @without_torch_function
@@ -341,10 +256,8 @@ class TrainerMon:
         collected = state.collecting
         if collected:
             self._schedule.mark_collected()
-        if self._loss_scale is not None:
-            self._loss_scale.step_finished()
-        if self._sentinel is not None:
-            self._sentinel.close_step()
+        for hooks in self._hooks:
+            hooks.step_finished(collected)
         self._ship_evaluation()
         if not state.collector.empty:
             batch = state.collector.finish_step()
@@ -354,10 +267,6 @@ class TrainerMon:
             # Evaluation forwards from now on see the weights this step produced: they carry its number.
             self._eval_collector.step = self.step
             state.eval_collector = self._eval_collector
-        if self._stacks is not None:
-            self._stacks.step_finished(collected)
-        if self._comm is not None:
-            self._comm.step_finished(collected)
         self.step += 1
         if self._dynamic is not None:
             new_config = self._dynamic.poll(self.step)
@@ -421,9 +330,8 @@ class TrainerMon:
     # ---------------------------------------------------------------------------------- teardown
     def stop(self) -> None:
         """Removes every hook and writes every queued step. Safe to call twice."""
-        if self._sentinel is not None and self._sentinel.pending:
-            # An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes.
-            self._sentinel.close_step()
+        for hooks in self._hooks:
+            hooks.finish()
         self._remove()
         if self._config_capture is not None:
             self._config_capture.close()  # a job with fewer micro-steps than `batches` still gets its pack
@@ -449,12 +357,12 @@ class TrainerMon:
         if report["dropped_steps"] or report["failed_steps"] or lost:
             logger.warning("trainmon: output is incomplete: %s steps dropped (queue full), %s failed, steps lost "
                            "per disabled sink %s; details in %s", report["dropped_steps"], report["failed_steps"],
-                           lost, self.output_dir / "run.json")
+                           lost, self.output_dir / RUN_JSON)
         try:
-            write_json(self.output_dir / "run.json", {**self._metadata, "writer": report,
+            write_json(self.output_dir / RUN_JSON, {**self._metadata, "writer": report,
                                                       "records_dropped_in_place": dropped_in_place})
         except OSError as err:
-            logger.error("trainmon: cannot write %s (%s); writer report: %s", self.output_dir / "run.json", err,
+            logger.error("trainmon: cannot write %s (%s); writer report: %s", self.output_dir / RUN_JSON, err,
                          report)
 
     def _close_at_exit(self) -> None:
@@ -470,16 +378,16 @@ class TrainerMon:
         self.stop()
 
 
-_WHAT_HOOKS_COLLECT = {
-    ActivationHooks: "activations (actv, actv_grad)",
-    GradHooks: "unreduced weight grads (grad_unreduced)",
-    AdapterGradCapture: "unreduced weight grads (grad_unreduced)",
-    NanSentinel: "the NaN sentinel",
-    CollectiveMonitor: "collectives (comm)",
-    StackRecorder: "call stacks (stack_info)",
-    StepGate: "the alert action",
-    SavedVariables: "saved variables (save, save_grad)",
-}
+def _refuse_msprobe_arguments(process_group, params_have_main_grad) -> None:
+    """msprobe's TrainerMon takes these; trainmon needs neither, and a value it would ignore is an error."""
+    if process_group is not None:
+        raise ValueError("TrainerMon(process_group=...) is not used: every rank writes rank_<global rank>/ and "
+                         "sharded tensors merge over the groups the framework's adapter reads; choose the ranks "
+                         "that write with the config's module_ranks, and drop the argument")
+    if params_have_main_grad is not None:
+        raise ValueError("TrainerMon(params_have_main_grad=...) is not used: grads are read where the framework "
+                         "keeps them (Megatron's main_grad, DeepSpeed's partitions, param.grad elsewhere), as its "
+                         "adapter finds them; drop the argument")
 
 
 def _start_config_capture(config: MonitorConfig, chunks: list, run_dir):

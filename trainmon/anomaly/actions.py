@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.core.events import AnomalyEvent
 from trainmon.anomaly.processor import AnomalyProcessor
 from trainmon.monitor.patching import patch_attribute
@@ -32,7 +33,7 @@ class AnomalyStopError(RuntimeError):
                          f"directory for the full chain.")
 
 
-class StepGate:
+class StepGate(Hooks):
     """Wraps `optimizer.step` on the optimizer instance; `remove()` restores it.
 
     Args:
@@ -45,6 +46,8 @@ class StepGate:
         drain: waits until the writer has written every queued step.
         processor: the anomaly processor, which names the first anomaly of a written step.
     """
+
+    collects = "the alert action"
 
     def __init__(self, action: str, optimizer, evidence: Callable[[], list], step_of: Callable[[], int],
                  end_step: Callable[[], None], drain: Callable[[], None], processor: AnomalyProcessor):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from trainmon.commands.arguments import add_ranks, positive_int
+from trainmon.core.defaults import WATCH
 
 
 def positive_seconds(text: str) -> float:
@@ -38,8 +39,8 @@ def register(subparsers) -> None:
                                                             "(every run under it)")
     parser.add_argument("--logdir", metavar="DIR", type=Path,
                         help="output directory (default: <run>/watch/, or <root>/watch/<run>/ for a root)")
-    parser.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
-                        help="seconds between rounds (default 5)")
+    parser.add_argument("--interval", type=positive_seconds, default=WATCH.interval, metavar="S",
+                        help=f"seconds between rounds (default {WATCH.interval:g})")
     parser.add_argument("--once", action="store_true", help="export what is there and exit (a finished run)")
     add_ranks(parser, help="also write every figure of these ranks as their own series (rank<R>/...; --rank 3, "
                            "or --ranks 3 5)")
@@ -48,14 +49,15 @@ def register(subparsers) -> None:
                              "expressions, e.g. 'layers\\.3\\.' (detail/...; default: one chart per layer)")
     parser.add_argument("--on-anomaly", metavar="CMD", help="shell command run with each alert as JSON on stdin")
     parser.add_argument("--exit-on-anomaly", action="store_true", help="exit (status 3) after the first alert")
-    parser.add_argument("--stall-after", type=positive_seconds, default=300.0, metavar="S",
-                        help="report a rank that commits no step for S seconds as stalled (default 300)")
+    parser.add_argument("--stall-after", type=positive_seconds, default=WATCH.stall_after, metavar="S",
+                        help=f"report a rank that commits no step for S seconds as stalled (default {WATCH.stall_after:g})")
     parser.add_argument("--heatmap-every", type=positive_int, metavar="N",
-                        help="redraw the heatmaps every N steps, and at exit (default: 50; with --once, "
+                        help=f"redraw the heatmaps every N steps, and at exit (default: {WATCH.heatmap_every}; with --once, "
                              "only at exit)")
-    parser.add_argument("--op", default="norm", help="the op the module heatmaps show (default norm)")
-    parser.add_argument("--window", type=positive_int, default=200, metavar="N", help="steps the heatmaps show")
-    parser.add_argument("--source", choices=("auto", "db", "csv"), default="auto",
+    parser.add_argument("--op", default=WATCH.op, help=f"the op the module heatmaps show (default {WATCH.op})")
+    parser.add_argument("--window", type=positive_int, default=WATCH.window, metavar="N",
+                        help=f"steps the heatmaps show (default {WATCH.window})")
+    parser.add_argument("--source", choices=("auto", "db", "csv"), default=WATCH.source,
                         help="read monitor.db or the CSV files (default: the database when present)")
     parser.add_argument("--until-done", action="store_true", help="exit once every rank has finished")
     parser.add_argument("--follow-pid", type=positive_int, metavar="PID",

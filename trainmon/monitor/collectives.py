@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.collective_bindings import COALESCING_MANAGER, repoint, restore
 from trainmon.core.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
                                              compact_ranks, p2p_name, tensor_names)
@@ -69,7 +70,7 @@ def _suspended() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-class CollectiveMonitor:
+class CollectiveMonitor(Hooks):
     """Installs the wrappers; one per TrainerMon.
 
     Args:
@@ -80,6 +81,8 @@ class CollectiveMonitor:
             collected step, then stop watching (`cc_log_only`).
         log_path: where the `log_only` list goes.
     """
+
+    collects = "collectives (comm)"
 
     def __init__(self, state: HookState, pre_hook: bool, codelines, log_only: bool, log_path: Path):
         self.state = state

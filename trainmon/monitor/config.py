@@ -30,18 +30,18 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
+from trainmon.core.defaults import WATCH, WRITER_POLICIES, WRITER_POLICY, WRITER_QUEUE_SIZE
 from trainmon.monitor.config_keys import (
-    ACCEPTED_ONLY, ALERT_ACTIONS, AVAILABLE_FORMATS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
-    OUTPUT_FILESYSTEMS, SAT_DTYPES, STAT_OPS,
-    WRITER_POLICIES,
+    ACCEPTED_ONLY, ALERT_ACTIONS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
+    OUTPUT_FILESYSTEMS, REMOVED, SAT_DTYPES, STAT_OPS,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
-    check_formats, check_int, check_list, check_number, check_opt_bool, check_optional, check_regex, check_rule_args,
+    check_formats, check_int, check_list, check_number, check_optional, check_regex, check_rule_args,
     check_str, check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
 )
 
 __all__ = [
-    "AVAILABLE_FORMATS", "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError",
+    "NOT_HONOURED", "AlertConfig", "CCConfig", "ConfigCheckConfig", "ConfigError",
     "ConfigNotHonouredWarning", "MonitorConfig", "RuleConfig", "TargetSpec", "WatchConfig", "load_config",
     "parse_target_spec",
 ]
@@ -144,13 +144,13 @@ class WatchConfig:
     _PATH: ClassVar[str] = "watch"
     enable: bool = _field(check_bool, default=False)
     """Spawn the daemon."""
-    interval: float = _field(check_number(0.01), default=5.0)
+    interval: float = _field(check_number(0.01), default=WATCH.interval)
     """Seconds between the daemon's rounds."""
     logdir: str = _field(check_str, default="")
     """Its output directory; empty: `<run>/watch/`."""
-    stall_after: float = _field(check_number(0.01), default=300.0)
+    stall_after: float = _field(check_number(0.01), default=WATCH.stall_after)
     """Seconds without a committed step after which a rank is reported as stalled."""
-    heatmap_every: int = _field(check_int(1), default=50)
+    heatmap_every: int = _field(check_int(1), default=WATCH.heatmap_every)
     """Redraw the heatmaps every this many steps."""
     ranks: list[int] = _field(check_list(check_int(0), "rank numbers"), factory=list)
     """Ranks whose every figure is also written as its own series."""
@@ -311,7 +311,7 @@ class MonitorConfig:
     stack_info: bool = _field(check_bool, default=False)
     """Save each module's call stack once, at the first recorded step."""
     format: list[str] = _field(check_formats, factory=lambda: ["csv"])
-    """Output sinks; one string or a list. Available now: AVAILABLE_FORMATS."""
+    """Output sinks; one string or a list: the names of the sink table (`trainmon.core.sinks`)."""
     squash_name: bool = _field(check_bool, default=False)
     """Shorten module and parameter names (msprobe's squash_param_name)."""
     alert: AlertConfig = _field(_section(AlertConfig), factory=AlertConfig)
@@ -329,13 +329,10 @@ class MonitorConfig:
     """trainmon extension (msprobe has no such key); its behaviour is the monitor's, see the README."""
     strict: bool = _field(check_bool, default=False)
     """trainmon: re-raise exceptions inside hooks and writers instead of logging them (for tests)."""
-    params_have_main_grad: bool | None = _field(check_opt_bool, default=None)
-    """trainmon: read `param.main_grad` (Megatron) instead of `param.grad`; None detects it from the
-    model. (msprobe takes this as a TrainerMon argument, default True.)"""
-    writer_policy: str = _field(check_choice(WRITER_POLICIES), default="block")
+    writer_policy: str = _field(check_choice(WRITER_POLICIES), default=WRITER_POLICY)
     """trainmon: when the writer's queue of steps is full, "block" makes the training thread wait (the
     wait is recorded) and "drop" skips the step's output (counted); both are reported in run.json."""
-    writer_queue_size: int = _field(check_int(1, 100_000), default=64)
+    writer_queue_size: int = _field(check_int(1, 100_000), default=WRITER_QUEUE_SIZE)
     """trainmon: step batches the writer queues before `writer_policy` applies."""
     output_filesystem: str = _field(check_choice(OUTPUT_FILESYSTEMS), default="auto")
     """trainmon: how the `db` format writes: "auto" from the filesystem of the output directory, "local"
@@ -389,6 +386,8 @@ def _build(cls: type, raw: Any) -> Any:
             inert, check = ACCEPTED_ONLY[full]
             if check(value, key) != inert and full in NOT_HONOURED:
                 warn_not_honoured(full)
+        elif full in REMOVED:
+            raise ConfigError(f"is no longer a key: {REMOVED[full]}", key=str(key))
         else:
             raise ConfigError("is not a known key", key=str(key), allowed=known, closest=closest(key, known))
     for f in fields(cls):

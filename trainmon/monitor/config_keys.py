@@ -17,14 +17,9 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from trainmon.core import sinks
 from trainmon.core.schema import OPS
 
-# Output formats that this version can write. Add a format here (and nowhere else) once its sink exists.
-AVAILABLE_FORMATS: tuple[str, ...] = ("csv", "api", "tensorboard", "db")
-# Formats the design names but that are not built yet: they get "not yet available", not "unknown".
-PLANNED_FORMATS: tuple[str, ...] = ()
-# What the writer thread does when its queue of step batches is full (config key `writer_policy`).
-WRITER_POLICIES: tuple[str, ...] = ("block", "drop")
 # How the `db` format writes (config key `output_filesystem`): from the output's filesystem, or forced.
 OUTPUT_FILESYSTEMS: tuple[str, ...] = ("auto", "local", "network")
 
@@ -156,10 +151,6 @@ def check_bool(value: Any, key: str) -> bool:
         return value
     guess = str(value).strip().lower() in ("1", "true", "yes", "on")
     raise ConfigError("must be a JSON boolean", key=key, value=value, allowed="true, false", closest=guess)
-
-
-def check_opt_bool(value: Any, key: str) -> bool | None:
-    return None if value is None else check_bool(value, key)
 
 
 def _as_number(value: Any) -> float | None:
@@ -328,22 +319,20 @@ def check_targets(value: Any, key: str) -> dict[str, dict[str, str]]:
 
 
 def check_formats(value: Any, key: str) -> list[str]:
+    """The formats of the sink table (`trainmon.core.sinks`: built-in and registered), each once."""
+    known = sinks.formats()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items:
         raise ConfigError("must be a format name or a non-empty list of them", key=key, value=value,
-                          allowed=AVAILABLE_FORMATS, closest=[AVAILABLE_FORMATS[0]])
+                          allowed=known, closest=[known[0]])
     formats: list[str] = []
     for i, fmt in enumerate(items):
         k = key if isinstance(value, str) else f"{key}[{i}]"
-        if fmt in AVAILABLE_FORMATS:  # checked first: making a format available touches only that tuple
-            if fmt not in formats:
-                formats.append(fmt)
-        elif fmt in PLANNED_FORMATS:
-            raise ConfigError(f"output format {fmt!r} is not yet available in this version", key=k, value=fmt,
-                              allowed=AVAILABLE_FORMATS, closest=AVAILABLE_FORMATS[0])
-        else:
-            raise ConfigError("is not a known output format", key=k, value=fmt, allowed=AVAILABLE_FORMATS,
-                              closest=closest(fmt, AVAILABLE_FORMATS, fallback=AVAILABLE_FORMATS[0]))
+        if fmt not in known:
+            raise ConfigError("is not a known output format (trainmon.register_sink adds one)", key=k, value=fmt,
+                              allowed=known, closest=closest(fmt, known, fallback=known[0]))
+        if fmt not in formats:
+            formats.append(fmt)
     return formats
 
 
@@ -395,6 +384,12 @@ def _check_l2_targets(value: Any, key: str) -> dict:
 
 
 # msprobe keys that have no MonitorConfig field: dotted key -> (inert value, checker). They are
+# Keys earlier versions took, with why they are gone: a config that has one gets an error saying so.
+REMOVED: dict[str, str] = {
+    "params_have_main_grad": "grads are read where the framework keeps them (Megatron's main_grad, DeepSpeed's "
+                             "partitions, param.grad elsewhere), as the adapter finds them; delete the key",
+}
+
 # validated as msprobe validates them, then dropped; a non-inert value warns (NOT_HONOURED).
 ACCEPTED_ONLY: dict[str, tuple[Any, Check]] = {
     "recording_l2_features": (False, check_bool),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor import in_graph
 from trainmon.monitor.state import HookState
 
@@ -23,8 +24,11 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ForwardPasses:
+class ForwardPasses(Hooks):
     """Classifies and counts the forward passes of every model chunk in `state`."""
+
+    collects = "forward passes"
+    required = True
 
     def __init__(self, state: HookState, chunks: list[torch.nn.Module]):
         self.state = state

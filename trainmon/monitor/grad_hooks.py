@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.adapters.base import PER_MICRO_BATCH, WatchedParam
 from trainmon.core.records import GRAD_UNREDUCED
 from trainmon.monitor.shard_merge import record_pieces
@@ -46,7 +47,9 @@ class BackwardPasses:
         self.state.backward_micro += 1
 
 
-class GradHooks:
+class GradHooks(Hooks):
+
+    collects = "unreduced weight grads (grad_unreduced)"
     def __init__(self, state: HookState, params: list[WatchedParam], mode: str):
         self.state = state
         self.params = params
@@ -117,9 +120,11 @@ class GradHooks:
         record_pieces(self.state, GRAD_UNREDUCED, watched, grads, micro=micro)
 
 
-class AdapterGradCapture:
+class AdapterGradCapture(Hooks):
     """Unreduced grads from the adapter's own capture point (a DDP communication hook, a grad-buffer sync,
     FSDP2's unsharded parameters); with `per_micro_batch` each record is the running backward pass's."""
+
+    collects = "unreduced weight grads (grad_unreduced)"
 
     def __init__(self, state: HookState, adapter, params: list[WatchedParam], per_micro_batch: bool = False):
         self.state = state

@@ -17,17 +17,20 @@ from typing import Callable, Optional
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.patching import patch_attribute
 
 LOSS_SCALE, SKIPPED, UPDATES = "loss_scale", "amp_skipped_steps", "amp_updates"
 
 
-class LossScaleWatch:
+class LossScaleWatch(Hooks):
     """Records loss-scale scalars through `log_scalar(name, value)`; `install`/`remove` like other hooks.
 
     `guard(item, fn)` is HookState.guarded: a scaler of an unexpected shape turns these scalars off, once,
     and never training.
     """
+
+    collects = "loss scale"
 
     def __init__(self, log_scalar: Callable[[str, object], None], guard: Callable[[str, Callable], Callable],
                  optimizer=None):
@@ -69,7 +72,7 @@ class LossScaleWatch:
         self._log(SKIPPED, self._skipped)
         self._log(UPDATES, float(self._updates))
 
-    def step_finished(self) -> None:
+    def step_finished(self, collected: bool) -> None:
         """Reads a framework's loss scaler at the end of a monitor step (DeepSpeed, Megatron), if any."""
         if self._optimizer is not None:
             self._read_framework()

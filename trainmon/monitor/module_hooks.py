@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
@@ -101,8 +102,10 @@ def _root(leaf):
     return getattr(leaf, "_trainmon_root", leaf)
 
 
-class ActivationHooks:
+class ActivationHooks(Hooks):
     """Registers forward hooks (and, for activation grads, forward pre-hooks) on the watched modules."""
+
+    collects = "activations (actv, actv_grad)"
 
     def __init__(self, state: HookState, modules: list[WatchedModule], forward: bool, backward: bool):
         self.state = state

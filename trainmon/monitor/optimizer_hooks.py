@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.adapters.base import AdamPiece, TrainingAdapter, WatchedParam
 from trainmon.core.records import (ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
                                       MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED)
@@ -38,7 +39,10 @@ logger = logging.getLogger("trainmon")
 GRAD_NORM_PRECLIP, GRAD_CLIP_COEF = "grad_norm_preclip", "grad_clip_coef"
 
 
-class OptimizerHooks:
+class OptimizerHooks(Hooks):
+
+    collects = "the optimizer step"
+    required = True
     def __init__(self, state: HookState, adapter: TrainingAdapter, params: list[WatchedParam],
                  *, reduced_grads: bool, params_before_after: bool, moments: bool, update_ratio: bool,
                  sign_agreement: bool, end_step: Callable[[], None], before_update: Sequence[Callable] = ()):

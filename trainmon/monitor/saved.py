@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
 from trainmon.core.records import SAVE, SAVE_GRAD, RecordKey
@@ -54,7 +55,7 @@ def save_grad(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class SavedVariables:
+class SavedVariables(Hooks):
     """The monitor's end of `save`/`save_grad`: a hook group whose `install` makes it the process's active one.
 
     Args:
@@ -62,6 +63,8 @@ class SavedVariables:
         sentinel: the NaN sentinel, which probes saved variables too, or None.
         dump: the `dump` block's TensorDump, which dumps them on its steps, or None.
     """
+
+    collects = "saved variables (save, save_grad)"
 
     def __init__(self, state: HookState, sentinel=None, dump=None):
         self.state = state

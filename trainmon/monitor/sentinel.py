@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.dump_capture import DumpRequest, capture
 from trainmon.core.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.monitor import in_graph
@@ -111,8 +112,8 @@ class _GradConsumer:
         self.name, self.vpp_stage, self.micro = name, vpp_stage, micro
 
 
-class NanSentinel:
-    """Installs the sentinel's hooks; `close_step()` adds the step's probes to the collector.
+class NanSentinel(Hooks):
+    """Installs the sentinel's hooks; `step_finished()` adds the step's probes to the collector.
 
     Only training forwards are probed (see `forward_passes`). Forward: the model's floating inputs, before
     any module runs (a NaN that came with the batch is first there), and every module's floating outputs
@@ -129,6 +130,8 @@ class NanSentinel:
         params: (name, parameter, vpp_stage) of every trainable parameter; its grad is read from
             `param.main_grad` when that exists (Megatron), else `param.grad`.
     """
+
+    collects = "the NaN sentinel"
 
     def __init__(self, state: HookState, modules: list[tuple], params: list[tuple]):
         self.state = state
@@ -283,7 +286,7 @@ class NanSentinel:
             self._probe_weights(GRAD_UNREDUCED, grads, vpp, in_pass[vpp])
 
     # ----------------------------------------------------------------------------- step cycle
-    def close_step(self) -> None:
+    def step_finished(self, collected: bool) -> None:
         """Probes the updated weights and hands the step's probes to the collector (training thread)."""
         for vpp, params in self._params_of.items():
             self._probe_weights(PARAM_UPDATED, params, vpp, None)
@@ -297,8 +300,13 @@ class NanSentinel:
 
     @property
     def pending(self) -> bool:
-        """Whether probes of the running step are waiting for `close_step`."""
+        """Whether probes of the running step are waiting for `step_finished`."""
         return bool(self.probes.keys)
+
+    def finish(self) -> None:
+        """An unfinished step (a loop that stopped on a NaN loss before optimizer.step) keeps its probes."""
+        if self.pending:
+            self.step_finished(collected=True)
 
     def any_nonfinite(self) -> Optional[torch.Tensor]:
         """Device bool: whether a probe of this step so far is non-finite (None when none was taken)."""

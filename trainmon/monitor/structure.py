@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor import in_graph
 from trainmon.monitor.output import write_json
 
@@ -22,8 +23,10 @@ def module_structure(chunks: list[torch.nn.Module]) -> dict:
     return tree
 
 
-class StackRecorder:
+class StackRecorder(Hooks):
     """Records where each watched module is called from, during the first collected step only."""
+
+    collects = "call stacks (stack_info)"
 
     def __init__(self, state, modules, path: Path):
         self.state = state

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.dump_capture import host_copy
 from trainmon.monitor import in_graph
 from trainmon.monitor.accelerator import copy_done_event
@@ -91,7 +92,7 @@ def _floating(value, prefix: str):
         yield from ([(prefix, leaves[0][1])] if len(leaves) == 1 and len(value) == 1 else leaves)
 
 
-class TensorDump:
+class TensorDump(Hooks):
     """Hooks that capture module tensors at the configured steps; `install`/`remove` like other hook groups.
 
     Args:
@@ -104,6 +105,8 @@ class TensorDump:
         guard: `(item, hook) -> hook` that turns an exception in a hook into "this item is off"
             (HookState.guarded): monitoring never takes training down.
     """
+
+    collects = "tensor dumps (dump)"
 
     def __init__(self, config, modules: list, roots: list, rank: int, step_of: Callable[[], int],
                  deliver: Callable[[StepCapture], None], guard: Callable[[str, Callable], Callable]):

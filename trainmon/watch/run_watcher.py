@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from trainmon.core.defaults import WATCH
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
 from trainmon.read.parallel import PARALLEL_FROM
@@ -95,22 +96,22 @@ class WatchOptions:
     """The daemon's settings (the `trainmon watch` flags)."""
 
     logdir: Optional[Path] = None
-    interval: float = 5.0
+    interval: float = WATCH.interval
     once: bool = False
     ranks: frozenset = frozenset()
     on_anomaly: Optional[str] = None
     exit_on_anomaly: bool = False
-    stall_after: float = 300.0
-    heatmap_every: Optional[int] = None  # None: every 50 steps live; with `once`, only at exit
-    op: str = "norm"
-    window: int = 200
-    source: str = "auto"
+    stall_after: float = WATCH.stall_after
+    heatmap_every: Optional[int] = None  # None: every WATCH.heatmap_every steps live; with `once`, only at exit
+    op: str = WATCH.op
+    window: int = WATCH.window
+    source: str = WATCH.source
     detail: tuple = ()  # regexes of the tensors that get charts of their own
 
     def redraws_at(self, step: int) -> bool:
         """Whether the heatmaps are redrawn after exporting `step` (besides the drawing at exit). A finished
         run (`once`) is drawn once: matplotlib takes seconds a drawing, more than the export of 50 steps."""
-        every = self.heatmap_every or (None if self.once else 50)
+        every = self.heatmap_every or (None if self.once else WATCH.heatmap_every)
         return every is not None and (step + 1) % every == 0
 
 

@@ -9,13 +9,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from trainmon.core.defaults import WRITER_POLICIES, WRITER_POLICY, WRITER_QUEUE_SIZE
 from trainmon.core.records import StepBatch
 from trainmon.writers.base import Sink
 
 logger = logging.getLogger("trainmon")
 
 _STOP = object()  # private sentinel that ends the worker
-POLICIES = ("block", "drop")
 
 
 class AsyncWriter:
@@ -34,9 +34,9 @@ class AsyncWriter:
         policy: "block" or "drop".
     """
 
-    def __init__(self, sink: Sink, derive: Callable[[np.ndarray], list], max_queue: int = 64,
-                 policy: str = "block"):
-        if policy not in POLICIES:
+    def __init__(self, sink: Sink, derive: Callable[[np.ndarray], list], max_queue: int = WRITER_QUEUE_SIZE,
+                 policy: str = WRITER_POLICY):
+        if policy not in WRITER_POLICIES:
             raise ValueError(f"writer policy must be 'block' or 'drop', got {policy!r}")
         if max_queue < 1:
             raise ValueError(f"writer queue size must be >= 1, got {max_queue!r}")

@@ -22,6 +22,7 @@ class SinkContext:
     step_count_per_record: int
     per_micro_families: frozenset  # families whose records carry a micro_step column
     metadata: dict = field(default_factory=dict)
+    stream: bool = False  # the output is on a network filesystem: the db format writes its record stream
 
 
 class Sink:

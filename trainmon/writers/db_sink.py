@@ -121,14 +121,13 @@ class DbSink(Sink):
 
     name = "db"
 
-    def __init__(self, stream: bool = False):
-        self.stream = stream
+    def __init__(self):
         self._db = None  # a MonitorDb or a RecordStream
         self._computed: Optional[np.ndarray] = None
 
     def start(self, context: SinkContext) -> None:
         context.rank_dir.mkdir(parents=True, exist_ok=True)
-        if self.stream:
+        if context.stream:
             self._db = RecordStream(context.rank_dir / STREAM_NAME)
         else:
             path = context.rank_dir / DB_NAME

@@ -1,26 +1,25 @@
-"""Builds the sinks named by the config's `format`."""
+"""Builds the sinks named by the config's `format` from the sink table (trainmon.core.sinks)."""
 from __future__ import annotations
 
+import importlib
 from typing import Sequence
 
+from trainmon.core import sinks as table
 from trainmon.writers.base import Sink
 
 
-def build_sinks(formats: Sequence[str], stream: bool = False) -> list[Sink]:
-    """`stream`: the `db` format writes the record stream (the output is on a network filesystem)."""
-    sinks: list[Sink] = []
-    for fmt in formats:
-        if fmt == "csv":
-            from trainmon.writers.csv_sink import CsvSink
-            sinks.append(CsvSink())
-        elif fmt == "tensorboard":
-            from trainmon.writers.tensorboard_sink import TensorBoardSink
-            sinks.append(TensorBoardSink())
-        elif fmt == "db":
-            from trainmon.writers.db_sink import DbSink
-            sinks.append(DbSink(stream))
-        elif fmt == "api":
-            pass  # the in-memory api sink is always present
-        else:
-            raise ValueError(f"format {fmt!r} has no sink")
-    return sinks
+def build_sinks(formats: Sequence[str]) -> list[Sink]:
+    """One sink per format; `api` is left out: the monitor always holds its own."""
+    out: list[Sink] = []
+    for name in formats:
+        if name == table.API:
+            continue
+        try:
+            make = table.factory(name)
+        except KeyError:
+            raise ValueError(f"format {name!r} has no sink; known: {', '.join(table.formats())}") from None
+        if isinstance(make, str):
+            module, _, attr = make.partition(":")
+            make = getattr(importlib.import_module(module), attr)
+        out.append(make())
+    return out

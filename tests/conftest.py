@@ -32,7 +32,9 @@ _SLOW = ("distributed", "loops")  # real multi-process jobs and third-party trai
 
 
 def pytest_collection_modifyitems(items):
-    """Marks the tests of tests/distributed and tests/loops `slow`: `pytest -m "not slow"` is the fast set."""
+    """Marks the tests of tests/distributed and tests/loops `slow` (`pytest -m "not slow"` is the fast set) and
+    runs them after the fast ones, so that a plain `pytest` reports on everything else first."""
     for item in items:
         if Path(str(item.fspath)).parent.name in _SLOW:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order otherwise

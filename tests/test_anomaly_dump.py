@@ -1,13 +1,15 @@
 """alert.dump: the first anomalous module's inputs and output are saved (safetensors + JSON), size-capped."""
 import json
 
+import pytest
 import torch
-from safetensors.torch import load_file
 
 from test_anomaly_online import SENTINEL_ONLY, Clock, forward_inf
 from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.monitor.dump_capture import DumpRequest, capture
+
+load_file = pytest.importorskip("safetensors.torch").load_file  # the `dump` extra
 
 
 def test_first_anomalous_module_is_dumped_once(output_dir, write_config):

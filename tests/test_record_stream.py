@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 
 import stream_child
@@ -22,6 +21,8 @@ from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import RankDir
 from trainmon.writers import stream_format
 from trainmon.writers.record_stream import RecordStream
+
+pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with (the `db` extra)
 
 CHILD = str(Path(__file__).with_name("stream_child.py"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -5,7 +5,6 @@ import logging
 import os
 import time
 
-import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from test_csv_output import FULL, OPS, read_family
 from training import make_model, run_steps
 from trainmon import TrainerMon
+
+pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with (the `db` extra)
 
 
 def train(write_config, steps=3, grad_acc_steps=1, model=None, start_iteration=0, **config):

@@ -6,13 +6,12 @@ directories are replaced, so a conversion run twice never duplicates a record.
 """
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
-import numpy as np
 
+from trainmon.core.derive import fields_from_figures
 from trainmon.core.layout import DB_NAME, rank_dir_name
 from trainmon.core.records import RecordKey
 from trainmon.read import stream_mirror
@@ -111,70 +110,6 @@ def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress
             db.close()
     run.close()
     return done
-
-
-def _finite_figure(fig: dict, op: str) -> Optional[float]:
-    """The figure of an op over the finite elements: its `_finite` op, else the op itself where the tensor had
-    no NaN or Inf (there both agree); None where the figures do not tell."""
-    if fig.get(f"{op}_finite") is not None:
-        return fig[f"{op}_finite"]
-    return fig.get(op) if _all_finite(fig) else None
-
-
-def _all_finite(fig: dict) -> bool:
-    """Whether the tensor held no NaN or Inf: its counts say so, or (a CSV without them) a finite norm or
-    mean, which one NaN or Inf element would have made non-finite."""
-    counts = [fig.get(op) for op in ("nans", "infs")]
-    if any(count is not None and count > 0 for count in counts):
-        return False
-    if None not in counts:
-        return True
-    return any(fig.get(op) is not None and math.isfinite(fig[op]) for op in ("norm", "mean"))
-
-
-def _positive_infs(fig: dict) -> Optional[float]:
-    """The +Inf elements, where the figures tell: none without Infs, or when the max is not +Inf; all of
-    them when the min is not -Inf."""
-    infs = fig.get("infs")
-    if infs is None or infs == 0:
-        return infs
-    if fig.get("max") is not None and fig["max"] != math.inf:
-        return 0.0
-    if fig.get("min") is not None and fig["min"] != -math.inf and fig["min"] == fig["min"]:
-        return infs
-    return None
-
-
-def fields_from_figures(rows: list[dict], ops: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The record fields (db_schema.FIELDS) rebuilt from CSV figures, and which of them are known."""
-    values = np.full((len(rows), len(db_schema.FIELDS)), np.nan)
-    recorded = np.zeros(values.shape, dtype=bool)
-    for i, row in enumerate(rows):
-        numel = math.prod(row["shape"]) if isinstance(row["shape"], list) else None
-        fig = {op: row.get(op) for op in ops}
-        nans, infs = fig.get("nans"), fig.get("infs")
-        count = None if numel is None else numel - (nans or 0) - (infs or 0)
-        no_finite = count == 0
-        finite = {op: _finite_figure(fig, op) for op in ("mean", "norm", "min", "max")}
-        known = {
-            "count": count,
-            "nans": nans,
-            "infs": infs,
-            "zeros": fig["zeros"] * numel if "zeros" in fig and fig["zeros"] is not None and numel is not None
-            else None,
-            "sum": (0.0 if no_finite else None) if finite["mean"] is None or count is None else finite["mean"] * count,
-            "sumsq": None if finite["norm"] is None else finite["norm"] ** 2,
-            # a tensor without finite elements has an empty min/max: the record's identities
-            "min": (math.inf if no_finite else None) if finite["min"] is None else finite["min"],
-            "max": (-math.inf if no_finite else None) if finite["max"] is None else finite["max"],
-            "sat": fig.get("sat"),
-            "pinfs": _positive_infs(fig),
-        }
-        for j, name in enumerate(db_schema.FIELDS):
-            if known[name] is not None:
-                values[i, j] = known[name]
-                recorded[i, j] = True
-    return values, recorded
 
 
 def stream_to_db(src: str | Path, force: bool = False) -> list[int]:

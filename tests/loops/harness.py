@@ -10,11 +10,12 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
 import pytest
 import torch
 
 from trainmon.cli import main as cli_main
+
+pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with (the `db` extra)
 
 CONFIG = dict(xy_distribution=True, all_xy=True, wg_distribution=True, mv_distribution=True,
               param_distribution=True, ops=["norm", "min", "max", "nans", "infs"], ndigits=17, format=["csv"],

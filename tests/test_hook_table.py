@@ -1,0 +1,58 @@
+"""The hook table: which groups a config installs, each behind the HookGroup interface, and msprobe's
+TrainerMon arguments that trainmon does not use refused with the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training import make_model, run_steps
+from trainmon import TrainerMon
+from trainmon.hook_table import GROUPS
+from trainmon.monitor.hook_group import HookGroup
+
+
+def _groups(write_config, steps=1, **config) -> dict:
+    """{table name: group} that a config installs on the test model, after `steps` steps."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(**config)).set_monitor(model, optimizer=optimizer)
+    run_steps(model, optimizer, steps)
+    installed = list(monitor._hooks)
+    monitor.stop()
+    assert monitor._hooks == []
+    names = {type(group).__name__: group for group in installed}
+    assert all(isinstance(group, HookGroup) for group in installed)
+    return names
+
+
+def test_the_table_names_each_group_once():
+    names = [group.name for group in GROUPS]
+    assert len(names) == len(set(names))
+
+
+def test_the_steps_are_always_defined_and_nothing_else_unasked(output_dir, write_config):
+    assert set(_groups(write_config)) == {"OptimizerHooks", "ForwardPasses", "LossScaleWatch", "SavedVariables"}
+
+
+def test_each_key_adds_its_group(output_dir, write_config):
+    groups = _groups(write_config, xy_distribution=True, wg_distribution=True, sentinel=True, stack_info=True,
+                     dump={"steps": [0], "modules": ["layers.0"]}, alert={"rules": [{"rule_name": "AnomalyNan"}],
+                                                           "action": "skip_step"})
+    assert {"NanSentinel", "StepGate", "ActivationHooks", "StackRecorder", "GradHooks", "TensorDump"} <= set(groups)
+    assert all(not group.required for name, group in groups.items() if name not in ("OptimizerHooks",
+                                                                                      "ForwardPasses"))
+
+
+def test_a_rank_outside_module_ranks_installs_no_activation_hooks(output_dir, write_config):
+    groups = _groups(write_config, xy_distribution=True, module_ranks=[1])
+    assert "ActivationHooks" not in groups and "SavedVariables" not in groups
+
+
+@pytest.mark.parametrize("argument, value, reason", [
+    ("process_group", object(), "module_ranks"),
+    ("params_have_main_grad", True, "as its adapter finds them"),
+])
+def test_msprobe_arguments_trainmon_does_not_use_are_refused(write_config, argument, value, reason):
+    with pytest.raises(ValueError, match=reason):
+        TrainerMon(write_config(), **{argument: value})
+    TrainerMon(write_config(), **{argument: None})  # msprobe's default passes

@@ -45,7 +45,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if watched:
-            sentinel.close_step()
+            sentinel.step_finished(collected=True)
             state.collector.finish_step().wait()
         elapsed = time.process_time() - start
         if watched:

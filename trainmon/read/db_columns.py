@@ -150,7 +150,7 @@ def _from_records(conn: sqlite3.Connection, family_ids: Optional[list[int]], fir
 
 
 def derive_columns(stored: dict, nan_fields: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:
-    """(figure, missing) of every row: `monitor.schema.OP_TABLE`'s column derivation, as `DbRankReader.rows`
+    """(figure, missing) of every row: `core.schema.OP_TABLE`'s column derivation, as `DbRankReader.rows`
     applies it (NaN and Inf counts that were not recorded count as none; a NaN figure of a row without NaN
     fields and without NaN/Inf elements comes from fields that were not recorded, and has no value)."""
     fields = {**stored, "nans": np.nan_to_num(stored["nans"], nan=0.0), "infs": np.nan_to_num(stored["infs"], nan=0.0)}

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from trainmon.monitor import stats
+from trainmon.monitor import in_graph, stats
 from trainmon.monitor.accelerator import copy_done_event
 from trainmon.core.records import RecordKey, StepBatch
 
@@ -90,11 +90,12 @@ class StepCollector:
         With `defer` (activations and their grads, which frameworks change in place by ordinary ops,
         which bump `_version`) the tensors may be held until the pending batch is reduced, and a tensor
         object recorded with `defer` since the last batch and unchanged since (same version) reuses that
-        record instead of being read again.
+        record instead of being read again. Tensors a compiled graph lends its hooks are read now all the same
+        (`in_graph.graph_buffers`).
         """
         if not tensors:
             return
-        if not defer:
+        if not defer or in_graph.graph_buffers():
             self._reduce_now(list(zip(keys, tensors)))
             return
         now = []

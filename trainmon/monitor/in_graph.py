@@ -39,12 +39,20 @@ _TOKEN = "_trainmon_token"
 _hooks: dict[tuple[int, str], tuple] = {}
 _tokens = itertools.count()
 _said: set[str] = set()  # messages said since the first hook was registered
+_on_graph_buffers = 0  # depth of eager hooks running inside `trainmon::observe` (see `graph_buffers`)
 
 
 def _say_once(message: str) -> None:
     if message not in _said:
         _said.add(message)
         logger.warning("trainmon: %s", message)
+
+
+def graph_buffers() -> bool:
+    """Whether the running hook was handed its tensors by a compiled graph (`trainmon::observe`). They are the
+    graph's buffers, which its later kernels may overwrite as soon as the op returns (inductor reuses the memory
+    of dead intermediates, without bumping a version counter): the hook reads them before it returns."""
+    return _on_graph_buffers > 0
 
 
 def stream_capturing() -> bool:
@@ -83,9 +91,13 @@ def _observe(token: torch.Tensor, kind: str, grad_enabled: bool, inputs: list[to
         for position, tensor in zip(out_positions, outputs):
             leaves[position] = tensor
         args += (leaves[0] if out_total == 1 else leaves,)
-    # A compiled forward runs its ops with grad off; the hook decides as the traced call would have.
-    with torch.set_grad_enabled(grad_enabled):
-        hook(module, *args)
+    global _on_graph_buffers
+    _on_graph_buffers += 1
+    try:  # a compiled forward runs its ops with grad off; the hook decides as the traced call would have
+        with torch.set_grad_enabled(grad_enabled):
+            hook(module, *args)
+    finally:
+        _on_graph_buffers -= 1
 
 
 @_observe.register_fake

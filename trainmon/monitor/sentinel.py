@@ -31,7 +31,7 @@ from trainmon.monitor.grad_watch import watch_grad
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
-from trainmon.monitor.tensor_select import floating_leaves, input_values
+from trainmon.monitor.tensor_select import floating_leaves, input_values, local_shard
 
 NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))  # families probed by an L2 norm: no Inf sign
 _WIDE = (torch.float32, torch.float64)  # summed in their own dtype; narrower ones in fp32
@@ -181,13 +181,14 @@ class NanSentinel(Hooks):
             self.probes.add(key, tensor)
 
     def _probe_weights(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
-        """One probe per (name, tensor) of `leaves`, taken together (see `norm_probes`)."""
+        """One probe per (name, tensor) of `leaves`, taken together (see `norm_probes`). A sharded tensor
+        (FSDP2's DTensors) is probed by this rank's shard, keyed by its full shape."""
         leaves = [(name, tensor.detach()) for name, tensor in leaves if tensor is not None and tensor.numel()]
         if leaves:
             next_call_index = self.state.collector.next_call_index
             keys = [RecordKey(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), str(t.dtype))
                     for name, t in leaves]
-            self.probes.add_norms(keys, [t for _, t in leaves])
+            self.probes.add_norms(keys, [local_shard(t) for _, t in leaves])
 
     def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int) -> None:
         """Probes the forward tensors not already probed unchanged this step: a container returning its last

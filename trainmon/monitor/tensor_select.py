@@ -34,6 +34,11 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
     return out
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `tensor`: a DTensor's local shard (a view, no copy), any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
     """Where a module call's inputs are: the tensor positional arguments, then the keyword arguments that
     are activations (tensors requiring grad), as (True, index in args) or (False, key in kwargs).

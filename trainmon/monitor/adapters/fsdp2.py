@@ -25,16 +25,13 @@ from torch.distributed.tensor import DTensor
 
 from trainmon.monitor.adapters.base import (ADAPTER_PER_MICRO_BATCH, PlainAdapter, WatchedParam,
                                             data_parallel_coordinates)
+from trainmon.monitor.tensor_select import local_shard
 
 
 def is_fsdp2(chunks) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(c, FSDPModule) for c in chunks)
-
-
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class FSDP2Adapter(PlainAdapter):
@@ -83,14 +80,14 @@ class FSDP2Adapter(PlainAdapter):
         self._places.clear()
 
     def reduced_grads(self, params):
-        return [_local(g) if (g := w.param.grad) is not None else None for w in params]
+        return [local_shard(g) if (g := w.param.grad) is not None else None for w in params]
 
     def main_params(self, params):
-        return [_local(w.param.detach()) for w in params]
+        return [local_shard(w.param.detach()) for w in params]
 
     def adam_pieces(self, params):
         pieces = super().adam_pieces(params)
-        return [type(p)(_local(p.exp_avg), _local(p.exp_avg_sq), _local(p.step), p.betas, p.eps)
+        return [type(p)(local_shard(p.exp_avg), local_shard(p.exp_avg_sq), local_shard(p.step), p.betas, p.eps)
                 if p is not None else None for p in pieces]
 
 

@@ -323,33 +323,38 @@ def step_overhead(rounds, fields):
 
 
 def per_element(rounds):
-    """ns per element of tensor_records (design ops) with the multi-pass kernels and with the one-pass
-    kernel, next to one _foreach_norm pass over the same tensors (the floor): one tensor of each size, and
-    many small tensors in one call."""
+    """ns per element of tensor_records (design ops): with the multi-pass kernels only, with the one-pass
+    kernel only, and as shipped (each call takes the one measured faster), next to one _foreach_norm pass
+    over the same tensors (the floor): one tensor of each size, many small tensors in one call, and the
+    hook tensors of the §7 model in one call (172 tensors, 89 distinct views)."""
     fields = stats.fields_for_ops(DESIGN_OPS)
     dtypes = (torch.float32, torch.bfloat16)
     stats_fused.prepare("cpu", dtypes, wait=True)
+    shipped_min = stats_fused.CPU_WIDE_MIN
 
-    def records(fused):
+    def records(enabled, wide_min=shipped_min):
         def run(ts):
-            stats_fused.enabled = fused
+            stats_fused.enabled, stats_fused.CPU_WIDE_MIN = enabled, wide_min
             try:
                 return stats.tensor_records(ts, EPS, fields)
             finally:
-                stats_fused.enabled = True
+                stats_fused.enabled, stats_fused.CPU_WIDE_MIN = True, shipped_min
         return run
-    cands = {"multi-pass": records(False), "one-pass": records(True), "_foreach_norm": c_foreach_norm}
+    cands = {"multi-pass": records(False), "one-pass": records(True, 0), "shipped": records(True),
+             "_foreach_norm": c_foreach_norm}
     print(f"\n== ns per element, median of {rounds} interleaved rounds (one thread)")
-    print(f"  {'dtype':9s} {'tensors':>16s} {'multi-pass':>11s} {'one-pass':>9s} {'_foreach_norm':>14s}")
+    print(f"  {'dtype':9s} {'tensors':>15s} " + " ".join(f"{k:>13s}" for k in cands))
     g = torch.Generator().manual_seed(0)
     for dtype in dtypes:
-        for count, numel in [(1, 10 ** k) for k in range(3, 8)] + [(200, 1000), (1000, 100)]:
-            ts = [torch.randn(numel, generator=g).to(dtype) for _ in range(count)]
+        workloads = [(f"{numel:.0e}", [torch.randn(numel, generator=g).to(dtype)]) for numel in
+                     (10 ** k for k in range(3, 8))]
+        workloads += [(f"{count} x {numel:.0e}", [torch.randn(numel, generator=g).to(dtype) for _ in range(count)])
+                      for count, numel in ((200, 1000), (1000, 100))]
+        workloads.append(("§7 hook tensors", hook_tensors(dtype)))   # one call over all of them
+        for label, ts in workloads:
             res = bench(cands, ts, rounds, "_foreach_norm")
-            per = {k: med * 1e6 / (count * numel) for k, (med, _, _) in res.items()}
-            label = f"{count} x {numel:.0e}" if count > 1 else f"{numel:.0e}"
-            print(f"  {str(dtype)[6:]:9s} {label:>16s} {per['multi-pass']:11.2f} {per['one-pass']:9.2f} "
-                  f"{per['_foreach_norm']:14.2f}")
+            numel = sum(t.numel() for t in ts)
+            print(f"  {str(dtype)[6:]:9s} {label:>15s} " + " ".join(f"{res[k][0] * 1e6 / numel:13.2f}" for k in cands))
 
 
 def main():

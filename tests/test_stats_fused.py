@@ -148,3 +148,27 @@ def test_fused_1e8_elements(dtype):
     abssum = sum(r["abssum"] for r in refs)
     assert abs(float(rec[4] - want[4])) <= 1e-5 * abssum
     torch.testing.assert_close(rec[5], want[5], rtol=1e-5, atol=0)
+
+
+def test_compiling_never_disturbs_the_training_loops_random_draws():
+    """The compile runs while training draws random numbers (dropout, sampling); Dynamo saves and restores
+    the RNG state around a compile, which must not rewind those draws."""
+    code = ("import time, torch\n"
+            "from trainmon.monitor import stats, stats_fused\n"
+            "x = torch.randn(5000).bfloat16()\n"
+            "torch.manual_seed(0)\n"
+            "draws, deadline = [], time.time() + 280\n"
+            "while stats_fused._state.get(('cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
+            "    stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
+            "    draws.append(torch.rand(64))\n"
+            "    time.sleep(0.02)\n"
+            "assert stats_fused.usable([x], torch.device('cpu')), stats_fused._state\n"
+            "stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
+            "draws.append(torch.rand(64))\n"
+            "torch.manual_seed(0)\n"
+            "assert all(torch.equal(d, torch.rand(64)) for d in draws)\n"
+            "print(len(draws))\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 3                       # the loop drew while the kernel compiled

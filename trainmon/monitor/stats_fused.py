@@ -17,7 +17,10 @@ its own dtype (never wider).
 Where it is used: on accelerators always; on CPU where it was measured faster (`_faster`).
 
 Compile cost never lands on the training thread: the first request for a (device type, dtype) starts the
-compile in a background thread, and calls take the engine's other kernels until it is done; a compile that
+compile in a child process (a thread of this one would let Dynamo's save and restore of the RNG state rewind
+the training loop's random draws), and calls take the engine's other kernels until the main thread has
+loaded the result from inductor's cache (Dynamo's trace, once: 2 s for
+the first dtype, 0.2 s for the next, on a 2-core CPU); a compile that
 fails (no C++ compiler, no Triton, an old torch) leaves those kernels in place for good, with one message. The
 kernel is compiled once per dtype and device type, for every shape (dynamic sizes; rows and columns are
 kept >= 2, as 0 and 1 would be specialised) and every call runs in the same grad mode, so its guards hold
@@ -28,7 +31,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -67,9 +74,12 @@ def _row_figures(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
 
 
 _compiled = torch.compile(_row_figures, dynamic=True, fullgraph=True)
-_state: dict = {}                               # (device type, dtype) -> "compiling" | "ready" | "failed"
+# (device type, dtype) -> "warming" (compiling in a child process) | "warm" (in inductor's cache) | "ready"
+# | "failed"
+_state: dict = {}
 _threads: dict = {}
 _lock = threading.Lock()
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _run(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
@@ -78,34 +88,62 @@ def _run(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
         return _compiled(x, lam, sat_lam)
 
 
-def _compile(key: tuple, device: torch.device, dtype: torch.dtype) -> None:
-    try:
-        sample = torch.tensor([[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], dtype=dtype, device=device)
-        out = _run(sample, 1e-8, 1.0)
-        torch.testing.assert_close(out[0, :3].double().cpu(), torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64))
-        _state[key] = "ready"
-    except Exception as exc:                        # no compiler, no Triton, an unsupported build
-        _state[key] = "failed"
-        if not threading.main_thread().is_alive():
-            return                                  # the interpreter is exiting: inductor refuses work
+def _load(device: torch.device, dtype: torch.dtype) -> None:
+    """Compiles the kernel in this process (from inductor's cache once warm) and checks it on a sample."""
+    sample = torch.tensor([[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], dtype=dtype, device=device)
+    out = _run(sample, 1e-8, 1.0)
+    torch.testing.assert_close(out[0, :3].double().cpu(), torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64))
+
+
+def _refuse(key: tuple, exc: BaseException) -> None:
+    _state[key] = "failed"
+    if threading.main_thread().is_alive():          # else the interpreter is exiting: nothing to say
         logger.warning("trainmon: the one-pass statistic kernel is not available for %s on %s (%s: %s); "
-                       "the multi-pass kernels are used", dtype, device.type, type(exc).__name__, exc)
+                       "the multi-pass kernels are used", key[1], key[0], type(exc).__name__, exc)
+
+
+def _warm(key: tuple) -> None:
+    """Compiles the kernel in a child process, which leaves it in inductor's on-disk cache. Not in a thread
+    of this one: Dynamo saves the random number generators' state before a compile and restores it after,
+    which would rewind the draws the training loop made meanwhile (dropout masks, sampling)."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (imports of the load to come, here and not in a hook)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                                         os.environ.get("PYTHONPATH")])))
+        child = subprocess.run([sys.executable, "-m", __name__, key[0], str(key[1]).split(".")[1]], env=env,
+                               capture_output=True, text=True, timeout=1800)
+        if child.returncode != 0:
+            raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
+        _state[key] = "warm"
+    except Exception as exc:                        # no compiler, no Triton, an unsupported build
+        _refuse(key, exc)
 
 
 def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = False) -> bool:
     """Starts compiling the kernel for `dtypes` on `device` in the background (once each); with `wait`,
-    waits for it. Returns whether the kernel is ready for all of them."""
+    waits for it. Returns whether the kernel is ready for all of them.
+
+    The compile runs in a child process; the kernel is then loaded from inductor's cache by the main
+    thread, the one that trains (0.2-2 s, once), at its first statistics after the compile."""
     device = torch.device(device)
     for dtype in dtypes:
         key = (device.type, dtype)
         with _lock:
             if key not in _state:
-                _state[key] = "compiling"
-                _threads[key] = threading.Thread(target=_compile, args=(key, device, dtype),
-                                                 name="trainmon-stat-kernel-compile")
+                _state[key] = "warming"
+                _threads[key] = threading.Thread(target=_warm, args=(key,), name="trainmon-stat-kernel-compile",
+                                                 daemon=True)
                 _threads[key].start()
+    for dtype in dtypes:
+        key = (device.type, dtype)
         if wait:
             _threads[key].join()
+        if _state[key] == "warm" and threading.current_thread() is threading.main_thread():
+            try:
+                _load(device, dtype)
+                _state[key] = "ready"
+            except Exception as exc:
+                _refuse(key, exc)
     return all(_state[(device.type, dtype)] == "ready" for dtype in dtypes)
 
 
@@ -208,3 +246,7 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
         rec.select(1, column).fill_(start).scatter_reduce_(0, index, rows.select(1, column), reduce)
     rec.select(1, _NANS).sub_(padding)
     return rec
+
+
+if __name__ == "__main__":                          # the child process of `_warm`: compile, fill the cache
+    _load(torch.device(sys.argv[1]), getattr(torch, sys.argv[2]))

@@ -2,6 +2,7 @@
 
     python benchmarks/stats_kernels.py            # kernels on the design §7 hook tensors + train step
     python benchmarks/stats_kernels.py --quick    # 3 rounds instead of 11;  --no-step: kernels only
+    python benchmarks/stats_kernels.py --per-element   # ns/element: multi-pass vs one-pass kernel vs floor
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
 "x norm" is the median over rounds of candidate time / one torch._foreach_norm(ord=2, dtype=fp32) pass
@@ -67,7 +68,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.monitor import stats  # noqa: E402
+from trainmon.monitor import stats, stats_fused  # noqa: E402
 
 EPS = 1e-8
 INF = math.inf
@@ -321,13 +322,52 @@ def step_overhead(rounds, fields):
     return {k: (statistics.median(v) * 1e3, min(v) * 1e3) for k, v in res.items()}
 
 
+def per_element(rounds):
+    """ns per element of tensor_records (design ops): with the multi-pass kernels only, with the one-pass
+    kernel only, and as shipped (each call takes the one measured faster), next to one _foreach_norm pass
+    over the same tensors (the floor): one tensor of each size, many small tensors in one call, and the
+    hook tensors of the §7 model in one call (172 tensors, 89 distinct views)."""
+    fields = stats.fields_for_ops(DESIGN_OPS)
+    dtypes = (torch.float32, torch.bfloat16)
+    stats_fused.prepare("cpu", dtypes, wait=True)
+    shipped_min = stats_fused.CPU_WIDE_MIN
+
+    def records(enabled, wide_min=shipped_min):
+        def run(ts):
+            stats_fused.enabled, stats_fused.CPU_WIDE_MIN = enabled, wide_min
+            try:
+                return stats.tensor_records(ts, EPS, fields)
+            finally:
+                stats_fused.enabled, stats_fused.CPU_WIDE_MIN = True, shipped_min
+        return run
+    cands = {"multi-pass": records(False), "one-pass": records(True, 0), "shipped": records(True),
+             "_foreach_norm": c_foreach_norm}
+    print(f"\n== ns per element, median of {rounds} interleaved rounds (one thread)")
+    print(f"  {'dtype':9s} {'tensors':>15s} " + " ".join(f"{k:>13s}" for k in cands))
+    g = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        workloads = [(f"{numel:.0e}", [torch.randn(numel, generator=g).to(dtype)]) for numel in
+                     (10 ** k for k in range(3, 8))]
+        workloads += [(f"{count} x {numel:.0e}", [torch.randn(numel, generator=g).to(dtype) for _ in range(count)])
+                      for count, numel in ((200, 1000), (1000, 100))]
+        workloads.append(("§7 hook tensors", hook_tensors(dtype)))   # one call over all of them
+        for label, ts in workloads:
+            res = bench(cands, ts, rounds, "_foreach_norm")
+            numel = sum(t.numel() for t in ts)
+            print(f"  {str(dtype)[6:]:9s} {label:>15s} " + " ".join(f"{res[k][0] * 1e6 / numel:13.2f}" for k in cands))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-step", action="store_true")
+    ap.add_argument("--per-element", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 11
+    if args.per_element:
+        per_element(rounds)
+        return
     design = stats.fields_for_ops(DESIGN_OPS)
     for dtype in (torch.float32, torch.bfloat16):
         ts = hook_tensors(dtype)

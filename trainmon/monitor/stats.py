@@ -20,6 +20,9 @@ Exact finite-only figures, branch-free (sentinels that can never win):
      A row sum is exactly P * (B - 256 I - 65536 N) (B = finite |x| >= eps, I = infs, N = nans, all
      <= 128), decoded with integer ops once per call.  Without "zeros": ntn(x, codes) - a instead.
 No ``.item()``, no device->host copy, no Python branch on values: only shapes/dtypes steer the code.
+Where it is compiled and measured faster, one generated kernel reads each element once and fills every field
+(stats_fused.py: Triton on accelerators, C++ on CPU); the kernels here serve until it is compiled, where
+it cannot be, and where they are faster.
 CPU tensors take a cheaper route (stats_cpu.py): there reading a value waits for no device, so the
 figures that hold for all-finite tensors come first and only tensors with a NaN/Inf take these kernels.
 """
@@ -34,6 +37,7 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
+from trainmon.monitor import stats_fused
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8
@@ -209,14 +213,27 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
             seen[key] = len(uniq)
             uniq.append(t.detach())
         rowmap.append(seen[key])
+    rec = stats_fused.records(uniq, dev, _consts, _sat_lambda, eps, sat.sat_limit,
+                              CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)) if stats_fused.usable(uniq, dev) else None
+    if rec is None:
+        rec = _multi_pass_records(uniq, dev, eps, want, fields, sat)
+    else:                                             # the one pass fills every field
+        unwanted = [i for i, f in enumerate(FIELDS) if f not in fields and f not in schema.ALWAYS]
+        if unwanted:
+            rec.index_fill_(1, _meta(unwanted, dev), 0.0)
+    if len(uniq) == len(tensors):
+        return rec
+    return rec.index_select(0, _meta(rowmap, dev))
+
+
+def _multi_pass_records(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
+    """The records from the kernels of this module and stats_cpu.py (several passes per tensor)."""
     rec = _records(uniq, dev, eps, want)
     if "sat" in fields:
         _fill_sat(rec, uniq, dev, want, sat)
     if "pinfs" in fields:
         _fill_pinfs(rec, uniq, dev)
-    if len(uniq) == len(tensors):
-        return rec
-    return rec.index_select(0, _meta(rowmap, dev))
+    return rec
 
 
 def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Tests of the one-pass statistic kernel (trainmon.monitor.stats_fused) against direct torch computations."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
+from trainmon.monitor import stats_fused
+from trainmon.monitor.stats import fields_for_ops, merge_records, tensor_records
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """One compile per dtype for the whole module; every call of these tests takes the one-pass kernel."""
+    assert stats_fused.prepare(CPU, DTYPES, wait=True)
+    old = stats_fused.CPU_WIDE_MIN
+    stats_fused.CPU_WIDE_MIN = 0
+    yield
+    stats_fused.CPU_WIDE_MIN = old
+
+
+def fused(tensors, eps, fields=ALL):
+    assert stats_fused.usable(tensors, CPU)
+    return tensor_records(tensors, eps, fields)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("eps", [1e-8, 1e-3, 0.5, 0.0])
+def test_fused_records_match_torch(dtype, eps):
+    cs = cases(dtype)                 # NaN, ±Inf, empty, scalar, non-contiguous, expanded, subnormal
+    rec = fused(list(cs.values()), eps)
+    for row, x in zip(rec, cs.values()):
+        check(row, x, eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:3])
+@pytest.mark.parametrize("numel", [1, 7, 1000, 4096, 8191, 10 ** 6])
+def test_fused_sizes(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    x = (torch.randn(numel, generator=g) * 3).to(dtype)
+    if numel >= 7:
+        sprinkle(x, seed=numel)
+    y = x[::2] if numel > 1 else x.expand(3)     # non-contiguous
+    rec = fused([x, y], 1e-3)
+    check(rec[0], x, 1e-3)
+    check(rec[1], y, 1e-3)
+
+
+def test_fused_large_non_contiguous_is_read_in_chunks():
+    x = sprinkle(torch.randn(2000, 700).to(torch.bfloat16)).t()
+    assert x.numel() > 2 * stats_fused.ROW and not x.is_contiguous()
+    check(fused([x], 1e-8)[0], x, 1e-8)
+
+
+def test_fused_many_small_tensors_of_mixed_dtypes_in_one_call():
+    g = torch.Generator().manual_seed(3)
+    ts = [sprinkle((torch.randn(n, generator=g)).to(dtype), seed=n)
+          for n in range(20, 400, 7) for dtype in DTYPES[:3]]
+    ts += [torch.zeros(0), torch.tensor(float("nan")), torch.tensor(-float("inf")).half(), torch.randn(9000)]
+    for row, x in zip(fused(ts, 1e-8), ts):
+        check(row, x, 1e-8)
+
+
+@pytest.mark.parametrize("ops", [["norm"], ["zeros"], ["min", "max"], ["mean", "nans"]])
+def test_fused_fills_only_requested_fields(ops):
+    fields = fields_for_ops(ops)
+    cs = cases(torch.bfloat16)
+    for row, x in zip(fused(list(cs.values()), 1e-8, fields), cs.values()):
+        check(row, x, 1e-8, fields)
+
+
+def test_fused_saturation_limit():
+    x = torch.tensor([1.0, -300.0, 70000.0, float("inf"), 256.0, 255.9])
+    fields = fields_for_ops(["sat"], sat_dtype=torch.float16)
+    assert fused([x], 1e-8, fields)[0, FIELDS.index("sat")] == 1        # |x| >= fp16 max, finite
+    fields = fields_for_ops(["sat"], sat_threshold=256.0)
+    assert fused([x], 1e-8, fields)[0, FIELDS.index("sat")] == 3
+
+
+def test_fused_never_recompiles():
+    """One compile per dtype serves every shape, stride, grad mode and call site."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["stats"])
+    w = torch.randn(300, 500, requires_grad=True)
+    inputs = [[torch.randn(n).to(dtype)] for n in (1, 2, 3, 4096, 8192, 50_000) for dtype in DTYPES]
+    inputs += [[w], [w.t()], [torch.randn(2, 3, 4)[:, 1]], [torch.randn(10_001)[1:]], cases(torch.float16).values()]
+    for ts in inputs:
+        fused(list(ts), 1e-8)
+    with torch.no_grad():
+        fused([w * 2], 1e-8)
+    assert dict(counters["stats"]) == before
+    torch.compile(lambda t: t * 3, dynamic=True, backend="eager")(w)   # the detector sees a compile
+    assert dict(counters["stats"]) != before
+
+
+def test_cpu_takes_the_multi_pass_kernels_where_they_are_faster():
+    stats_fused.CPU_WIDE_MIN = 1 << 19
+    try:
+        assert not stats_fused.usable([torch.randn(1000)], CPU)
+        assert stats_fused.usable([torch.randn(1000).bfloat16()], CPU)
+        assert stats_fused.usable([torch.randn(1 << 20)], CPU)
+    finally:
+        stats_fused.CPU_WIDE_MIN = 0
+    assert not stats_fused.usable([torch.empty(5, device="meta")], torch.device("meta"))
+    with torch.inference_mode():
+        assert not stats_fused.usable([torch.randn(5)], CPU)
+    with OpLog():                                    # Dynamo runs no compiled code under a dispatch mode
+        assert not stats_fused.usable([torch.randn(5)], CPU)
+
+
+def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
+    """A machine without a working C++ compiler: the compile fails once, in the background, with one
+    message, and the records are still right."""
+    code = ("import torch, math\n"
+            "from trainmon.monitor import stats, stats_fused\n"
+            "x = torch.tensor([1.0, math.nan, -math.inf, 0.0]).bfloat16()\n"
+            "assert not stats_fused.prepare('cpu', [torch.bfloat16], wait=True)\n"
+            "rec = stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))[0].tolist()\n"
+            "print(rec[:4])\n")
+    env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[2.0, 1.0, 1.0, 1.0]"
+    assert out.stderr.count("one-pass statistic kernel is not available") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_1e8_elements(dtype):
+    x = (torch.randn(10 ** 8, generator=torch.Generator().manual_seed(7)) * 2).to(dtype)
+    sprinkle(x, seed=8)
+    rec = fused([x], 1e-3)[0]
+    # the torch reference, computed in float64 over chunks and merged exactly (counts, sums, extremes)
+    refs = [reference(c, 1e-3) for c in x.split(10 ** 7)]
+    want = merge_records(torch.tensor([[r[f] for f in FIELDS] for r in refs], dtype=torch.float64))
+    exact = [FIELDS.index(f) for f in ("count", "nans", "infs", "zeros", "min", "max", "sat", "pinfs")]
+    assert rec[exact].tolist() == want[exact].tolist()
+    abssum = sum(r["abssum"] for r in refs)
+    assert abs(float(rec[4] - want[4])) <= 1e-5 * abssum
+    torch.testing.assert_close(rec[5], want[5], rtol=1e-5, atol=0)
+
+
+def test_compiling_never_disturbs_the_training_loops_random_draws():
+    """The compile runs while training draws random numbers (dropout, sampling); Dynamo saves and restores
+    the RNG state around a compile, which must not rewind those draws."""
+    code = ("import time, torch\n"
+            "from trainmon.monitor import stats, stats_fused\n"
+            "x = torch.randn(5000).bfloat16()\n"
+            "torch.manual_seed(0)\n"
+            "draws, deadline = [], time.time() + 280\n"
+            "while stats_fused._state.get(('cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
+            "    stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
+            "    draws.append(torch.rand(64))\n"
+            "    time.sleep(0.02)\n"
+            "assert stats_fused.usable([x], torch.device('cpu')), stats_fused._state\n"
+            "stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
+            "draws.append(torch.rand(64))\n"
+            "torch.manual_seed(0)\n"
+            "assert all(torch.equal(d, torch.rand(64)) for d in draws)\n"
+            "print(len(draws))\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 3                       # the loop drew while the kernel compiled

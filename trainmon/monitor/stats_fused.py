@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from trainmon.monitor import schema
+from trainmon.core import schema
 
 logger = logging.getLogger("trainmon")
 

@@ -174,6 +174,51 @@ def test_targets_select_modules_and_tuple_elements(output_dir, write_config):
         "layers.0.input", "layers.0.output", "head.input", "head.output"}
 
 
+class Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, 2 * h
+
+
+class PairNet(torch.nn.Module):
+    """`pair` returns two activations; the loss gives them grads of 1 and 3 everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.pair = Pair()
+
+    def forward(self, x):
+        a, b = self.pair(x)
+        return a.sum() + 3 * b.sum()
+
+
+def test_output_and_output_grad_selectors_pick_their_own_leaves(output_dir, write_config):
+    torch.manual_seed(0)
+    model = PairNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: the output is recomputed below
+    targets = {"pair": {"output": "tuple[2]:0", "output_grad": "tuple[2]:1"}}
+    monitor = TrainerMon(write_config(targets=targets, xy_distribution=True, ops=["mean", "norm"]))
+    monitor.set_monitor(model, optimizer=optimizer)
+    x = torch.randn(2, 4)
+    model(x).backward()
+    optimizer.step()
+    monitor.stop()
+    with torch.no_grad():
+        first = model.pair.lin(x)
+    actv = read_family(monitor.output_dir, "actv").set_index("name")
+    grads = read_family(monitor.output_dir, "actv_grad").set_index("name")
+    assert set(actv.index) == {"pair.input", "pair.output"} and set(grads.index) == {"pair.output"}
+    # The output record is of the first element (not twice it), the output-grad record of the second (3, not 1).
+    assert actv.loc["pair.output", "norm"] == pytest.approx(torch.linalg.vector_norm(first).item(), rel=1e-5)
+    assert actv.loc["pair.output", "mean"] == pytest.approx(first.mean().item(), rel=1e-5, abs=1e-6)
+    assert grads.loc["pair.output", "mean"] == pytest.approx(3.0)
+    assert grads.loc["pair.output", "norm"] == pytest.approx(3.0 * 8 ** 0.5)
+
+
 class Shared(torch.nn.Module):
     """Calls one module twice and takes an integer mask."""
 

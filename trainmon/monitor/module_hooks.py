@@ -93,6 +93,18 @@ class _InputTap(torch.autograd.Function):
         return (None,) + grads
 
 
+def _tapped_inputs(inputs: list, selector) -> tuple[list[int], list[str]]:
+    """The positions in `inputs` of the selected floating tensors that require grad (a tensor passed twice:
+    once), and their leaf-name suffixes ("" or "_<i>")."""
+    suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, selector)}
+    tapped, seen = [], set()
+    for i, t in enumerate(inputs):
+        if id(t) in suffixes and id(t) not in seen and t.requires_grad:
+            tapped.append(i)
+            seen.add(id(t))
+    return tapped, [suffixes[id(inputs[i])] for i in tapped]
+
+
 def _root(leaf):
     """The tensor an input tap's alias stands for (through nested taps), or `leaf` itself.
 
@@ -173,15 +185,15 @@ class ActivationHooks(Hooks):
         """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
         places = input_places(args, kwargs)
         inputs = values_at(places, args, kwargs)
-        suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, target.watched.input_grad_sel)}
-        tapped, seen = [], set()
-        for i, t in enumerate(inputs):
-            if id(t) in suffixes and id(t) not in seen and t.requires_grad:  # a tensor passed twice: tapped once
-                tapped.append(i)
-                seen.add(id(t))
-        if not tapped:
-            return None
-        target.suffixes = [suffixes[id(inputs[i])] for i in tapped]
+        if len(inputs) == 1 and target.watched.input_grad_sel is None:
+            # One input, the common case: what the general selection below gives, without its walk.
+            if not (inputs[0].is_floating_point() and inputs[0].requires_grad):
+                return None
+            tapped, target.suffixes = [0], [""]
+        else:
+            tapped, target.suffixes = _tapped_inputs(inputs, target.watched.input_grad_sel)
+            if not tapped:
+                return None
         aliases = _InputTap.apply(functools.partial(target.watched.grad_recorders[0], target),
                                   *(inputs[i] for i in tapped))
         args, kwargs = list(args), dict(kwargs)
@@ -205,16 +217,21 @@ class ActivationHooks(Hooks):
             collector = state.collector if training else state.eval_collector
             micro = (state.forward_micro if training else state.eval_pass)(watched.vpp_stage)
             name = self._call_name(watched, (collector.step, training, micro))
+            prefix = f"{name}.output"
+            # Records and grad taps select the same leaves unless their `targets` selectors differ.
+            output_leaves = floating_leaves(output, watched.output_sel, prefix) if self.forward else None
             if training and self.backward and torch.is_grad_enabled():
                 if call.tap is not None:
                     call.tap.name = name
-                self._hook_output_grads(watched, name, micro, output)
+                shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
+                self._hook_output_grads(watched, micro, output_leaves if shared else
+                                        floating_leaves(output, watched.output_grad_sel, prefix))
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, name))
             if self.forward:
                 inputs = [_root(t) for t in input_values(args, kwargs)]
                 self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, name, micro,
-                                         call.input_index, inputs, output)
+                                         call.input_index, inputs, output_leaves)
 
         return forward_hook
 
@@ -234,15 +251,18 @@ class ActivationHooks(Hooks):
             return
         if target is not None:
             target.name, target.micro = name, micro
-        self._hook_output_grads(watched, name, micro, output)
+        self._hook_output_grads(watched, micro, floating_leaves(output, watched.output_grad_sel, f"{name}.output"))
 
-    def _hook_output_grads(self, watched: WatchedModule, name: str, micro: int, output) -> None:
-        for leaf_name, tensor in floating_leaves(output, watched.output_grad_sel, f"{name}.output"):
+    @staticmethod
+    def _hook_output_grads(watched: WatchedModule, micro: int, output_leaves: list) -> None:
+        for leaf_name, tensor in output_leaves:
             if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
                 watch_grad(tensor, functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
-        self._record_grads(watched, micro, [(leaf_name, grad)])
+        if self.state.collecting:
+            collector = self.state.collector
+            collector.record((_grad_key(collector, watched, micro, leaf_name, grad),), (grad,), defer=True)
 
     def _record_input_grads(self, target: _TapTarget, grads) -> None:
         if target.name is not None:
@@ -254,21 +274,27 @@ class ActivationHooks(Hooks):
         if not self.state.collecting or not named_grads:
             return
         collector = self.state.collector
-        vpp = watched.vpp_stage
-        keys = [RecordKey(ACTV_GRAD, leaf_name, vpp, micro,
-                          collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad), tuple(grad.shape),
-                          str(grad.dtype)) for leaf_name, grad in named_grads]
+        keys = [_grad_key(collector, watched, micro, leaf_name, grad) for leaf_name, grad in named_grads]
         collector.record(keys, [grad for _, grad in named_grads], defer=True)
 
     def _record_activations(self, collector: StepCollector, family: str, watched: WatchedModule, name: str,
-                            micro: int, input_index: int, inputs: list, output) -> None:
+                            micro: int, input_index: int, inputs: list, output_leaves: list) -> None:
         input_leaves = floating_leaves(inputs, watched.input_sel, f"{name}.input")
-        output_leaves = floating_leaves(output, watched.output_sel, f"{name}.output")
         if not (input_leaves or output_leaves):
             return
-        keys = [RecordKey(family, leaf_name, watched.vpp_stage, micro, input_index, tuple(t.shape), str(t.dtype))
-                for leaf_name, t in input_leaves]
         vpp = watched.vpp_stage
-        keys += [RecordKey(family, leaf_name, vpp, micro, collector.call_index_of(family, leaf_name, vpp, micro, t),
-                           tuple(t.shape), str(t.dtype)) for leaf_name, t in output_leaves]
-        collector.record(keys, [t for _, t in input_leaves + output_leaves], defer=True)
+        keys = [RecordKey(family, leaf_name, vpp, micro, input_index, tuple(t.shape), str(t.dtype))
+                for leaf_name, t in input_leaves]
+        tensors = [t for _, t in input_leaves]
+        for leaf_name, t in output_leaves:
+            keys.append(RecordKey(family, leaf_name, vpp, micro, collector.call_index_of(family, leaf_name, vpp, micro, t),
+                                  tuple(t.shape), str(t.dtype)))
+            tensors.append(t)
+        collector.record(keys, tensors, defer=True)
+
+
+def _grad_key(collector: StepCollector, watched: WatchedModule, micro: int, leaf_name: str,
+              grad: torch.Tensor) -> RecordKey:
+    vpp = watched.vpp_stage
+    return RecordKey(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
+                     tuple(grad.shape), str(grad.dtype))

@@ -61,8 +61,9 @@ def _events(path: Path) -> str:
     rows = []
     for event in EventFileLoader(str(path)).Load():
         for value in event.summary.value:
-            payload = value.tensor.SerializeToString() if value.HasField("tensor") else repr(value.simple_value)
-            rows.append(f"{value.tag}|{event.step}|{_hash(payload if isinstance(payload, bytes) else payload.encode())}")
+            payload = (value.tensor.SerializeToString() if value.HasField("tensor")
+                       else repr(value.simple_value).encode())
+            rows.append(f"{value.tag}|{event.step}|{_hash(payload)}")
     return f"{len(rows)} events {_hash(chr(10).join(sorted(rows)).encode())}"
 
 

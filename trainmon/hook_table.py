@@ -66,17 +66,19 @@ class SetUp:
             watched.name = self.adapter.rename(watched.vpp_stage, watched.name)
         return modules
 
-    @property
-    def unreduced_mode(self) -> str:
-        capture = self.adapter.unreduced_capture
-        # An adapter that captures every backward pass already gives what monitor_mbs_grad asks for.
-        return PER_MICRO_BATCH if self.config.monitor_mbs_grad and capture != ADAPTER_PER_MICRO_BATCH else capture
 
 
 class Group(NamedTuple):
     name: str
     wanted: Callable[[SetUp], bool]
     build: Callable[[SetUp], Optional[HookGroup]]
+
+
+def unreduced_mode(config: MonitorConfig, adapter) -> str:
+    """How unreduced grads are captured: per micro-batch when `monitor_mbs_grad` asks, else as the adapter can."""
+    capture = adapter.unreduced_capture
+    # An adapter that captures every backward pass already gives what monitor_mbs_grad asks for.
+    return PER_MICRO_BATCH if config.monitor_mbs_grad and capture != ADAPTER_PER_MICRO_BATCH else capture
 
 
 def _sentinel(s: SetUp) -> HookGroup:
@@ -94,7 +96,7 @@ def _alert_action(s: SetUp) -> HookGroup:
 
 
 def _unreduced_grads(s: SetUp) -> Optional[HookGroup]:
-    mode = s.unreduced_mode
+    mode = unreduced_mode(s.config, s.adapter)
     if mode in (ADAPTER, ADAPTER_PER_MICRO_BATCH):
         return AdapterGradCapture(s.state, s.adapter, s.params, per_micro_batch=mode == ADAPTER_PER_MICRO_BATCH)
     if mode == NOT_RECORDED:

@@ -15,7 +15,7 @@ from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE,
                                    GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED, SAVED_FAMILIES,
                                    StepBatch)
 from trainmon.core.derive import derive_rows
-from trainmon.hook_table import SetUp, build_groups, warn_about
+from trainmon.hook_table import SetUp, build_groups, unreduced_mode, warn_about
 from trainmon.monitor import stats
 from trainmon.monitor.adapters import ADAPTER_PER_MICRO_BATCH, PER_MICRO_BATCH, TrainingAdapter, select_adapter
 from trainmon.monitor.adapters.base import group_coordinates
@@ -156,8 +156,8 @@ class TrainerMon:
 
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
-        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES) | ({GRAD_UNREDUCED} if self._unreduced_mode() in
-                                                (PER_MICRO_BATCH, ADAPTER_PER_MICRO_BATCH) else set())
+        per_micro_grads = unreduced_mode(cfg, self._adapter) in (PER_MICRO_BATCH, ADAPTER_PER_MICRO_BATCH)
+        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES) | ({GRAD_UNREDUCED} if per_micro_grads else set())
         stream = self._filesystem.write_path == filesystem.STREAM_PATH
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
@@ -237,11 +237,6 @@ class TrainerMon:
                        "module_ranks collect the weight, grad and optimizer families too but write nothing",
                        self._adapter.name)
         return True
-
-    def _unreduced_mode(self) -> str:
-        """How unreduced grads are captured (the hook table's `SetUp.unreduced_mode`, needed before it)."""
-        capture = self._adapter.unreduced_capture
-        return PER_MICRO_BATCH if self.config.monitor_mbs_grad and capture != ADAPTER_PER_MICRO_BATCH else capture
 
     def _remove(self) -> None:
         for hooks in self._hooks:

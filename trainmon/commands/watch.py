@@ -50,10 +50,11 @@ def register(subparsers) -> None:
     parser.add_argument("--on-anomaly", metavar="CMD", help="shell command run with each alert as JSON on stdin")
     parser.add_argument("--exit-on-anomaly", action="store_true", help="exit (status 3) after the first alert")
     parser.add_argument("--stall-after", type=positive_seconds, default=WATCH.stall_after, metavar="S",
-                        help=f"report a rank that commits no step for S seconds as stalled (default {WATCH.stall_after:g})")
+                        help="report a rank that commits no step for S seconds as stalled "
+                             f"(default {WATCH.stall_after:g})")
     parser.add_argument("--heatmap-every", type=positive_int, metavar="N",
-                        help=f"redraw the heatmaps every N steps, and at exit (default: {WATCH.heatmap_every}; with --once, "
-                             "only at exit)")
+                        help=f"redraw the heatmaps every N steps, and at exit (default: {WATCH.heatmap_every}; "
+                             "with --once, only at exit)")
     parser.add_argument("--op", default=WATCH.op, help=f"the op the module heatmaps show (default {WATCH.op})")
     parser.add_argument("--window", type=positive_int, default=WATCH.window, metavar="N",
                         help=f"steps the heatmaps show (default {WATCH.window})")

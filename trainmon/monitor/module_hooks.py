@@ -185,15 +185,9 @@ class ActivationHooks(Hooks):
         """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
         places = input_places(args, kwargs)
         inputs = values_at(places, args, kwargs)
-        if len(inputs) == 1 and target.watched.input_grad_sel is None:
-            # One input, the common case: what the general selection below gives, without its walk.
-            if not (inputs[0].is_floating_point() and inputs[0].requires_grad):
-                return None
-            tapped, target.suffixes = [0], [""]
-        else:
-            tapped, target.suffixes = _tapped_inputs(inputs, target.watched.input_grad_sel)
-            if not tapped:
-                return None
+        tapped, target.suffixes = _tapped_inputs(inputs, target.watched.input_grad_sel)
+        if not tapped:
+            return None
         aliases = _InputTap.apply(functools.partial(target.watched.grad_recorders[0], target),
                                   *(inputs[i] for i in tapped))
         args, kwargs = list(args), dict(kwargs)
@@ -260,9 +254,7 @@ class ActivationHooks(Hooks):
                 watch_grad(tensor, functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
-        if self.state.collecting:
-            collector = self.state.collector
-            collector.record((_grad_key(collector, watched, micro, leaf_name, grad),), (grad,), defer=True)
+        self._record_grads(watched, micro, [(leaf_name, grad)])
 
     def _record_input_grads(self, target: _TapTarget, grads) -> None:
         if target.name is not None:

@@ -237,9 +237,13 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
     if not partials:                                # only empty tensors
         return torch.tensor(schema.IDENTITY, dtype=torch.float64, device=device).repeat(n, 1)
     rows = torch.cat(partials) if len(partials) > 1 else partials[0]
-    owner_of_row = [u for u, k in owners for _ in range(k)]
-    meta = _meta(owner_of_row + pads, device)
-    index, padding = meta.narrow(0, 0, len(owner_of_row)), meta.narrow(0, len(owner_of_row), n)
+    # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
+    # Python list; output_size keeps repeat_interleave from reading the counts back
+    blocks = len(owners)
+    meta = _meta([u for u, _ in owners] + [k for _, k in owners] + pads, device)
+    index = torch.repeat_interleave(meta.narrow(0, 0, blocks), meta.narrow(0, blocks, blocks),
+                                    output_size=rows.shape[0])
+    padding = meta.narrow(0, 2 * blocks, n)
     # every column is added (the min and max columns are replaced below)
     rec = torch.zeros(n, schema.N_FIELDS, dtype=torch.float64, device=device).index_add_(0, index, rows)
     for column, start, reduce in ((_MIN, _INF, "amin"), (_MAX, -_INF, "amax")):

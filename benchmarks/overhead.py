@@ -2,7 +2,8 @@
 
 Model: 4-layer causal LM, hidden 256, seq 128, batch 8, vocab 1024, AdamW, fp32, one thread.
 Each tier runs in its own process (so peak RSS is its own); per-step process CPU time (all threads,
-the writer's included) and wall time are medians over the steps after warm-up.
+the writer's included) and wall time are medians over the steps after warm-up, once the statistic kernels
+have compiled (a few seconds into a run).
 
     python benchmarks/overhead.py                      # all tiers, csv
     python benchmarks/overhead.py --tiers none,full --format csv,api --steps 30
@@ -69,6 +70,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     import torch
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
+    from trainmon.monitor import stats_fused
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -80,7 +82,9 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     monitor = attach_monitor(tier_config(tier, formats, extra, interleave), out_dir, model, optimizer)
     sink_cpu = time_sinks(monitor) if monitor is not None else {}
     cpu, wall, train_cpu = [], [], []
-    for _ in range(warmup + steps * interleave):
+    for i in range(warmup + steps * interleave):
+        if i == warmup:
+            stats_fused.settle()            # the statistic kernels compiled by now, as in any longer run
         tokens, labels = synthetic_batch(gen, 8, 128, 1024)
         c0, w0, t0 = time.process_time(), time.perf_counter(), time.thread_time()
         lm_loss(model, tokens, labels).backward()

@@ -324,23 +324,24 @@ def step_overhead(rounds, fields):
 
 def per_element(rounds):
     """ns per element of tensor_records (design ops): with the multi-pass kernels only, with the one-pass
-    kernel only, and as shipped (each call takes the one measured faster), next to one _foreach_norm pass
+    record kernel only, and as shipped (16-bit through the record kernel, CPU fp32 through the assume-finite
+    path and its own one-pass kernel), next to one _foreach_norm pass
     over the same tensors (the floor): one tensor of each size, many small tensors in one call, and the
     hook tensors of the §7 model in one call (172 tensors, 89 distinct views)."""
     fields = stats.fields_for_ops(DESIGN_OPS)
     dtypes = (torch.float32, torch.bfloat16)
     stats_fused.prepare("cpu", dtypes, wait=True)
-    shipped_min = stats_fused.CPU_WIDE_MIN
+    stats_fused.prepare("cpu", [torch.float32], wait=True, kernel="finite")
 
-    def records(enabled, wide_min=shipped_min):
+    def records(enabled, cpu_wide=False):
         def run(ts):
-            stats_fused.enabled, stats_fused.CPU_WIDE_MIN = enabled, wide_min
+            stats_fused.enabled, stats_fused.cpu_wide = enabled, cpu_wide
             try:
                 return stats.tensor_records(ts, EPS, fields)
             finally:
-                stats_fused.enabled, stats_fused.CPU_WIDE_MIN = True, shipped_min
+                stats_fused.enabled, stats_fused.cpu_wide = True, False
         return run
-    cands = {"multi-pass": records(False), "one-pass": records(True, 0), "shipped": records(True),
+    cands = {"multi-pass": records(False), "one-pass": records(True, True), "shipped": records(True),
              "_foreach_norm": c_foreach_norm}
     print(f"\n== ns per element, median of {rounds} interleaved rounds (one thread)")
     print(f"  {'dtype':9s} {'tensors':>15s} " + " ".join(f"{k:>13s}" for k in cands))

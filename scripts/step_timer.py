@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from trainmon.monitor import stats_fused
+
 
 class StepTimer:
     """Collects this rank's step times; `count_calls()` wraps one untimed step that counts module calls."""
@@ -31,6 +33,11 @@ class StepTimer:
         now = (time.perf_counter(), time.process_time())
         self.times.append(now[0] - self._last[0])
         self.cpu_times.append(now[1] - self._last[1])
+        if len(self.times) == 1:
+            # The monitor's statistic kernels compile in the background during a run's first seconds: the
+            # steps timed here are those of a longer run, with the kernels in place.
+            stats_fused.settle()
+            now = (time.perf_counter(), time.process_time())
         self._last = now
 
     @contextlib.contextmanager

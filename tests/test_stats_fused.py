@@ -12,19 +12,37 @@ import torch
 from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
 from trainmon.monitor import stats_fused
 from trainmon.monitor.stats import fields_for_ops, merge_records, tensor_records
+from trainmon.monitor.stats_cpu import ONE_PASS_MIN
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+WIDE = [torch.float32, torch.float64]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """One compile per dtype for the whole module; every call of these tests takes the one-pass kernel."""
+    """One compile per kernel and dtype for the whole module; every call of these tests takes the one-pass
+    record kernel, CPU fp32 and fp64 included (`cpu_wide`), unless a test says otherwise."""
+    stats_fused.prepare(CPU, DTYPES)                 # both kernels compile at once
+    stats_fused.prepare(CPU, WIDE, kernel="finite")
     assert stats_fused.prepare(CPU, DTYPES, wait=True)
-    old = stats_fused.CPU_WIDE_MIN
-    stats_fused.CPU_WIDE_MIN = 0
+    assert stats_fused.prepare(CPU, WIDE, wait=True, kernel="finite")
+    stats_fused.cpu_wide = True
     yield
-    stats_fused.CPU_WIDE_MIN = old
+    stats_fused.cpu_wide = False
+
+
+@pytest.fixture
+def assume_finite_kernel(monkeypatch):
+    """CPU fp32/fp64 through stats_cpu's assume-finite path, as shipped; yields the rows its one-pass kernel read."""
+    monkeypatch.setattr(stats_fused, "cpu_wide", False)
+    read = []
+
+    def finite_rows(x, lam, run=stats_fused.finite_rows):
+        read.append(x.shape[0])
+        return run(x, lam)
+    monkeypatch.setattr(stats_fused, "finite_rows", finite_rows)
+    yield read
 
 
 def fused(tensors, eps, fields=ALL):
@@ -102,19 +120,75 @@ def test_fused_never_recompiles():
     assert dict(counters["stats"]) != before
 
 
-def test_cpu_takes_the_multi_pass_kernels_where_they_are_faster():
-    stats_fused.CPU_WIDE_MIN = 1 << 19
+def test_cpu_takes_the_one_pass_record_kernel_for_16_bit_tensors_only():
+    stats_fused.cpu_wide = False
     try:
-        assert not stats_fused.usable([torch.randn(1000)], CPU)
+        assert not stats_fused.usable([torch.randn(1 << 20)], CPU)
+        assert not stats_fused.usable([torch.randn(1 << 20).double(), torch.randn(9).bfloat16()], CPU)
         assert stats_fused.usable([torch.randn(1000).bfloat16()], CPU)
-        assert stats_fused.usable([torch.randn(1 << 20)], CPU)
+        assert stats_fused.usable([torch.randn(1 << 20)], CPU, kernel="finite")
     finally:
-        stats_fused.CPU_WIDE_MIN = 0
+        stats_fused.cpu_wide = True
     assert not stats_fused.usable([torch.empty(5, device="meta")], torch.device("meta"))
     with torch.inference_mode():
         assert not stats_fused.usable([torch.randn(5)], CPU)
     with OpLog():                                    # Dynamo runs no compiled code under a dispatch mode
         assert not stats_fused.usable([torch.randn(5)], CPU)
+
+
+@pytest.mark.parametrize("dtype", WIDE)
+@pytest.mark.parametrize("eps", [1e-8, 0.5, 0.0])
+def test_assume_finite_kernel_records_match_torch(assume_finite_kernel, dtype, eps):
+    """CPU fp32/fp64: whole rows through the assume-finite one-pass kernel, tails and small tensors through
+    the chunk passes, tensors holding a NaN or an Inf through the exact kernels; each record equals torch's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1 << 20, generator=g).to(dtype)
+    x[:5000] = 0
+    tensors = [x, torch.randn(ONE_PASS_MIN + 777, generator=g).to(dtype),              # a tail
+               torch.randn(700, 400, generator=g).to(dtype).t(),                      # non-contiguous, copied
+               sprinkle(torch.randn(ONE_PASS_MIN, generator=g).to(dtype)),            # NaN and ±Inf
+               torch.randn(ONE_PASS_MIN - 1, generator=g).to(dtype),                  # chunk passes
+               torch.randn(100, generator=g).to(dtype), *cases(dtype).values()]
+    rec = tensor_records(tensors, eps, ALL)
+    rows = ONE_PASS_MIN // stats_fused.ROW
+    assert sorted(assume_finite_kernel) == [rows, rows, 68, 256]
+    for row, t in zip(rec, tensors):
+        check(row, t, eps)
+
+
+def test_cpu_call_shares_its_tensors_between_the_kernels(assume_finite_kernel, monkeypatch):
+    """One call of CPU tensors as shipped: 16-bit ones through the record kernel (small ones copied into
+    one batch, a non-contiguous one and one holding NaN and ±Inf among them), large fp32 ones through the
+    assume-finite kernel, the other fp32 ones through the multi-pass kernels; every record equals torch's,
+    in the caller's order."""
+    batches = []
+
+    def run(kernel, x, *consts, real=stats_fused._run):
+        batches.append((kernel, x.dtype, x.shape[0]))
+        return real(kernel, x, *consts)
+    monkeypatch.setattr(stats_fused, "_run", run)
+    g = torch.Generator().manual_seed(9)
+    big, row = stats_fused.GATHER_BELOW, stats_fused.ROW
+    bf16 = [torch.randn(300, 100, generator=g).bfloat16().t(), sprinkle(torch.randn(5000, generator=g).bfloat16()),
+            torch.randn(7, generator=g).bfloat16(), torch.randn(big, generator=g).bfloat16()]
+    fp32 = [torch.randn(ONE_PASS_MIN, generator=g), torch.randn(9000, generator=g), torch.randn(7, generator=g),
+            sprinkle(torch.randn(ONE_PASS_MIN, generator=g)), torch.zeros(0)]
+    tensors = [t for pair in zip(fp32, bf16 + [torch.zeros(0).half()]) for t in pair]
+    rec = tensor_records(tensors, 1e-3, ALL)
+    for row_, t in zip(rec, tensors):
+        check(row_, t, 1e-3)
+    assert sorted(batches, key=str) == sorted([
+        ("finite", torch.float32, ONE_PASS_MIN // row), ("finite", torch.float32, ONE_PASS_MIN // row),
+        ("record", torch.bfloat16, big // row),                       # large: its own call, no copy
+        ("record", torch.bfloat16, 8 + 2 + 1)], key=str)              # small ones: one batch, row-aligned
+
+
+@pytest.mark.parametrize("ops", [["norm"], ["zeros"], ["min", "max"], ["mean", "nans"]])
+def test_assume_finite_kernel_fills_only_requested_fields(assume_finite_kernel, ops):
+    fields = fields_for_ops(ops)
+    x = torch.randn(ONE_PASS_MIN, generator=torch.Generator().manual_seed(6))
+    check(tensor_records([x], 1e-3, fields)[0], x, 1e-3, fields)
+    assert assume_finite_kernel == [ONE_PASS_MIN // stats_fused.ROW]
 
 
 def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
@@ -158,7 +232,7 @@ def test_compiling_never_disturbs_the_training_loops_random_draws():
             "x = torch.randn(5000).bfloat16()\n"
             "torch.manual_seed(0)\n"
             "draws, deadline = [], time.time() + 280\n"
-            "while stats_fused._state.get(('cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
+            "while stats_fused._state.get(('record', 'cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
             "    stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
             "    draws.append(torch.rand(64))\n"
             "    time.sleep(0.02)\n"

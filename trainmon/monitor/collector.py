@@ -22,8 +22,9 @@ class StepCollector:
     cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
     small enough to be reduced while still in the last-level cache, and held tensors keep the
     allocator from reusing their memory for the rest of the step, so larger batches cost more. A
-    tensor object recorded twice within a batch (a module's output is the next module's input) is
-    reduced once; only activations get that reuse (see `record`).
+    tensor object recorded twice within a step (a module's output is the next module's input, a block's
+    output the next block's) is reduced once, unless it changed in between; only activations get that
+    reuse (see `record`).
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
     its later values. So the first time a name is recorded it is reduced at once, and its tensor is
@@ -52,7 +53,8 @@ class StepCollector:
         self._scalars: dict[str, object] = {}
         self._flag_keys: list[RecordKey] = []
         self._flags: list[torch.Tensor] = []
-        self._seen: dict[int, tuple] = {}  # id -> (tensor, version, pending slot or record row), until the next batch
+        # id -> (weakref, version, pending slot or record row) of the deferred tensors recorded this step
+        self._seen: dict[int, tuple] = {}
         self._call_index = 0
         self._indexed: dict[tuple, tuple] = {}  # call_index_of: (family, name, vpp, micro, id) -> (weakref, index)
         self._pending_keys: list[RecordKey] = []
@@ -89,7 +91,7 @@ class StepCollector:
 
         With `defer` (activations and their grads, which frameworks change in place by ordinary ops,
         which bump `_version`) the tensors may be held until the pending batch is reduced, and a tensor
-        object recorded with `defer` since the last batch and unchanged since (same version) reuses that
+        object recorded with `defer` earlier in the step and unchanged since (same version) reuses that
         record instead of being read again. Tensors a compiled graph lends its hooks are read now all the same
         (`in_graph.graph_buffers`).
         """
@@ -102,7 +104,7 @@ class StepCollector:
         for key, tensor in zip(keys, tensors):
             version = tensor._version
             seen = self._seen.get(id(tensor))
-            if seen is not None and seen[1] == version:
+            if seen is not None and seen[0]() is tensor and seen[1] == version:
                 self._reuse(key, seen[2])
                 continue
             self._pending_bytes += tensor.numel() * tensor.element_size()
@@ -111,13 +113,13 @@ class StepCollector:
                 self._pending_tensors.append((tensor, version))
                 self._pending_keys.append(key)
                 self._pending_slots.append(slot)
-                self._seen[id(tensor)] = (tensor, version, slot)
+                self._seen[id(tensor)] = (weakref.ref(tensor), version, slot)
             else:
                 now.append((key, tensor, version))
         if now:
             rows = self._reduce_now([(key, tensor) for key, tensor, _ in now])
             for i, (key, tensor, version) in enumerate(now):
-                self._seen[id(tensor)] = (tensor, version, rows[i:i + 1])
+                self._seen[id(tensor)] = (weakref.ref(tensor), version, rows[i:i + 1])
                 if key.name not in self._eager_names:
                     self._trial.append((key.name, tensor, version))
         if self._pending_bytes >= self.batch_bytes:
@@ -138,11 +140,10 @@ class StepCollector:
     def flush_pending(self) -> None:
         """Reduces every pending tensor in one batch, and lets go of the tensors held since the last one.
 
-        Records are shared only between two batches (`_seen` holds its tensors, so an `id` cannot be
-        reused while it is there): a tensor recorded again after a batch is read again.
+        Their records stay in `_seen` for the rest of the step, behind a weak reference: an `id` reused by
+        another tensor once one has died does not match.
         """
         self._end_trial()
-        self._seen.clear()
         self._pending_bytes = 0
         if not self._pending_keys:
             return
@@ -150,6 +151,11 @@ class StepCollector:
         self._pending_keys, self._pending_slots, self._pending_tensors = [], [], []
         modified = {slot for slot, (t, version) in enumerate(pending) if t._version != version}
         rows = stats.tensor_records([t for t, _ in pending], self.eps, self.fields)
+        for slot, (t, version) in enumerate(pending):
+            if slot in modified:
+                self._seen.pop(id(t), None)
+            else:
+                self._seen[id(t)] = (weakref.ref(t), version, rows[slot:slot + 1])
         kept = [i for i, slot in enumerate(slots) if slot not in modified]
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])

@@ -24,7 +24,8 @@ Where it is compiled and measured faster, one generated kernel reads each elemen
 (stats_fused.py: Triton on accelerators, C++ on CPU); the kernels here serve until it is compiled, where
 it cannot be, and where they are faster.
 CPU tensors take a cheaper route (stats_cpu.py): there reading a value waits for no device, so the
-figures that hold for all-finite tensors come first and only tensors with a NaN/Inf take these kernels.
+figures that hold for all-finite tensors come first (one generated pass for large fp32/fp64 tensors), and
+only tensors with a NaN/Inf take these kernels.
 """
 from __future__ import annotations
 
@@ -213,17 +214,33 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
             seen[key] = len(uniq)
             uniq.append(t.detach())
         rowmap.append(seen[key])
-    rec = stats_fused.records(uniq, dev, _consts, _sat_lambda, eps, sat.sat_limit,
-                              CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)) if stats_fused.usable(uniq, dev) else None
-    if rec is None:
-        rec = _multi_pass_records(uniq, dev, eps, want, fields, sat)
-    else:                                             # the one pass fills every field
-        unwanted = [i for i, f in enumerate(FIELDS) if f not in fields and f not in schema.ALWAYS]
-        if unwanted:
-            rec.index_fill_(1, _meta(unwanted, dev), 0.0)
+    rec = _records_by_kernel(uniq, dev, eps, want, fields, sat)
     if len(uniq) == len(tensors):
         return rec
     return rec.index_select(0, _meta(rowmap, dev))
+
+
+def _records_by_kernel(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
+    """The records of `uniq`: those the one-pass record kernel takes (`stats_fused.taken`) from it, the
+    others from the multi-pass kernels."""
+    fused = stats_fused.taken(uniq, dev)
+    rec = None
+    if fused:
+        rec = stats_fused.records([uniq[u] for u in fused], dev, _consts, _sat_lambda, eps, sat.sat_limit,
+                                  CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK))
+        if rec is not None:                           # the one pass fills every field
+            unwanted = [i for i, f in enumerate(FIELDS) if f not in fields and f not in schema.ALWAYS]
+            if unwanted:
+                rec.index_fill_(1, _meta(unwanted, dev), 0.0)
+    if rec is None:                                   # none taken, or the kernel failed
+        return _multi_pass_records(uniq, dev, eps, want, fields, sat)
+    if len(fused) == len(uniq):
+        return rec
+    rest = sorted(set(range(len(uniq))) - set(fused))
+    out = torch.empty(len(uniq), N_FIELDS, dtype=torch.float64, device=dev)
+    out.index_copy_(0, _meta(fused, dev), rec)
+    out.index_copy_(0, _meta(rest, dev), _multi_pass_records([uniq[u] for u in rest], dev, eps, want, fields, sat))
+    return out
 
 
 def _multi_pass_records(uniq, dev, eps, want, fields, sat) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The CPU path of the statistic engine: assume-finite figures first, exact kernels only where needed.
 
 On a CPU tensor, reading a value waits for no device, so the engine can afford to look: it computes
-the figures that are exact when every element is finite (sum, dot, amin, amax and one count of
-|x| >= eps: 4 to 6 passes, against 12 for the branch-free exact kernels), reads whether they came out
-finite, and runs the exact kernels only on the tensors holding a NaN or an Inf (or whose fp32 sums
-overflowed). On accelerators the branch-free kernels run instead: there, this look would be a host
-synchronisation inside a hook.
+the figures that are exact when every element is finite (sum, sumsq, min, max and the count of
+|x| >= eps), reads whether they came out finite, and runs the exact kernels only on the tensors holding a
+NaN or an Inf (or whose fp32 sums overflowed). A large tensor's figures come from one read of its elements
+(stats_fused's "finite" kernel, half the work of the full record kernel); smaller ones, and every tensor
+until that kernel is compiled, take 4 to 6 passes (sum, dot, aminmax, the count), against 12 for the
+branch-free exact kernels. On accelerators the record kernel or the branch-free kernels run instead:
+there, this look would be a host synchronisation inside a hook.
 """
 from __future__ import annotations
 
@@ -15,11 +17,19 @@ import numpy as np
 import torch
 
 from trainmon.core.schema import N_FIELDS
+from trainmon.monitor import stats_fused
+from trainmon.monitor.stats_fused import ROW
+
+_CPU = torch.device("cpu")
 
 _FAST_DTYPES = (torch.float32, torch.float64)
 # Tensors up to this size (biases, norms, small weights) are reduced together as segments of one
 # buffer: for them the cost of an op call, not of the data, dominates.
 _SMALL = 1 << 12
+# From this size a tensor takes the assume-finite one-pass kernel: its call (about 35 µs of Dynamo and
+# inductor wrappers) costs less than the passes it saves. Smaller ones gain nothing from it, even copied into
+# one batch (benchmarks/README.md, "One pass per tensor").
+ONE_PASS_MIN = 1 << 17
 
 
 def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
@@ -61,37 +71,73 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
 
 def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
                    workspace: Callable) -> np.ndarray:
-    """Records that hold when every element is finite, reading each tensor in cache-sized chunks.
+    """Records that hold when every element is finite.
 
-    Every pass over a chunk after the first hits the cache: weights and optimizer state are cold
-    when the optimizer step ends, and whole-tensor passes would each stream them from memory.
+    A tensor's whole rows of `stats_fused.ROW` elements go through the one-pass kernel once it is compiled
+    (`stats_fused.finite_rows`: every figure from one read); the rest, and every tensor until then, is read
+    in cache-sized chunks by a few passes each: weights and optimizer state are cold when the optimizer step
+    ends, and whole-tensor passes would each stream them from memory.
     """
     scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
                for dtype in {t.dtype for t in tensors}}
-    figures = []                                  # per tensor, its 0-d figures in _FIGURES order
-    at_least = np.zeros(len(tensors))             # per tensor, its count of |x| >= eps (when wanted)
+    one_pass = stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN], _CPU, kernel="finite")
+    chunked, figures, at_least = [], [], []       # tensors (or their tails) read in chunks, their figures
+    owners, rows = [], []                         # per one-pass tensor, its index and its row partials
     for i, t in enumerate(tensors):
         work = scratch[t.dtype]
         flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, work.copy)
         n, cap = flat.numel(), work.cap
+        whole = n // ROW * ROW if one_pass and n >= ONE_PASS_MIN else 0
+        if whole:
+            owners.append(i)
+            rows.append(stats_fused.finite_rows(flat[:whole].view(-1, ROW), work.lam))
+            if whole == n:
+                continue
+            flat, n = flat[whole:], n - whole
+        chunked.append(i)
         if n <= cap:                              # most tensors: one chunk, no slicing
             figures.append(_chunk_figures(flat, want))
-            if want[3]:
-                at_least[i] = work.count_at_least(flat)
+            at_least.append(work.count_at_least(flat) if want[3] else 0)
         else:
             chunks = [flat.narrow(0, start, min(cap, n - start)) for start in range(0, n, cap)]
             figures.append(_combine_chunks([_chunk_figures(chunk, want) for chunk in chunks]))
-            if want[3]:
-                at_least[i] = sum(work.count_at_least(chunk) for chunk in chunks)
-    values = np.empty((len(tensors), len(_FIGURES) + 1))
-    for dtype in _FAST_DTYPES:                    # one stack and cast per dtype for the whole call
-        rows = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        if rows:
-            stacked = torch.stack([f for i in rows for f in figures[i]]).to(torch.float64)
-            values[rows, :len(_FIGURES)] = stacked.view(len(rows), len(_FIGURES)).numpy()
-    values[:, len(_FIGURES)] = at_least
+            at_least.append(sum(work.count_at_least(chunk) for chunk in chunks) if want[3] else 0)
+    values = np.tile(_IDENTITY, (len(tensors), 1))
+    if chunked:
+        values[chunked] = _stacked_figures([tensors[i].dtype for i in chunked], figures, at_least)
+    if owners:
+        _merge_rows(values, owners, rows)
     count = np.array([float(t.numel()) for t in tensors])
     return _packed_records(count, values, want)
+
+
+# Figure columns of `_assume_finite` (sum, sumsq, min, max, count of |x| >= eps): their identity, and which
+# add up (the others are the min and the max).
+_IDENTITY = np.array([0.0, 0.0, np.inf, -np.inf, 0.0])
+_ADDED = [0, 1, 4]
+
+
+def _stacked_figures(dtypes: list, figures: list, at_least: list) -> np.ndarray:
+    """Per chunk-read tensor its 0-d figures and count as one float64 row, with one stack and cast per dtype."""
+    values = np.empty((len(dtypes), len(_FIGURES) + 1))
+    for dtype in _FAST_DTYPES:
+        members = [j for j, d in enumerate(dtypes) if d == dtype]
+        if members:
+            stacked = torch.stack([f for j in members for f in figures[j]]).to(torch.float64)
+            values[members, :len(_FIGURES)] = stacked.view(len(members), len(_FIGURES)).numpy()
+    values[:, len(_FIGURES)] = at_least
+    return values
+
+
+def _merge_rows(values: np.ndarray, owners: list[int], rows: list[torch.Tensor]) -> None:
+    """Adds the one-pass kernel's row partials (per owner, `[rows, 5]`) into the owners' rows of `values`:
+    counts and sums in float64, min of mins, max of maxes."""
+    partials = torch.cat(rows).to(torch.float64).numpy() if len(rows) > 1 else rows[0].double().numpy()
+    starts = np.cumsum([0] + [len(r) for r in rows[:-1]])
+    with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
+        values[np.ix_(owners, _ADDED)] += np.add.reduceat(partials[:, _ADDED], starts)
+        values[owners, 2] = np.minimum(values[owners, 2], np.minimum.reduceat(partials[:, 2], starts))
+        values[owners, 3] = np.maximum(values[owners, 3], np.maximum.reduceat(partials[:, 3], starts))
 
 
 class _Scratch:
@@ -99,7 +145,7 @@ class _Scratch:
     through numpy and sliced once per length (slicing a tensor costs more than some of the passes)."""
 
     def __init__(self, copy: torch.Tensor, buffer: torch.Tensor, mask: torch.Tensor, lam: float):
-        self.copy, self.cap = copy, buffer.numel()
+        self.copy, self.cap, self.lam = copy, buffer.numel(), lam
         self._magnitudes, self._mask = buffer.numpy(), mask.numpy()
         self._lam = self._magnitudes.dtype.type(lam)  # exact: lam is a value of the dtype
         self._views: dict[int, tuple] = {}

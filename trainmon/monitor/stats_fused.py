@@ -9,19 +9,23 @@ accumulation dtype (fp32 for 16/32-bit data, fp64 for fp64: every dtype value is
 widened inside the kernel, never copied. Row partials combine in fp64 per tensor, so long tensors keep the
 precision of a sum of 4096-element fp32 partials.
 
-Layout of one call: a contiguous tensor is viewed as `[n // ROW, ROW]` rows (no copy); its last `n % ROW`
-elements and every small tensor become rows of one NaN-padded batch (one kernel for many small tensors),
-whose padding is taken off the NaN count afterwards. A non-contiguous tensor is copied chunk by chunk into
-its own dtype (never wider).
+Layout of one call: a tensor of GATHER_BELOW elements or more is viewed as `[n // ROW, ROW]` rows (no copy;
+a non-contiguous one is copied chunk by chunk into its own dtype, never wider), and its last `n % ROW`
+elements become rows of one NaN-padded batch; smaller tensors are copied row-aligned into NaN-padded
+batches of a reused buffer (one kernel call for many tensors). The padding is taken off the NaN count
+afterwards.
 
-Where it is used: on accelerators always; on CPU where it was measured faster (`_faster`).
+Where it is used: on accelerators always; on CPU for 16-bit tensors (`_faster`). CPU fp32/fp64 tensors take
+stats_cpu's assume-finite path, whose own one-pass kernel (`_finite_row_figures`, generated the same way)
+computes five figures per row and leaves the NaN and Inf counts to the exact kernels, which run only where
+a figure came out non-finite.
 
-Compile cost never lands on the training thread: the first request for a (device type, dtype) starts the
+Compile cost never lands on the training thread: the first request for a (kernel, device type, dtype) starts the
 compile in a child process (a thread of this one would let Dynamo's save and restore of the RNG state rewind
 the training loop's random draws), and calls take the engine's other kernels until the main thread has
 loaded the result from inductor's cache (Dynamo's trace, once: 2 s for
 the first dtype, 0.2 s for the next, on a 2-core CPU); a compile that
-fails (no C++ compiler, no Triton, an old torch) leaves those kernels in place for good, with one message. The
+fails (no C++ compiler, no Triton, an old torch) leaves those kernels in place for good, with one message. A
 kernel is compiled once per dtype and device type, for every shape (dynamic sizes; rows and columns are
 kept >= 2, as 0 and 1 would be specialised) and every call runs in the same grad mode, so its guards hold
 (inference tensors, which would need a compile of their own, keep the other kernels). Inside a Dynamo
@@ -46,12 +50,15 @@ from trainmon.core import schema
 logger = logging.getLogger("trainmon")
 
 ROW = 4096                                      # elements per row: its counts are exact in fp32
-CPU_WIDE_MIN = 1 << 19                          # see _faster
+# Tensors below this size are copied into shared batches, one kernel call per batch: the copy costs less
+# than a call of their own (about 35 µs of Dynamo and inductor wrappers on the host).
+GATHER_BELOW = 1 << 17
 _INF = math.inf
 _NANS = schema.INDEX["nans"]
 _MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
 
 enabled = True                                  # benchmarks and tests compare against the other kernels
+cpu_wide = False                                # see _faster
 
 
 def _row_figures(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
@@ -73,45 +80,63 @@ def _row_figures(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
     return torch.stack([columns[f] for f in schema.FIELDS], 1)
 
 
-_compiled = torch.compile(_row_figures, dynamic=True, fullgraph=True)
-# (device type, dtype) -> "warming" (compiling in a child process) | "warm" (in inductor's cache) | "ready"
-# | "failed"
+def _finite_row_figures(x: torch.Tensor, lam: float) -> torch.Tensor:
+    """`[rows, 5]` sum, sumsq, min, max and count of |x| > lam of each row of fp32/fp64 `x`, in its dtype:
+    the figures of stats_cpu's assume-finite path, right only where every element is finite (a NaN or an Inf
+    makes the sum non-finite, which sends the tensor to the exact kernels). Half the work of `_row_figures`."""
+    return torch.stack([x.sum(1), (x * x).sum(1), x.amin(1), x.amax(1), (x.abs() > lam).to(x.dtype).sum(1)], 1)
+
+
+# kernel name -> (function, the check of a load: its rows, its constants, the first 3 figures of row 0)
+_KERNELS = {"record": (_row_figures, [[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], (1e-8, 1.0), [2.0, 0.0, 1.0]),
+            "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,), [2.0, 14.0, -2.0])}
+_compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, (fn, *_) in _KERNELS.items()}
+# (kernel, device type, dtype) -> "warming" (compiling in a child process) | "warm" (in inductor's cache)
+# | "ready" | "failed"
 _state: dict = {}
 _threads: dict = {}
 _lock = threading.Lock()
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def _run(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
-    """The compiled kernel on `x`, `[rows >= 2, width >= 2]` (sizes 0 and 1 would be specialised)."""
+def _run(kernel: str, x: torch.Tensor, *consts: float) -> torch.Tensor:
+    """A compiled kernel on `x`, `[rows >= 2, width >= 2]` (sizes 0 and 1 would be specialised)."""
     with torch.no_grad(), torch.inference_mode(False):   # the same global state at every call
-        return _compiled(x, lam, sat_lam)
+        return _compiled[kernel](x, *consts)
 
 
-def _load(device: torch.device, dtype: torch.dtype) -> None:
-    """Compiles the kernel in this process (from inductor's cache once warm) and checks it on a sample."""
-    sample = torch.tensor([[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], dtype=dtype, device=device)
-    out = _run(sample, 1e-8, 1.0)
-    torch.testing.assert_close(out[0, :3].double().cpu(), torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64))
+def finite_rows(x: torch.Tensor, lam: float) -> torch.Tensor:
+    """`_finite_row_figures` of `x`, `[rows >= 2, ROW]`, once `usable(..., kernel="finite")` said so."""
+    return _run("finite", x, lam)
+
+
+def _load(key: tuple) -> None:
+    """Compiles a kernel in this process (from inductor's cache once warm) and checks it on a sample."""
+    kernel, device, dtype = key
+    _, rows, consts, expected = _KERNELS[kernel]
+    out = _run(kernel, torch.tensor(rows, dtype=dtype, device=device), *consts)
+    torch.testing.assert_close(out[0, :3].double().cpu(), torch.tensor(expected, dtype=torch.float64))
 
 
 def _refuse(key: tuple, exc: BaseException) -> None:
     _state[key] = "failed"
     if threading.main_thread().is_alive():          # else the interpreter is exiting: nothing to say
-        logger.warning("trainmon: the one-pass statistic kernel is not available for %s on %s (%s: %s); "
-                       "the multi-pass kernels are used", key[1], key[0], type(exc).__name__, exc)
+        kernel, device_type, dtype = key
+        logger.warning("trainmon: the one-pass statistic kernel is not available for %s on %s (%s kernel; %s: %s); "
+                       "the multi-pass kernels are used", dtype, device_type, kernel, type(exc).__name__, exc)
 
 
 def _warm(key: tuple) -> None:
-    """Compiles the kernel in a child process, which leaves it in inductor's on-disk cache. Not in a thread
+    """Compiles a kernel in a child process, which leaves it in inductor's on-disk cache. Not in a thread
     of this one: Dynamo saves the random number generators' state before a compile and restores it after,
     which would rewind the draws the training loop made meanwhile (dropout masks, sampling)."""
+    kernel, device_type, dtype = key
     try:
         import torch._inductor.compile_fx  # noqa: F401  (imports of the load to come, here and not in a hook)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                                          os.environ.get("PYTHONPATH")])))
-        child = subprocess.run([sys.executable, "-m", __name__, key[0], str(key[1]).split(".")[1]], env=env,
-                               capture_output=True, text=True, timeout=1800)
+        child = subprocess.run([sys.executable, "-m", __name__, kernel, device_type, str(dtype).split(".")[1]],
+                               env=env, capture_output=True, text=True, timeout=1800)
         if child.returncode != 0:
             raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
         _state[key] = "warm"
@@ -119,55 +144,66 @@ def _warm(key: tuple) -> None:
         _refuse(key, exc)
 
 
-def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = False) -> bool:
-    """Starts compiling the kernel for `dtypes` on `device` in the background (once each); with `wait`,
+def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = False,
+            kernel: str = "record") -> bool:
+    """Starts compiling `kernel` for `dtypes` on `device` in the background (once each); with `wait`,
     waits for it. Returns whether the kernel is ready for all of them.
 
     The compile runs in a child process; the kernel is then loaded from inductor's cache by the main
     thread, the one that trains (0.2-2 s, once), at its first statistics after the compile."""
-    device = torch.device(device)
-    for dtype in dtypes:
-        key = (device.type, dtype)
+    keys = [(kernel, torch.device(device).type, dtype) for dtype in dtypes]
+    for key in keys:
         with _lock:
             if key not in _state:
                 _state[key] = "warming"
                 _threads[key] = threading.Thread(target=_warm, args=(key,), name="trainmon-stat-kernel-compile",
                                                  daemon=True)
                 _threads[key].start()
-    for dtype in dtypes:
-        key = (device.type, dtype)
+    for key in keys:
         if wait:
             _threads[key].join()
         if _state[key] == "warm" and threading.current_thread() is threading.main_thread():
             try:
-                _load(device, dtype)
+                _load(key)
                 _state[key] = "ready"
             except Exception as exc:
                 _refuse(key, exc)
-    return all(_state[(device.type, dtype)] == "ready" for dtype in dtypes)
+    return all(_state[key] == "ready" for key in keys)
 
 
-def usable(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Whether `tensors` go through the one-pass kernel now (starting its compile when it is not)."""
+def settle() -> None:
+    """Waits for every kernel compile started so far and loads its kernel: the steady state a long run
+    reaches within seconds, for benchmarks of a few steps."""
+    for kernel, device_type, dtype in list(_threads):
+        prepare(device_type, [dtype], wait=True, kernel=kernel)
+
+
+def usable(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "record") -> bool:
+    """Whether every tensor of `tensors` goes through `kernel` now (starting its compile when it is not)."""
+    return len(taken(tensors, device, kernel)) == len(tensors)
+
+
+def taken(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "record") -> list[int]:
+    """The indices of `tensors` that go through `kernel` now, starting its compile for their dtypes when
+    it is not: the one-pass record kernel where it is faster than the others (`_faster`), or stats_cpu's
+    assume-finite kernel ("finite")."""
     if not enabled or device.type == "meta" or torch.compiler.is_compiling():
-        return False
+        return []
     if _get_current_dispatch_mode() is not None:
-        return False                                # Dynamo does not run compiled code under a dispatch mode
+        return []                                   # Dynamo does not run compiled code under a dispatch mode
     # fake/subclass tensors have their own dispatch; inference tensors would need a compile of their own
-    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_inference() for t in tensors):
-        return False
-    return _faster(tensors, device) and prepare(device, {t.dtype for t in tensors})
+    wanted = [i for i, t in enumerate(tensors) if type(t) in (torch.Tensor, torch.nn.Parameter)
+              and not t.is_inference() and (kernel != "record" or _faster(t, device))]
+    ready = {dtype for dtype in {tensors[i].dtype for i in wanted} if prepare(device, [dtype], kernel=kernel)}
+    return [i for i in wanted if tensors[i].dtype in ready]
 
 
-def _faster(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Where the one-pass kernel was measured faster (benchmarks/stats_kernels.py --per-element): everywhere
-    on accelerators; on CPU for 16-bit tensors, and for fp32/fp64 ones of CPU_WIDE_MIN elements on average,
-    below which the engine's assume-finite CPU figures (a few BLAS/vectorised passes) cost less than a
-    compiled call."""
-    if device.type != "cpu":
-        return True
-    wide = [t.numel() for t in tensors if t.dtype in (torch.float32, torch.float64)]
-    return not wide or sum(wide) >= CPU_WIDE_MIN * len(wide)
+def _faster(t: torch.Tensor, device: torch.device) -> bool:
+    """Where the one-pass record kernel was measured faster (benchmarks/stats_kernels.py --per-element):
+    everywhere on accelerators; on CPU for 16-bit tensors. CPU fp32/fp64 tensors take stats_cpu's
+    assume-finite path, whose own one-pass kernel computes half the figures (`cpu_wide` sends them here,
+    for tests of this kernel)."""
+    return device.type != "cpu" or cpu_wide or t.dtype not in (torch.float32, torch.float64)
 
 
 def _flat_segments(t: torch.Tensor, cap: int):
@@ -196,7 +232,7 @@ def records(uniq: Sequence[torch.Tensor], device: torch.device, consts, sat_lamb
     except Exception as exc:                        # monitoring never takes training down
         dtypes = sorted({t.dtype for t in uniq}, key=str)
         for dtype in dtypes:
-            _state[(device.type, dtype)] = "failed"
+            _state[("record", device.type, dtype)] = "failed"
         logger.warning("trainmon: the one-pass statistic kernel failed for %s on %s (%s: %s); the multi-pass "
                        "kernels are used from now on", dtypes, device.type, type(exc).__name__, exc)
         return None
@@ -209,25 +245,71 @@ def _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap) -> torch.Ten
         lam = consts(dtype, eps)[0] if eps > 0 else -_INF   # eps 0: nothing is |x| < 0
         sat_lam = sat_lambda(dtype, sat_limit(dtype))
         short: list[tuple[int, torch.Tensor]] = []
+        gathered: list[tuple[int, torch.Tensor]] = []
         for u, t in enumerate(uniq):
-            if t.dtype != dtype:
+            if t.dtype != dtype or not t.numel():
+                continue
+            if t.numel() < GATHER_BELOW:
+                gathered.append((u, t))
                 continue
             for flat in _flat_segments(t, cap):
                 whole = flat.numel() // ROW * ROW if flat.numel() >= 2 * ROW else 0
                 if whole:
-                    partials.append(_run(flat[:whole].view(-1, ROW), lam, sat_lam).to(torch.float64))
+                    partials.append(_run("record", flat[:whole].view(-1, ROW), lam, sat_lam).to(torch.float64))
                     owners.append((u, whole // ROW))
                 short.extend((u, piece) for piece in flat[whole:].split(ROW) if piece.numel())
+        if gathered:
+            partials.extend(_gathered_rows(gathered, owners, pads, lam, sat_lam, cap))
         if short:
             # a row of two NaN keeps the batch at >= 2 rows and columns; its figures are dropped
             filler = torch.full((2,), math.nan, dtype=dtype, device=device)
             batch = torch.nn.utils.rnn.pad_sequence([s for _, s in short] + [filler], batch_first=True,
                                                     padding_value=math.nan)
-            partials.append(_run(batch, lam, sat_lam).narrow(0, 0, len(short)).to(torch.float64))
+            partials.append(_run("record", batch, lam, sat_lam).narrow(0, 0, len(short)).to(torch.float64))
             for u, s in short:
                 owners.append((u, 1))
                 pads[u] += batch.shape[1] - s.numel()
     return _combine(partials, owners, pads, len(uniq), device)
+
+
+def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam: float, cap: int) -> list:
+    """Row partials of small tensors, each copied into whole rows of a NaN-padded batch (non-contiguous ones
+    included: one copy each), one kernel call per batch of at most `cap` elements; their owners and padding
+    are added to `owners` and `pads`.
+
+    The batch is the engine's reused workspace on CPU: a fresh buffer per call would fault in every page of
+    it, which costs more than the kernel, while the reused one is still in the cache.
+    """
+    from trainmon.monitor.stats import _workspace   # the engine's reused per-thread buffers
+
+    t0 = gathered[0][1]
+    # accelerators: a buffer of the caching allocator; batches on one stream run in order, so one serves all
+    workspace = _workspace(t0.device, t0.dtype, cap)[0] if t0.device.type == "cpu" else \
+        torch.empty(cap, dtype=t0.dtype, device=t0.device)
+    per_batch = cap // ROW
+    partials, group, filled = [], [], 0
+    for u, t in gathered:
+        rows = -(-t.numel() // ROW)
+        if group and filled + rows > per_batch:
+            partials.append(_batch_rows(workspace, group, filled, lam, sat_lam))
+            group, filled = [], 0
+        group.append((t, rows))
+        filled += rows
+        owners.append((u, rows))
+        pads[u] += rows * ROW - t.numel()
+    partials.append(_batch_rows(workspace, group, filled, lam, sat_lam))
+    return partials
+
+
+def _batch_rows(workspace: torch.Tensor, group: list, total: int, lam: float, sat_lam: float) -> torch.Tensor:
+    """The kernel's `total` rows of `group` ((tensor, rows) each), copied row-aligned into `workspace`."""
+    batch = workspace.narrow(0, 0, max(total, 2) * ROW).view(-1, ROW)   # >= 2 rows: 1 would be specialised
+    flat = batch.view(-1).fill_(math.nan)
+    at = 0
+    for t, rows in group:
+        flat.narrow(0, at, t.numel()).view(t.shape).copy_(t)
+        at += rows * ROW
+    return _run("record", batch, lam, sat_lam).narrow(0, 0, total).to(torch.float64)
 
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
@@ -253,4 +335,4 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
 
 
 if __name__ == "__main__":                          # the child process of `_warm`: compile, fill the cache
-    _load(torch.device(sys.argv[1]), getattr(torch, sys.argv[2]))
+    _load((sys.argv[1], torch.device(sys.argv[2]), getattr(torch, sys.argv[3])))

@@ -1,0 +1,88 @@
+"""The step collector's reuse of records: a tensor recorded again in the same step, unchanged, is not read
+again; a changed or different tensor is."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmon.core.records import RecordKey
+from trainmon.monitor import stats
+from trainmon.monitor.collector import StepCollector
+
+FIELDS = stats.fields_for_ops(["norm", "min", "max"])
+NORM = stats.FIELDS.index("sumsq")
+
+
+def key(name: str, t: torch.Tensor) -> RecordKey:
+    return RecordKey("actv", name, 0, 0, 0, tuple(t.shape), str(t.dtype))
+
+
+def collector_reading(monkeypatch):
+    """A collector whose batches never fill, and the tensors each call of the engine read (by identity)."""
+    reads = []
+
+    def tensor_records(tensors, eps, fields, engine=stats.tensor_records):
+        reads.append([id(t) for t in tensors])
+        return engine(tensors, eps, fields)
+    monkeypatch.setattr(stats, "tensor_records", tensor_records)
+    return StepCollector(1e-8, FIELDS, rank=0, batch_bytes=1 << 30), reads
+
+
+def sumsq(batch, name):
+    return {k.name: row[NORM] for k, row in zip(batch.keys, batch.values)}[name]
+
+
+def deferrable(collector, *names):
+    """Makes `names` deferred: a name's first record is reduced at once, and watched until the next batch."""
+    for name in names:
+        t = torch.ones(3)
+        collector.record([key(name, t)], [t], defer=True)
+    collector.flush_pending()
+
+
+def test_an_unchanged_tensor_recorded_after_its_batch_reuses_its_record(monkeypatch):
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "block.0.output", "block.1.input", "block.1.input_2")
+    reads.clear()
+    x = torch.randn(1000)
+    collector.record([key("block.0.output", x)], [x], defer=True)
+    collector.flush_pending()                         # as when the pending batch filled
+    collector.record([key("block.1.input", x)], [x], defer=True)
+    x.mul_(2)                                         # changed in place: read again
+    collector.record([key("block.1.input_2", x)], [x], defer=True)
+    batch = collector.finish_step().wait()
+    assert [id(x) in r for r in reads] == [True, True]
+    assert sumsq(batch, "block.0.output") == sumsq(batch, "block.1.input")
+    assert sumsq(batch, "block.1.input") == pytest.approx(float((x / 2).double().square().sum()), rel=1e-6)
+    assert sumsq(batch, "block.1.input_2") == pytest.approx(float(x.double().square().sum()), rel=1e-6)
+
+
+def test_a_new_tensor_at_a_dead_ones_id_is_read(monkeypatch):
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "a", "b")
+    old = torch.ones(1000)
+    collector.record([key("a", old)], [old], defer=True)
+    collector.flush_pending()
+    dead_id, kept = id(old), []
+    del old
+    for _ in range(10_000):                           # CPython hands a freed object's address to the next one
+        new = torch.full((1000,), 2.0)
+        if id(new) == dead_id:
+            break
+        kept.append(new)
+    assert id(new) == dead_id
+    collector.record([key("b", new)], [new], defer=True)
+    batch = collector.finish_step().wait()
+    assert sumsq(batch, "a") == 1000.0 and sumsq(batch, "b") == 4000.0
+
+
+def test_records_are_not_shared_across_steps(monkeypatch):
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "a")
+    x = torch.randn(100)
+    collector.record([key("a", x)], [x], defer=True)
+    collector.finish_step()
+    reads.clear()
+    collector.record([key("a", x)], [x], defer=True)
+    collector.finish_step()
+    assert any(id(x) in r for r in reads)

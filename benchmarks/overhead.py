@@ -3,7 +3,8 @@
 Model: 4-layer causal LM, hidden 256, seq 128, batch 8, vocab 1024, AdamW, fp32, one thread.
 Each tier runs in its own process (so peak RSS is its own); per-step process CPU time (all threads,
 the writer's included) and wall time are medians over the steps after warm-up, once the statistic kernels
-have compiled (a few seconds into a run).
+have compiled (a few seconds into a run). `stats` is the median training-thread CPU time per collected
+step spent in the statistic engine (`stats.tensor_records`).
 
     python benchmarks/overhead.py                      # all tiers, csv
     python benchmarks/overhead.py --tiers none,full --format csv,api --steps 30
@@ -81,18 +82,20 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
     monitor = attach_monitor(tier_config(tier, formats, extra, interleave), out_dir, model, optimizer)
     sink_cpu = time_sinks(monitor) if monitor is not None else {}
-    cpu, wall, train_cpu = [], [], []
+    in_stats = time_statistics()
+    cpu, wall, train_cpu, stats_cpu = [], [], [], []
     for i in range(warmup + steps * interleave):
         if i == warmup:
             stats_fused.settle()            # the statistic kernels compiled by now, as in any longer run
         tokens, labels = synthetic_batch(gen, 8, 128, 1024)
-        c0, w0, t0 = time.process_time(), time.perf_counter(), time.thread_time()
+        c0, w0, t0, s0 = time.process_time(), time.perf_counter(), time.thread_time(), in_stats[0]
         lm_loss(model, tokens, labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
         train_cpu.append(time.thread_time() - t0)
+        stats_cpu.append(in_stats[0] - s0)
     flush_start = time.perf_counter()
     if monitor is not None:
         monitor.stop()
@@ -102,17 +105,36 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     if monitor is not None:
         with open(monitor.output_dir / "run.json") as f:
             writer = json.load(f).get("writer", {})
-    collected = [c for i, c in enumerate(cpu) if i >= warmup and i % interleave == 0]
+    collected_steps = [i for i in range(warmup, len(cpu)) if i % interleave == 0]
+    collected = [cpu[i] for i in collected_steps]
     idle = [c for i, c in enumerate(cpu) if i >= warmup and i % interleave != 0]
     return {"tier": tier, "formats": formats, "cpu_s": statistics.median(collected),
             "idle_cpu_s": statistics.median(idle) if idle else None,
             "train_thread_cpu_s": statistics.median(train_cpu[warmup:]),
+            "stats_cpu_s": statistics.median(stats_cpu[i] for i in collected_steps),
             "sink_cpu_s": {name: sum(t) / len(t) for name, t in sink_cpu.items() if t},
             "disk_by_sink": {sink: size / (warmup + steps) for sink, size in disk_by_sink(out_dir).items()},
             "blocked_s": writer.get("blocked_seconds", 0.0),
             "wall_s": statistics.median(wall[warmup:]), "peak_rss_mb": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 1024, "flush_at_stop_s": flush,
             "disk_bytes_per_step": disk / (warmup + steps)}
+
+
+def time_statistics() -> list:
+    """Wraps the statistic engine: its training-thread CPU time adds up in the returned one-item list."""
+    from trainmon.monitor import stats
+
+    spent = [0.0]
+    engine = stats.tensor_records
+
+    def timed(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return engine(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time() - start
+    stats.tensor_records = timed
+    return spent
 
 
 def time_sinks(monitor) -> dict:
@@ -171,14 +193,14 @@ def main() -> int:
         print_sink_table(results)
         return 0
     base = next((r for r in results if r["tier"] == "none"), None)
-    print(f"{'tier':8} {'cpu/step':>9} {'wall/step':>9} {'cpu×':>6} {'wall×':>6} {'in-run×':>7} {'rss MB':>7} "
-          f"{'disk/step':>10}")
+    print(f"{'tier':8} {'cpu/step':>9} {'wall/step':>9} {'cpu×':>6} {'wall×':>6} {'in-run×':>7} {'stats':>8} "
+          f"{'rss MB':>7} {'disk/step':>10}")
     for r in results:
         cpu_ratio = r["cpu_s"] / base["cpu_s"] if base else float("nan")
         wall_ratio = r["wall_s"] / base["wall_s"] if base else float("nan")
         in_run = f"{r['cpu_s'] / r['idle_cpu_s']:7.3f}" if r.get("idle_cpu_s") else f"{'-':>7}"
         print(f"{r['tier']:8} {r['cpu_s']*1e3:8.1f}ms {r['wall_s']*1e3:8.1f}ms {cpu_ratio:6.3f} {wall_ratio:6.3f} "
-              f"{in_run} {r['peak_rss_mb']:7.0f} {r['disk_bytes_per_step']/1024:8.1f}KB")
+              f"{in_run} {r['stats_cpu_s']*1e3:6.1f}ms {r['peak_rss_mb']:7.0f} {r['disk_bytes_per_step']/1024:8.1f}KB")
     return 0
 
 

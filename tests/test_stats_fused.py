@@ -191,6 +191,7 @@ def test_assume_finite_kernel_fills_only_requested_fields(assume_finite_kernel, 
     assert assume_finite_kernel == [ONE_PASS_MIN // stats_fused.ROW]
 
 
+@pytest.mark.slow  # compiles in a child process
 def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
     """A machine without a working C++ compiler: the compile fails once, in the background, with one
     message, and the records are still right."""
@@ -224,6 +225,7 @@ def test_fused_1e8_elements(dtype):
     torch.testing.assert_close(rec[5], want[5], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow  # compiles in a child process
 def test_compiling_never_disturbs_the_training_loops_random_draws():
     """The compile runs while training draws random numbers (dropout, sampling); Dynamo saves and restores
     the RNG state around a compile, which must not rewind those draws."""

@@ -88,9 +88,12 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
         flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, work.copy)
         n, cap = flat.numel(), work.cap
         whole = n // ROW * ROW if one_pass and n >= ONE_PASS_MIN else 0
-        if whole:
+        partials = stats_fused.finite_rows(flat[:whole].view(-1, ROW), work.lam) if whole else None
+        if whole and partials is None:
+            one_pass = False                      # the kernel was just retired: the passes read the rest
+        if partials is not None:
             owners.append(i)
-            rows.append(stats_fused.finite_rows(flat[:whole].view(-1, ROW), work.lam))
+            rows.append(partials)
             if whole == n:
                 continue
             flat, n = flat[whole:], n - whole

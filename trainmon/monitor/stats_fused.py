@@ -105,9 +105,16 @@ def _run(kernel: str, x: torch.Tensor, *consts: float) -> torch.Tensor:
         return _compiled[kernel](x, *consts)
 
 
-def finite_rows(x: torch.Tensor, lam: float) -> torch.Tensor:
-    """`_finite_row_figures` of `x`, `[rows >= 2, ROW]`, once `usable(..., kernel="finite")` said so."""
-    return _run("finite", x, lam)
+def finite_rows(x: torch.Tensor, lam: float) -> Optional[torch.Tensor]:
+    """`_finite_row_figures` of `x`, `[rows >= 2, ROW]`, once `usable(..., kernel="finite")` said so; None
+    where the kernel failed (it is then retired for that dtype, with one message)."""
+    try:
+        return _run("finite", x, lam)
+    except Exception as exc:                        # monitoring never takes training down
+        _state[("finite", x.device.type, x.dtype)] = "failed"
+        logger.warning("trainmon: the one-pass statistic kernel failed for %s on %s (finite kernel; %s: %s); the "
+                       "multi-pass kernels are used from now on", x.dtype, x.device.type, type(exc).__name__, exc)
+        return None
 
 
 def _load(key: tuple) -> None:

@@ -183,21 +183,24 @@ def test_cpu_call_shares_its_tensors_between_the_kernels(assume_finite_kernel, m
         ("record", torch.bfloat16, 8 + 2 + 1)], key=str)              # small ones: one batch, row-aligned
 
 
-def test_a_failing_assume_finite_kernel_is_retired_and_the_records_stay_right(monkeypatch, caplog):
+def test_failing_kernels_are_retired_and_the_records_stay_right(monkeypatch, caplog):
+    """Both generated kernels raising at run time: each is retired for its dtype with one message, and every
+    record still equals torch's."""
     monkeypatch.setattr(stats_fused, "cpu_wide", False)
     monkeypatch.setattr(stats_fused, "_state", dict(stats_fused._state))
 
     def run(kernel, x, *consts):
-        raise RuntimeError("kernel broke")
+        raise RuntimeError(f"{kernel} kernel broke")
     monkeypatch.setattr(stats_fused, "_run", run)
-    x = sprinkle(torch.randn(ONE_PASS_MIN + 5, generator=torch.Generator().manual_seed(4)))
-    y = torch.randn(ONE_PASS_MIN)
+    g = torch.Generator().manual_seed(4)
+    tensors = [sprinkle(torch.randn(ONE_PASS_MIN + 5, generator=g)), torch.randn(ONE_PASS_MIN, generator=g),
+               sprinkle(torch.randn(5000, generator=g).bfloat16())]
     for _ in range(2):
-        rec = tensor_records([x, y], 1e-3, ALL)
-        check(rec[0], x, 1e-3)
-        check(rec[1], y, 1e-3)
+        for row, t in zip(tensor_records(tensors, 1e-3, ALL), tensors):
+            check(row, t, 1e-3)
     assert stats_fused._state[("finite", "cpu", torch.float32)] == "failed"
-    assert caplog.text.count("kernel broke") == 1
+    assert stats_fused._state[("record", "cpu", torch.bfloat16)] == "failed"
+    assert caplog.text.count("finite kernel broke") == 1 and caplog.text.count("record kernel broke") == 1
 
 
 @pytest.mark.parametrize("ops", [["norm"], ["zeros"], ["min", "max"], ["mean", "nans"]])

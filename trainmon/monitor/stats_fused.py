@@ -111,10 +111,17 @@ def finite_rows(x: torch.Tensor, lam: float) -> Optional[torch.Tensor]:
     try:
         return _run("finite", x, lam)
     except Exception as exc:                        # monitoring never takes training down
-        _state[("finite", x.device.type, x.dtype)] = "failed"
-        logger.warning("trainmon: the one-pass statistic kernel failed for %s on %s (finite kernel; %s: %s); the "
-                       "multi-pass kernels are used from now on", x.dtype, x.device.type, type(exc).__name__, exc)
+        _retire("finite", x.device, [x.dtype], exc)
         return None
+
+
+def _retire(kernel: str, device: torch.device, dtypes: Sequence[torch.dtype], exc: BaseException) -> None:
+    """A kernel that failed while running is not used again for `dtypes`; one message says so."""
+    for dtype in dtypes:
+        _state[(kernel, device.type, dtype)] = "failed"
+    logger.warning("trainmon: the one-pass statistic kernel failed for %s on %s (%s kernel; %s: %s); the "
+                   "multi-pass kernels are used from now on", list(dtypes), device.type, kernel,
+                   type(exc).__name__, exc)
 
 
 def _load(key: tuple) -> None:
@@ -237,11 +244,7 @@ def records(uniq: Sequence[torch.Tensor], device: torch.device, consts, sat_lamb
     try:
         return _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap)
     except Exception as exc:                        # monitoring never takes training down
-        dtypes = sorted({t.dtype for t in uniq}, key=str)
-        for dtype in dtypes:
-            _state[("record", device.type, dtype)] = "failed"
-        logger.warning("trainmon: the one-pass statistic kernel failed for %s on %s (%s: %s); the multi-pass "
-                       "kernels are used from now on", dtypes, device.type, type(exc).__name__, exc)
+        _retire("record", device, sorted({t.dtype for t in uniq}, key=str), exc)
         return None
 
 

@@ -34,13 +34,15 @@ def compiled():
 
 @pytest.fixture
 def assume_finite_kernel(monkeypatch):
-    """CPU fp32/fp64 through stats_cpu's assume-finite path, as shipped; yields the rows its one-pass kernel read."""
+    """CPU fp32/fp64 through stats_cpu's assume-finite path, as shipped; yields, per tensor its one-pass kernel
+    read, the rows it read (a last partial row included)."""
     monkeypatch.setattr(stats_fused, "cpu_wide", False)
     read = []
 
-    def finite_rows(x, lam, run=stats_fused.finite_rows):
-        read.append(x.shape[0])
-        return run(x, lam)
+    def finite_rows(flat, lam, run=stats_fused.finite_rows):
+        blocks = run(flat, lam)
+        read.append(sum(len(block) for block in blocks))
+        return blocks
     monkeypatch.setattr(stats_fused, "finite_rows", finite_rows)
     yield read
 
@@ -103,21 +105,60 @@ def test_fused_saturation_limit():
     assert fused([x], 1e-8, fields)[0, FIELDS.index("sat")] == 3
 
 
-def test_fused_never_recompiles():
-    """One compile per dtype serves every shape, stride, grad mode and call site."""
+def test_one_package_serves_every_call_without_tracing_or_compiling(monkeypatch):
+    """Once loaded, a kernel serves every shape, stride, grad mode and call site, inference tensors included:
+    no Dynamo trace and no compile in a child process, and every record equals torch's."""
     from torch._dynamo.utils import counters
 
-    before = dict(counters["stats"])
+    def no_child(*args, **kwargs):
+        raise AssertionError("a kernel was compiled again")
+    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
+    before, state = dict(counters["stats"]), dict(stats_fused._state)
     w = torch.randn(300, 500, requires_grad=True)
     inputs = [[torch.randn(n).to(dtype)] for n in (1, 2, 3, 4096, 8192, 50_000) for dtype in DTYPES]
-    inputs += [[w], [w.t()], [torch.randn(2, 3, 4)[:, 1]], [torch.randn(10_001)[1:]], cases(torch.float16).values()]
+    inputs += [[w], [w.t()], [torch.randn(2, 3, 4)[:, 1]], [torch.randn(10_001)[1:]],
+               list(cases(torch.float16).values())]
     for ts in inputs:
-        fused(list(ts), 1e-8)
-    with torch.no_grad():
-        fused([w * 2], 1e-8)
-    assert dict(counters["stats"]) == before
-    torch.compile(lambda t: t * 3, dynamic=True, backend="eager")(w)   # the detector sees a compile
-    assert dict(counters["stats"]) != before
+        for row, t in zip(fused(ts, 1e-8), ts):
+            check(row, t, 1e-8)
+    with torch.inference_mode():
+        ts = [w * 2, torch.randn(5000).bfloat16()]
+        for row, t in zip(fused(ts, 1e-8), ts):
+            check(row, t, 1e-8)
+    assert dict(counters["stats"]) == before and stats_fused._state == state
+
+
+def test_a_kernel_never_reads_strided_rows():
+    """The compiled code reads its input's memory as contiguous rows: a strided view is refused, not misread."""
+    rows = torch.randn(4096, 3).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        stats_fused._run("finite", rows, 1e-8)
+    torch.testing.assert_close(stats_fused._run("finite", rows.contiguous(), 1e-8),
+                               stats_fused._finite_row_figures(rows, 1e-8))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 1), (5, 4096)])
+def test_kernels_take_every_shape(shape):
+    """Rows and columns of 1 included (a trace would have specialised them)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    x.view(-1)[0] = float("nan") if x.numel() > 1 else 1.5
+    torch.testing.assert_close(stats_fused._run("record", x.bfloat16(), 1e-8, 2.0),
+                               stats_fused._row_figures(x.bfloat16(), 1e-8, 2.0), equal_nan=True)
+    finite = x.nan_to_num()
+    torch.testing.assert_close(stats_fused._run("finite", finite, 1e-8), stats_fused._finite_row_figures(finite, 1e-8))
+
+
+def test_a_package_on_disk_is_loaded_not_compiled_again(monkeypatch):
+    """A later process (here: a fresh state) finds the compiled package and loads it; no child process runs."""
+    def no_child(*args, **kwargs):
+        raise AssertionError("a kernel was compiled again")
+    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
+    monkeypatch.setattr(stats_fused, "_state", {})
+    monkeypatch.setattr(stats_fused, "_threads", {})
+    monkeypatch.setattr(stats_fused, "_runners", {})
+    assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    x = sprinkle(torch.randn(9000).bfloat16())
+    check(fused([x], 1e-3)[0], x, 1e-3)
 
 
 def test_cpu_takes_the_one_pass_record_kernel_for_16_bit_tensors_only():
@@ -130,17 +171,16 @@ def test_cpu_takes_the_one_pass_record_kernel_for_16_bit_tensors_only():
     finally:
         stats_fused.cpu_wide = True
     assert not stats_fused.usable([torch.empty(5, device="meta")], torch.device("meta"))
-    with torch.inference_mode():
-        assert not stats_fused.usable([torch.randn(5)], CPU)
-    with OpLog():                                    # Dynamo runs no compiled code under a dispatch mode
+    with OpLog():                                    # the compiled code would bypass the dispatch mode
         assert not stats_fused.usable([torch.randn(5)], CPU)
 
 
 @pytest.mark.parametrize("dtype", WIDE)
 @pytest.mark.parametrize("eps", [1e-8, 0.5, 0.0])
 def test_assume_finite_kernel_records_match_torch(assume_finite_kernel, dtype, eps):
-    """CPU fp32/fp64: whole rows through the assume-finite one-pass kernel, tails and small tensors through
-    the chunk passes, tensors holding a NaN or an Inf through the exact kernels; each record equals torch's."""
+    """CPU fp32/fp64: whole rows and the last partial row through the assume-finite one-pass kernel, small
+    tensors through the chunk passes, tensors holding a NaN or an Inf through the exact kernels; each record
+    equals torch's."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1 << 20, generator=g).to(dtype)
     x[:5000] = 0
@@ -151,7 +191,7 @@ def test_assume_finite_kernel_records_match_torch(assume_finite_kernel, dtype, e
                torch.randn(100, generator=g).to(dtype), *cases(dtype).values()]
     rec = tensor_records(tensors, eps, ALL)
     rows = ONE_PASS_MIN // stats_fused.ROW
-    assert sorted(assume_finite_kernel) == [rows, rows, 68, 256]
+    assert sorted(assume_finite_kernel) == [rows, rows + 1, 69, 256]
     for row, t in zip(rec, tensors):
         check(row, t, eps)
 
@@ -179,6 +219,7 @@ def test_cpu_call_shares_its_tensors_between_the_kernels(assume_finite_kernel, m
         check(row_, t, 1e-3)
     assert sorted(batches, key=str) == sorted([
         ("finite", torch.float32, ONE_PASS_MIN // row), ("finite", torch.float32, ONE_PASS_MIN // row),
+        ("finite", torch.float32, 9000 // row), ("finite", torch.float32, 1),   # 9000: whole rows, then the rest
         ("record", torch.bfloat16, big // row),                       # large: its own call, no copy
         ("record", torch.bfloat16, 8 + 2 + 1)], key=str)              # small ones: one batch, row-aligned
 

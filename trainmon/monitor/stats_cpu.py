@@ -26,10 +26,11 @@ _FAST_DTYPES = (torch.float32, torch.float64)
 # Tensors up to this size (biases, norms, small weights) are reduced together as segments of one
 # buffer: for them the cost of an op call, not of the data, dominates.
 _SMALL = 1 << 12
-# From this size a tensor takes the assume-finite one-pass kernel: its call (about 35 µs of Dynamo and
-# inductor wrappers) costs less than the passes it saves. Smaller ones gain nothing from it, even copied into
-# one batch (benchmarks/README.md, "One pass per tensor").
-ONE_PASS_MIN = 1 << 17
+# From this size a tensor takes the assume-finite one-pass kernel: its calls (one for the whole rows, one for
+# the rest) cost less than the passes they save. In calls of 20 tensors, per tensor, passes against kernel:
+# 16.4 against 15.2 µs at 8 K elements, 37.7 against 24.7 at 64 K, but 14.9 against 20.1 at 4 K + 1. A call
+# of one tensor pays about 8 µs more for merging the rows, and gains from 32 K on (benchmarks/README.md).
+ONE_PASS_MIN = 1 << 13
 
 
 def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
@@ -81,22 +82,19 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
                for dtype in {t.dtype for t in tensors}}
     one_pass = stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN], _CPU, kernel="finite")
-    chunked, figures, at_least = [], [], []       # tensors (or their tails) read in chunks, their figures
-    owners, rows = [], []                         # per one-pass tensor, its index and its row partials
+    chunked, figures, at_least = [], [], []       # tensors read in chunks, their figures
+    owners, blocks = [], []                       # per block of the one-pass kernel's rows, its tensor
     for i, t in enumerate(tensors):
         work = scratch[t.dtype]
         flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, work.copy)
         n, cap = flat.numel(), work.cap
-        whole = n // ROW * ROW if one_pass and n >= ONE_PASS_MIN else 0
-        partials = stats_fused.finite_rows(flat[:whole].view(-1, ROW), work.lam) if whole else None
-        if whole and partials is None:
-            one_pass = False                      # the kernel was just retired: the passes read the rest
-        if partials is not None:
-            owners.append(i)
-            rows.append(partials)
-            if whole == n:
+        if one_pass and n >= ONE_PASS_MIN:
+            rows = stats_fused.finite_rows(flat, work.lam)
+            if rows is not None:
+                owners.extend([i] * len(rows))
+                blocks.extend(rows)
                 continue
-            flat, n = flat[whole:], n - whole
+            one_pass = False                      # the kernel was just retired: the passes read the rest
         chunked.append(i)
         if n <= cap:                              # most tensors: one chunk, no slicing
             figures.append(_chunk_figures(flat, want))
@@ -108,16 +106,15 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     values = np.tile(_IDENTITY, (len(tensors), 1))
     if chunked:
         values[chunked] = _stacked_figures([tensors[i].dtype for i in chunked], figures, at_least)
-    if owners:
-        _merge_rows(values, owners, rows)
+    if owners:                                    # whole tensors: their rows hold the identity until now
+        index, merged = _merged_rows(owners, blocks)
+        values[index] = merged
     count = np.array([float(t.numel()) for t in tensors])
     return _packed_records(count, values, want)
 
 
-# Figure columns of `_assume_finite` (sum, sumsq, min, max, count of |x| >= eps): their identity, and which
-# add up (the others are the min and the max).
+# Figure columns of `_assume_finite` (sum, sumsq, min, max, count of |x| >= eps): their identity.
 _IDENTITY = np.array([0.0, 0.0, np.inf, -np.inf, 0.0])
-_ADDED = [0, 1, 4]
 
 
 def _stacked_figures(dtypes: list, figures: list, at_least: list) -> np.ndarray:
@@ -132,15 +129,20 @@ def _stacked_figures(dtypes: list, figures: list, at_least: list) -> np.ndarray:
     return values
 
 
-def _merge_rows(values: np.ndarray, owners: list[int], rows: list[torch.Tensor]) -> None:
-    """Adds the one-pass kernel's row partials (per owner, `[rows, 5]`) into the owners' rows of `values`:
-    counts and sums in float64, min of mins, max of maxes."""
-    partials = torch.cat(rows).to(torch.float64).numpy() if len(rows) > 1 else rows[0].double().numpy()
-    starts = np.cumsum([0] + [len(r) for r in rows[:-1]])
+def _merged_rows(owners: list[int], blocks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """The figures (`_IDENTITY`'s columns, float64) of each tensor the one-pass kernel read, merged from its
+    row partials (`[rows, 5]` blocks, a tensor's one or two adjacent): counts and sums added, min of mins,
+    max of maxes. Returns the tensors' indices and their `[k, 5]` figures."""
+    partials = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).numpy().astype(np.float64)
+    owner = np.asarray(owners)
+    first = np.ones(len(owner), dtype=bool)       # the first block of each tensor starts its rows
+    first[1:] = owner[1:] != owner[:-1]
+    starts = np.cumsum([0] + [len(b) for b in blocks[:-1]])[first]
     with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
-        values[np.ix_(owners, _ADDED)] += np.add.reduceat(partials[:, _ADDED], starts)
-        values[owners, 2] = np.minimum(values[owners, 2], np.minimum.reduceat(partials[:, 2], starts))
-        values[owners, 3] = np.maximum(values[owners, 3], np.maximum.reduceat(partials[:, 3], starts))
+        merged = np.add.reduceat(partials, starts)
+        merged[:, 2] = np.minimum.reduceat(partials[:, 2], starts)
+        merged[:, 3] = np.maximum.reduceat(partials[:, 3], starts)
+    return owner[first], merged
 
 
 class _Scratch:

@@ -10,32 +10,33 @@ widened inside the kernel, never copied. Row partials combine in fp64 per tensor
 precision of a sum of 4096-element fp32 partials.
 
 Layout of one call: a tensor of GATHER_BELOW elements or more is viewed as `[n // ROW, ROW]` rows (no copy;
-a non-contiguous one is copied chunk by chunk into its own dtype, never wider), and its last `n % ROW`
-elements become rows of one NaN-padded batch; smaller tensors are copied row-aligned into NaN-padded
-batches of a reused buffer (one kernel call for many tensors). The padding is taken off the NaN count
-afterwards.
+a non-contiguous one is copied chunk by chunk into its own dtype, never wider); its last `n % ROW` elements
+and the smaller tensors are copied row-aligned into NaN-padded batches of a reused buffer (one kernel call
+for many tensors). The padding is taken off the NaN count afterwards.
 
 Where it is used: on accelerators always; on CPU for 16-bit tensors (`_faster`). CPU fp32/fp64 tensors take
 stats_cpu's assume-finite path, whose own one-pass kernel (`_finite_row_figures`, generated the same way)
 computes five figures per row and leaves the NaN and Inf counts to the exact kernels, which run only where
 a figure came out non-finite.
 
-Compile cost never lands on the training thread: the first request for a (kernel, device type, dtype) starts the
-compile in a child process (a thread of this one would let Dynamo's save and restore of the RNG state rewind
-the training loop's random draws), and calls take the engine's other kernels until the main thread has
-loaded the result from inductor's cache (Dynamo's trace, once: 2 s for
-the first dtype, 0.2 s for the next, on a 2-core CPU); a compile that
-fails (no C++ compiler, no Triton, an old torch) leaves those kernels in place for good, with one message. A
-kernel is compiled once per dtype and device type, for every shape (dynamic sizes; rows and columns are
-kept >= 2, as 0 and 1 would be specialised) and every call runs in the same grad mode, so its guards hold
-(inference tensors, which would need a compile of their own, keep the other kernels). Inside a Dynamo
-trace, or under a dispatch mode, the kernel is not used.
+Compile cost never lands on the training thread: the first request for a (kernel, device type, dtype) starts
+its compile in a child process (a thread of this one would let tracing's save and restore of the RNG state
+rewind the training loop's random draws): torch.export for every `[rows, width]` shape, then AOTInductor
+into a package in inductor's cache directory, which later runs find and load in milliseconds. Calls take
+the engine's other kernels until the training thread has loaded the package, at its first statistics after
+the compile. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
+25 µs of wrappers), and reads its input as contiguous rows, so it is given nothing else. A compile that fails
+(no C++ compiler, no Triton, an old torch) leaves the other kernels in place for good, with one message.
+Inside a Dynamo trace, or under a dispatch mode, the kernel is not used: it would bypass both.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import math
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -51,7 +52,8 @@ logger = logging.getLogger("trainmon")
 
 ROW = 4096                                      # elements per row: its counts are exact in fp32
 # Tensors below this size are copied into shared batches, one kernel call per batch: the copy costs less
-# than a call of their own (about 35 µs of Dynamo and inductor wrappers on the host).
+# than the host work of a call of their own (CPU bf16: 11 against 16 µs per tensor of 4 K elements; the
+# same from 64 K on).
 GATHER_BELOW = 1 << 17
 _INF = math.inf
 _NANS = schema.INDEX["nans"]
@@ -90,28 +92,118 @@ def _finite_row_figures(x: torch.Tensor, lam: float) -> torch.Tensor:
 # kernel name -> (function, the check of a load: its rows, its constants, the first 3 figures of row 0)
 _KERNELS = {"record": (_row_figures, [[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], (1e-8, 1.0), [2.0, 0.0, 1.0]),
             "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,), [2.0, 14.0, -2.0])}
-_compiled = {name: torch.compile(fn, dynamic=True, fullgraph=True) for name, (fn, *_) in _KERNELS.items()}
-# (kernel, device type, dtype) -> "warming" (compiling in a child process) | "warm" (in inductor's cache)
+# (kernel, device type, dtype) -> "warming" (compiling in a child process) | "warm" (its package on disk)
 # | "ready" | "failed"
 _state: dict = {}
 _threads: dict = {}
 _lock = threading.Lock()
+_runners: dict = {}                             # (kernel, device, dtype) -> the loaded package's runner
+_constants: dict = {}                           # (value, dtype, device) -> the 0-d tensor passed for it
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _run(kernel: str, x: torch.Tensor, *consts: float) -> torch.Tensor:
-    """A compiled kernel on `x`, `[rows >= 2, width >= 2]` (sizes 0 and 1 would be specialised)."""
-    with torch.no_grad(), torch.inference_mode(False):   # the same global state at every call
-        return _compiled[kernel](x, *consts)
+    """A loaded kernel on `x`, a contiguous `[rows, width]` tensor: the compiled code reads x's memory as
+    rows of that shape whatever its strides, so other strides are refused here, not misread."""
+    if not x.is_contiguous():
+        raise ValueError("a one-pass kernel takes contiguous rows only")
+    runner = _runners.get((kernel, x.device, x.dtype)) or _runner(kernel, x.device, x.dtype)
+    acc = _accumulation(x.dtype)
+    return runner.run([x, *(_constant(c, acc, x.device) for c in consts)])[0]
 
 
-def finite_rows(x: torch.Tensor, lam: float) -> Optional[torch.Tensor]:
-    """`_finite_row_figures` of `x`, `[rows >= 2, ROW]`, once `usable(..., kernel="finite")` said so; None
-    where the kernel failed (it is then retired for that dtype, with one message)."""
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`value` as a 0-d tensor, made once (a few thresholds per run; on an accelerator each is a copy)."""
+    key = (value, dtype, device)
+    if key not in _constants:
+        _constants[key] = torch.tensor(value, dtype=dtype, device=device)
+    return _constants[key]
+
+
+def _runner(kernel: str, device: torch.device, dtype: torch.dtype):
+    """The kernel's compiled package loaded for `device` (once per device: a package runs on the device index
+    it was loaded for)."""
+    from torch._inductor import aoti_load_package
+
+    path = _package((kernel, device.type, dtype))
+    index = -1 if device.index is None else device.index
+    runner = _runners[(kernel, device, dtype)] = aoti_load_package(str(path), run_single_threaded=True,
+                                                                   device_index=index).loader
+    return runner
+
+
+def _package(key: tuple) -> Path:
+    """Where a kernel's compiled package lives: in inductor's cache directory, under a name that changes with
+    anything the compiled code depends on (the kernel's source, torch, the hardware it was compiled for)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    kernel, device_type, dtype = key
+    fn = _KERNELS[kernel][0]
+    recipe = "\n".join([inspect.getsource(fn), str(ROW), ",".join(schema.FIELDS), torch.__version__,
+                        platform.machine(), _hardware(device_type)])
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
+    return Path(cache_dir()) / "trainmon" / f"{kernel}-{device_type}-{str(dtype).split('.')[1]}-{digest}.pt2"
+
+
+def _hardware(device_type: str) -> str:
+    """The instruction sets a CPU kernel was compiled for, or the accelerator's model."""
+    if device_type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                return next((line for line in f if line.startswith(("flags", "Features"))), "")
+        except OSError:
+            return platform.processor()
     try:
-        return _run("finite", x, lam)
+        return torch.get_device_module(device_type).get_device_name()
+    except Exception:                               # a backend without that query: its type only
+        return device_type
+
+
+class _Exported(torch.nn.Module):
+    """A kernel function as the module torch.export takes."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor, *consts: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, *consts)
+
+
+def _compile(key: tuple, path: Path) -> None:
+    """Exports a kernel for every `[rows, width]` shape and compiles it with AOTInductor into `path` (the
+    child process of `_warm`). Its calls then cost a few µs of host time, where a `torch.compile`d function
+    costs about 25 µs of Dynamo's and AOTAutograd's wrappers per call."""
+    from torch._inductor import aoti_compile_and_package
+
+    kernel, device, dtype = key
+    fn, rows, consts, _ = _KERNELS[kernel]
+    sample = torch.tensor(rows, dtype=dtype, device=device)
+    args = (sample, *(_constant(c, _accumulation(dtype), device) for c in consts))
+    shape = {0: torch.export.Dim("rows", min=1), 1: torch.export.Dim("width", min=1)}
+    program = torch.export.export(_Exported(fn), args, dynamic_shapes=(shape, (None,) * len(consts)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    aoti_compile_and_package(program, package_path=str(partial))
+    os.replace(partial, path)                       # whole or absent, for every process that looks
+
+
+def finite_rows(flat: torch.Tensor, lam: float) -> Optional[list[torch.Tensor]]:
+    """`_finite_row_figures` of a flat contiguous tensor as `[rows, 5]` blocks, one for its whole rows of ROW
+    elements and one for the rest, once `usable(..., kernel="finite")` said so; None where the kernel failed
+    (it is then retired for that dtype, with one message)."""
+    whole = flat.numel() // ROW * ROW
+    try:
+        blocks = [_run("finite", flat[:whole].view(-1, ROW), lam)] if whole else []
+        if whole < flat.numel():
+            blocks.append(_run("finite", flat[whole:].view(1, -1), lam))
+        return blocks
     except Exception as exc:                        # monitoring never takes training down
-        _retire("finite", x.device, [x.dtype], exc)
+        _retire("finite", flat.device, [flat.dtype], exc)
         return None
 
 
@@ -125,7 +217,7 @@ def _retire(kernel: str, device: torch.device, dtypes: Sequence[torch.dtype], ex
 
 
 def _load(key: tuple) -> None:
-    """Compiles a kernel in this process (from inductor's cache once warm) and checks it on a sample."""
+    """Loads a compiled kernel into this process and checks it on a sample."""
     kernel, device, dtype = key
     _, rows, consts, expected = _KERNELS[kernel]
     out = _run(kernel, torch.tensor(rows, dtype=dtype, device=device), *consts)
@@ -141,18 +233,21 @@ def _refuse(key: tuple, exc: BaseException) -> None:
 
 
 def _warm(key: tuple) -> None:
-    """Compiles a kernel in a child process, which leaves it in inductor's on-disk cache. Not in a thread
-    of this one: Dynamo saves the random number generators' state before a compile and restores it after,
-    which would rewind the draws the training loop made meanwhile (dropout masks, sampling)."""
+    """Compiles a kernel into its package in a child process, unless an earlier run left it on disk. Not in
+    a thread of this one: tracing saves the random number generators' state and restores it after, which
+    would rewind the draws the training loop made meanwhile (dropout masks, sampling)."""
     kernel, device_type, dtype = key
     try:
-        import torch._inductor.compile_fx  # noqa: F401  (imports of the load to come, here and not in a hook)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
-                                                                         os.environ.get("PYTHONPATH")])))
-        child = subprocess.run([sys.executable, "-m", __name__, kernel, device_type, str(dtype).split(".")[1]],
-                               env=env, capture_output=True, text=True, timeout=1800)
-        if child.returncode != 0:
-            raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
+        import torch._inductor.package  # noqa: F401  (imports of the load to come, here and not in a hook)
+        path = _package(key)
+        if not path.exists():
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                                             os.environ.get("PYTHONPATH")])))
+            child = subprocess.run([sys.executable, "-m", __name__, kernel, device_type,
+                                    str(dtype).split(".")[1], str(path)],
+                                   env=env, capture_output=True, text=True, timeout=1800)
+            if child.returncode != 0:
+                raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
         _state[key] = "warm"
     except Exception as exc:                        # no compiler, no Triton, an unsupported build
         _refuse(key, exc)
@@ -163,8 +258,8 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     """Starts compiling `kernel` for `dtypes` on `device` in the background (once each); with `wait`,
     waits for it. Returns whether the kernel is ready for all of them.
 
-    The compile runs in a child process; the kernel is then loaded from inductor's cache by the main
-    thread, the one that trains (0.2-2 s, once), at its first statistics after the compile."""
+    The compile runs in a child process (unless its package is on disk already); the main thread, the one
+    that trains, then loads the package (milliseconds, once) at its first statistics after the compile."""
     keys = [(kernel, torch.device(device).type, dtype) for dtype in dtypes]
     for key in keys:
         with _lock:
@@ -204,10 +299,10 @@ def taken(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "
     if not enabled or device.type == "meta" or torch.compiler.is_compiling():
         return []
     if _get_current_dispatch_mode() is not None:
-        return []                                   # Dynamo does not run compiled code under a dispatch mode
-    # fake/subclass tensors have their own dispatch; inference tensors would need a compile of their own
+        return []                                   # the compiled code would bypass the mode
+    # fake and subclass tensors have their own dispatch, which the compiled code would bypass too
     wanted = [i for i, t in enumerate(tensors) if type(t) in (torch.Tensor, torch.nn.Parameter)
-              and not t.is_inference() and (kernel != "record" or _faster(t, device))]
+              and (kernel != "record" or _faster(t, device))]
     ready = {dtype for dtype in {tensors[i].dtype for i in wanted} if prepare(device, [dtype], kernel=kernel)}
     return [i for i in wanted if tensors[i].dtype in ready]
 
@@ -227,7 +322,7 @@ def _flat_segments(t: torch.Tensor, cap: int):
         return
     from trainmon.monitor.stats import _chunks    # the engine's chunking of any strides
     for chunk in _chunks(t, cap):
-        yield chunk.reshape(-1)
+        yield chunk.contiguous().view(-1)
 
 
 def records(uniq: Sequence[torch.Tensor], device: torch.device, consts, sat_lambda, eps: float,
@@ -254,8 +349,7 @@ def _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap) -> torch.Ten
     for dtype in sorted({t.dtype for t in uniq}, key=str):
         lam = consts(dtype, eps)[0] if eps > 0 else -_INF   # eps 0: nothing is |x| < 0
         sat_lam = sat_lambda(dtype, sat_limit(dtype))
-        short: list[tuple[int, torch.Tensor]] = []
-        gathered: list[tuple[int, torch.Tensor]] = []
+        gathered: list[tuple[int, torch.Tensor]] = []   # (owner, elements) copied into shared batches
         for u, t in enumerate(uniq):
             if t.dtype != dtype or not t.numel():
                 continue
@@ -263,29 +357,21 @@ def _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap) -> torch.Ten
                 gathered.append((u, t))
                 continue
             for flat in _flat_segments(t, cap):
-                whole = flat.numel() // ROW * ROW if flat.numel() >= 2 * ROW else 0
+                whole = flat.numel() // ROW * ROW
                 if whole:
                     partials.append(_run("record", flat[:whole].view(-1, ROW), lam, sat_lam).to(torch.float64))
                     owners.append((u, whole // ROW))
-                short.extend((u, piece) for piece in flat[whole:].split(ROW) if piece.numel())
+                if whole < flat.numel():            # a copied chunk's tail is cloned, not kept alive
+                    gathered.append((u, flat[whole:] if t.is_contiguous() else flat[whole:].clone()))
         if gathered:
             partials.extend(_gathered_rows(gathered, owners, pads, lam, sat_lam, cap))
-        if short:
-            # a row of two NaN keeps the batch at >= 2 rows and columns; its figures are dropped
-            filler = torch.full((2,), math.nan, dtype=dtype, device=device)
-            batch = torch.nn.utils.rnn.pad_sequence([s for _, s in short] + [filler], batch_first=True,
-                                                    padding_value=math.nan)
-            partials.append(_run("record", batch, lam, sat_lam).narrow(0, 0, len(short)).to(torch.float64))
-            for u, s in short:
-                owners.append((u, 1))
-                pads[u] += batch.shape[1] - s.numel()
     return _combine(partials, owners, pads, len(uniq), device)
 
 
 def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam: float, cap: int) -> list:
-    """Row partials of small tensors, each copied into whole rows of a NaN-padded batch (non-contiguous ones
-    included: one copy each), one kernel call per batch of at most `cap` elements; their owners and padding
-    are added to `owners` and `pads`.
+    """Row partials of small tensors and of large ones' last partial rows, each copied into whole rows of a
+    NaN-padded batch (non-contiguous ones included: one copy each), one kernel call per batch of at most
+    `cap` elements; their owners and padding are added to `owners` and `pads`.
 
     The batch is the engine's reused workspace on CPU: a fresh buffer per call would fault in every page of
     it, which costs more than the kernel, while the reused one is still in the cache.
@@ -313,13 +399,13 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
 
 def _batch_rows(workspace: torch.Tensor, group: list, total: int, lam: float, sat_lam: float) -> torch.Tensor:
     """The kernel's `total` rows of `group` ((tensor, rows) each), copied row-aligned into `workspace`."""
-    batch = workspace.narrow(0, 0, max(total, 2) * ROW).view(-1, ROW)   # >= 2 rows: 1 would be specialised
+    batch = workspace.narrow(0, 0, total * ROW).view(-1, ROW)
     flat = batch.view(-1).fill_(math.nan)
     at = 0
     for t, rows in group:
         flat.narrow(0, at, t.numel()).view(t.shape).copy_(t)
         at += rows * ROW
-    return _run("record", batch, lam, sat_lam).narrow(0, 0, total).to(torch.float64)
+    return _run("record", batch, lam, sat_lam).to(torch.float64)
 
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
@@ -344,5 +430,5 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
     return rec
 
 
-if __name__ == "__main__":                          # the child process of `_warm`: compile, fill the cache
-    _load((sys.argv[1], torch.device(sys.argv[2]), getattr(torch, sys.argv[3])))
+if __name__ == "__main__":                          # the child process of `_warm`
+    _compile((sys.argv[1], torch.device(sys.argv[2]), getattr(torch, sys.argv[3])), Path(sys.argv[4]))

@@ -5,8 +5,10 @@ import os
 import sqlite3
 import subprocess
 import sys
+import zlib
 
 import numpy as np
+import pytest
 import torch
 
 from writer_helpers import OPS, integrity, monitored, tensorboard_scalars
@@ -97,6 +99,28 @@ def test_nan_fields_are_marked_and_inf_is_real(tmp_path):
     frame = open_run(tmp_path, source="db").records()
     assert math.isnan(frame["raw_sum"].iloc[0]) and frame["raw_sumsq"].iloc[0] == math.inf
     assert frame["nan_fields"].iloc[0] == 1 << db_schema.FIELDS.index("sum")
+
+
+@pytest.mark.parametrize("rows_per_insert", [7, 2048])
+def test_a_step_of_many_records_is_stored_whole_and_in_order(tmp_path, monkeypatch, rows_per_insert):
+    """The records of a step go in as multi-row INSERTs: a step of more rows than one statement takes is
+    split, and every row arrives once, in the batch's order, equal to its record block."""
+    monkeypatch.setattr(db_schema, "_MAX_ROWS_PER_INSERT", rows_per_insert)
+    db = MonitorDb(tmp_path / "monitor.db")
+    keys = [RecordKey("actv", f"layers.{i % 5}", 0, i % 3, i, (i + 1,), "torch.float32") for i in range(50)]
+    values = np.random.default_rng(0).standard_normal((50, len(db_schema.FIELDS)))
+    values[3, 4] = np.nan
+    db.add_step(4, 0, keys, values, {})
+    db.close()
+    with sqlite3.connect(tmp_path / "monitor.db") as conn:
+        fields = ", ".join(f'"{f}"' for f in db_schema.FIELDS)
+        stored = conn.execute(f"SELECT step, micro_step, call_index, nan_fields, {fields} FROM records "
+                              "ORDER BY rowid").fetchall()
+        (block,) = conn.execute("SELECT records FROM record_blocks").fetchone()
+    assert [(r[0], r[1], r[2]) for r in stored] == [(4, i % 3, i) for i in range(50)]
+    np.testing.assert_array_equal(np.array([[np.nan if v is None else v for v in r[4:]] for r in stored]), values)
+    assert stored[3][3] == 1 << db_schema.FIELDS.index("sum")
+    np.testing.assert_array_equal(np.frombuffer(zlib.decompress(block), db_schema.BLOCK_DTYPE)["fields"], values)
 
 
 def test_corrupt_existing_db_disables_the_sink_and_counts_the_loss(output_dir, write_config, caplog):

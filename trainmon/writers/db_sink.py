@@ -66,7 +66,7 @@ class MonitorDb:
         with self._transaction():
             tag_ids = [self._tag_id(key) for key in keys]
             micro_steps, call_indexes = [key.micro_step for key in keys], [key.call_index for key in keys]
-            self.conn.executemany(db_schema.INSERT_RECORD, [
+            db_schema.insert_records(self.conn, [
                 (tag_id, step, micro, call, pp_stage, *fields, int(mask))
                 for tag_id, micro, call, fields, mask in zip(tag_ids, micro_steps, call_indexes, rows, masks)])
             block = db_schema.encode_block(tag_ids, micro_steps, call_indexes, values, masks, recorded)

@@ -53,8 +53,7 @@ def _write_rank(rank_dir):
             rows.append((tag, step, micro, min(call, 2), 0, *values, 0))
         conn.execute("INSERT INTO batches VALUES (?, 0, 6, 0)", (step,))
     rows.append((4, 0, 0, 3, 0, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, math.inf, -math.inf, math.nan, math.nan, 0))
-    conn.executemany(db_schema.INSERT_RECORD, [r[:5] + tuple(None if v != v else v for v in r[5:-1]) + r[-1:]
-                                               for r in rows])
+    db_schema.insert_records(conn, [r[:5] + tuple(None if v != v else v for v in r[5:-1]) + r[-1:] for r in rows])
     conn.close()
     table = AnomalyTable(path)
     table.open()

@@ -130,11 +130,12 @@ def test_one_package_serves_every_call_without_tracing_or_compiling(monkeypatch)
 
 def test_a_kernel_never_reads_strided_rows():
     """The compiled code reads its input's memory as contiguous rows: a strided view is refused, not misread."""
-    rows = torch.randn(4096, 3).t()
+    rows = torch.randn(4096, 3, generator=torch.Generator().manual_seed(1)).t()
     with pytest.raises(ValueError, match="contiguous"):
         stats_fused._run("finite", rows, 1e-8)
+    # the same figures up to fp32 summation order
     torch.testing.assert_close(stats_fused._run("finite", rows.contiguous(), 1e-8),
-                               stats_fused._finite_row_figures(rows, 1e-8))
+                               stats_fused._finite_row_figures(rows, 1e-8), rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 1), (5, 4096)])
@@ -142,10 +143,12 @@ def test_kernels_take_every_shape(shape):
     """Rows and columns of 1 included (a trace would have specialised them)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     x.view(-1)[0] = float("nan") if x.numel() > 1 else 1.5
+    # the same figures as the eager ops, up to fp32 summation order
     torch.testing.assert_close(stats_fused._run("record", x.bfloat16(), 1e-8, 2.0),
-                               stats_fused._row_figures(x.bfloat16(), 1e-8, 2.0), equal_nan=True)
+                               stats_fused._row_figures(x.bfloat16(), 1e-8, 2.0), equal_nan=True, rtol=1e-5, atol=1e-3)
     finite = x.nan_to_num()
-    torch.testing.assert_close(stats_fused._run("finite", finite, 1e-8), stats_fused._finite_row_figures(finite, 1e-8))
+    torch.testing.assert_close(stats_fused._run("finite", finite, 1e-8), stats_fused._finite_row_figures(finite, 1e-8),
+                               rtol=1e-5, atol=1e-3)
 
 
 def test_a_package_on_disk_is_loaded_not_compiled_again(monkeypatch):

@@ -60,12 +60,14 @@ def assert_norms_match(run_dir: str, out_dir: str, ranks, families, rel=1e-5, pe
 
 
 def differing(run_dir: str, family: str, rank_a: int, rank_b: int, per_micro=False) -> tuple[int, int]:
-    """(rows that differ, rows compared) between two ranks' records of a family."""
+    """(rows that differ, rows compared) between two ranks' records of a family. Norms of the same values
+    agree to fp32 summation order only: each rank reads with the one-pass kernels from the step its own
+    compile of them ends, with the multi-pass kernels before."""
     a = norms(os.path.join(run_dir, f"rank_{rank_a}"), family, per_micro)
     b = norms(os.path.join(run_dir, f"rank_{rank_b}"), family, per_micro)
     common = set(a) & set(b)
     assert common, f"{family}: ranks {rank_a} and {rank_b} share no records"
-    return sum(not math.isclose(a[k], b[k], rel_tol=1e-9) for k in common), len(common)
+    return sum(not math.isclose(a[k], b[k], rel_tol=1e-6) for k in common), len(common)
 
 
 def assert_reduced_is_the_mean(run_dir: str, out_dir: str, ranks, rel=1e-5, max_norm=None) -> int:

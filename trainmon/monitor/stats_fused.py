@@ -130,11 +130,11 @@ def _runner(kernel: str, device: torch.device, dtype: torch.dtype):
     it was loaded for)."""
     from torch._inductor import aoti_load_package
 
-    path = _package((kernel, device.type, dtype))
     index = -1 if device.index is None else device.index
-    runner = _runners[(kernel, device, dtype)] = aoti_load_package(str(path), run_single_threaded=True,
-                                                                   device_index=index).loader
-    return runner
+    loaded = aoti_load_package(str(_package((kernel, device.type, dtype))), run_single_threaded=True,
+                               device_index=index)
+    _runners[(kernel, device, dtype)] = loaded.loader
+    return loaded.loader
 
 
 def _package(key: tuple) -> Path:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -253,6 +255,32 @@ def test_assume_finite_kernel_fills_only_requested_fields(assume_finite_kernel, 
     x = torch.randn(ONE_PASS_MIN, generator=torch.Generator().manual_seed(6))
     check(tensor_records([x], 1e-3, fields)[0], x, 1e-3, fields)
     assert assume_finite_kernel == [ONE_PASS_MIN // stats_fused.ROW]
+
+
+def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch):
+    """While one process compiles a package (it holds the lock beside it), another that needs the same kernel
+    waits, then loads that package instead of compiling its own."""
+    fcntl = pytest.importorskip("fcntl")
+    key = ("record", "cpu", torch.bfloat16)
+    compiled = stats_fused._package(key)            # by this module's fixture, in the default cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    package = stats_fused._package(key)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a kernel was compiled again")
+    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
+    for name in ("_state", "_threads", "_runners"):
+        monkeypatch.setattr(stats_fused, name, {})
+    package.parent.mkdir()
+    with open(package.with_name(package.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)            # another rank is compiling
+        assert not stats_fused.prepare(CPU, [torch.bfloat16])
+        time.sleep(0.5)
+        assert stats_fused._state[key] == "warming"
+        shutil.copyfile(compiled, package)          # its package lands; its lock goes with the file's close
+    assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    x = sprinkle(torch.randn(9000).bfloat16())
+    check(fused([x], 1e-3)[0], x, 1e-3)
 
 
 @pytest.mark.slow  # compiles in a child process

@@ -22,7 +22,8 @@ a figure came out non-finite.
 Compile cost never lands on the training thread: the first request for a (kernel, device type, dtype) starts
 its compile in a child process (a thread of this one would let tracing's save and restore of the RNG state
 rewind the training loop's random draws): torch.export for every `[rows, width]` shape, then AOTInductor
-into a package in inductor's cache directory, which later runs find and load in milliseconds. Calls take
+into a package in inductor's cache directory, which the other ranks of the node wait for rather than compile
+again, and which later runs find and load in milliseconds. Calls take
 the engine's other kernels until the training thread has loaded the package, at its first statistics after
 the compile. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
 25 µs of wrappers), and reads its input as contiguous rows, so it is given nothing else. A compile that fails
@@ -32,6 +33,7 @@ Inside a Dynamo trace, or under a dispatch mode, the kernel is not used: it woul
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -42,12 +44,17 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainmon.core import schema
+
+try:
+    import fcntl
+except ImportError:                                 # Windows
+    fcntl = None
 
 logger = logging.getLogger("trainmon")
 
@@ -187,7 +194,6 @@ def _compile(key: tuple, path: Path) -> None:
     args = (sample, *(_constant(c, _accumulation(dtype), device) for c in consts))
     shape = {0: torch.export.Dim("rows", min=1), 1: torch.export.Dim("width", min=1)}
     program = torch.export.export(_Exported(fn), args, dynamic_shapes=(shape, (None,) * len(consts)))
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     aoti_compile_and_package(program, package_path=str(partial))
     os.replace(partial, path)                       # whole or absent, for every process that looks
@@ -241,17 +247,30 @@ def _warm(key: tuple) -> None:
     try:
         import torch._inductor.package  # noqa: F401  (imports of the load to come, here and not in a hook)
         path = _package(key)
-        if not path.exists():
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
-                                                                             os.environ.get("PYTHONPATH")])))
-            child = subprocess.run([sys.executable, "-m", __name__, kernel, device_type,
-                                    str(dtype).split(".")[1], str(path)],
-                                   env=env, capture_output=True, text=True, timeout=1800)
-            if child.returncode != 0:
-                raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
+        with _only_compiler(path):
+            if not path.exists():
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                                                 os.environ.get("PYTHONPATH")])))
+                child = subprocess.run([sys.executable, "-m", __name__, kernel, device_type,
+                                        str(dtype).split(".")[1], str(path)],
+                                       env=env, capture_output=True, text=True, timeout=1800)
+                if child.returncode != 0:
+                    raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
         _state[key] = "warm"
     except Exception as exc:                        # no compiler, no Triton, an unsupported build
         _refuse(key, exc)
+
+
+@contextlib.contextmanager
+def _only_compiler(path: Path) -> Iterator[None]:
+    """Holds a lock beside `path` on disk: the ranks of a node that start together compile a package once,
+    the others wait for it (in their compile threads) and load it. Where there are no POSIX file locks,
+    each compiles its own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
+        yield
 
 
 def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = False,

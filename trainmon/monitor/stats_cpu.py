@@ -28,7 +28,7 @@ _FAST_DTYPES = (torch.float32, torch.float64)
 _SMALL = 1 << 12
 # From this size a tensor takes the assume-finite one-pass kernel: its calls (one for the whole rows, one for
 # the rest) cost less than the passes they save. In calls of 20 tensors, per tensor, passes against kernel:
-# 16.4 against 15.2 µs at 8 K elements, 37.7 against 24.7 at 64 K, but 14.9 against 20.1 at 4 K + 1. A call
+# 15.9 against 13.3 µs at 8 K elements, 36.0 against 22.5 at 64 K, but 14.8 against 19.2 at 4 K + 1. A call
 # of one tensor pays about 8 µs more for merging the rows, and gains from 32 K on (benchmarks/README.md).
 ONE_PASS_MIN = 1 << 13
 

@@ -115,9 +115,10 @@ def _run(kernel: str, x: torch.Tensor, *consts: float) -> torch.Tensor:
     rows of that shape whatever its strides, so other strides are refused here, not misread."""
     if not x.is_contiguous():
         raise ValueError("a one-pass kernel takes contiguous rows only")
-    runner = _runners.get((kernel, x.device, x.dtype)) or _runner(kernel, x.device, x.dtype)
-    acc = _accumulation(x.dtype)
-    return runner.run([x, *(_constant(c, acc, x.device) for c in consts)])[0]
+    device, dtype = x.device, x.dtype
+    runner = _runners.get((kernel, device, dtype)) or _runner(kernel, device, dtype)
+    acc = _accumulation(dtype)
+    return runner.run([x, *[_constant(c, acc, device) for c in consts]])[0]
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -203,11 +204,13 @@ def finite_rows(flat: torch.Tensor, lam: float) -> Optional[list[torch.Tensor]]:
     """`_finite_row_figures` of a flat contiguous tensor as `[rows, 5]` blocks, one for its whole rows of ROW
     elements and one for the rest, once `usable(..., kernel="finite")` said so; None where the kernel failed
     (it is then retired for that dtype, with one message)."""
-    whole = flat.numel() // ROW * ROW
+    n = flat.numel()
+    whole = n // ROW * ROW
     try:
+        if whole == n:                              # most tensors: whole rows only, no slicing
+            return [_run("finite", flat.view(-1, ROW), lam)]
         blocks = [_run("finite", flat[:whole].view(-1, ROW), lam)] if whole else []
-        if whole < flat.numel():
-            blocks.append(_run("finite", flat[whole:].view(1, -1), lam))
+        blocks.append(_run("finite", flat[whole:].view(1, -1), lam))
         return blocks
     except Exception as exc:                        # monitoring never takes training down
         _retire("finite", flat.device, [flat.dtype], exc)

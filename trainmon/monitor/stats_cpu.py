@@ -28,8 +28,8 @@ _FAST_DTYPES = (torch.float32, torch.float64)
 _SMALL = 1 << 12
 # From this size a tensor takes the assume-finite one-pass kernel: its calls (one for the whole rows, one for
 # the rest) cost less than the passes they save. In calls of 20 tensors, per tensor, passes against kernel:
-# 15.9 against 13.3 µs at 8 K elements, 36.0 against 22.5 at 64 K, but 14.8 against 19.2 at 4 K + 1. A call
-# of one tensor pays about 8 µs more for merging the rows, and gains from 32 K on (benchmarks/README.md).
+# 15.9 against 13.3 µs at 8 K elements, 36.0 against 22.5 at 64 K, but 14.8 against 19.2 at 4 K + 1; a call
+# of one 8 K-element tensor, 58.2 against 61.8 µs (benchmarks/README.md).
 ONE_PASS_MIN = 1 << 13
 
 
@@ -134,6 +134,11 @@ def _merged_rows(owners: list[int], blocks: list[torch.Tensor]) -> tuple[np.ndar
     row partials (`[rows, 5]` blocks, a tensor's one or two adjacent): counts and sums added, min of mins,
     max of maxes. Returns the tensors' indices and their `[k, 5]` figures."""
     partials = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).numpy().astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
+        if owners[0] == owners[-1]:               # one tensor (owners ascend): no segments to find
+            merged = partials.sum(0, keepdims=True)
+            merged[0, 2], merged[0, 3] = partials[:, 2].min(), partials[:, 3].max()
+            return np.asarray(owners[:1]), merged
     owner = np.asarray(owners)
     first = np.ones(len(owner), dtype=bool)       # the first block of each tensor starts its rows
     first[1:] = owner[1:] != owner[:-1]

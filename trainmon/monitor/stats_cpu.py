@@ -74,10 +74,10 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
                    workspace: Callable) -> np.ndarray:
     """Records that hold when every element is finite.
 
-    A tensor's whole rows of `stats_fused.ROW` elements go through the one-pass kernel once it is compiled
-    (`stats_fused.finite_rows`: every figure from one read); the rest, and every tensor until then, is read
-    in cache-sized chunks by a few passes each: weights and optimizer state are cold when the optimizer step
-    ends, and whole-tensor passes would each stream them from memory.
+    A tensor of ONE_PASS_MIN elements or more goes through the one-pass kernel once it is compiled
+    (`stats_fused.finite_rows`: every figure from one read); smaller ones, and every tensor until then, are
+    read in cache-sized chunks by a few passes each: weights and optimizer state are cold when the optimizer
+    step ends, and whole-tensor passes would each stream them from memory.
     """
     scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
                for dtype in {t.dtype for t in tensors}}
@@ -139,11 +139,10 @@ def _merged_rows(owners: list[int], blocks: list[torch.Tensor]) -> tuple[np.ndar
             merged = partials.sum(0, keepdims=True)
             merged[0, 2], merged[0, 3] = partials[:, 2].min(), partials[:, 3].max()
             return np.asarray(owners[:1]), merged
-    owner = np.asarray(owners)
-    first = np.ones(len(owner), dtype=bool)       # the first block of each tensor starts its rows
-    first[1:] = owner[1:] != owner[:-1]
-    starts = np.cumsum([0] + [len(b) for b in blocks[:-1]])[first]
-    with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
+        owner = np.asarray(owners)
+        first = np.ones(len(owner), dtype=bool)   # the first block of each tensor starts its rows
+        first[1:] = owner[1:] != owner[:-1]
+        starts = np.cumsum([0] + [len(b) for b in blocks[:-1]])[first]
         merged = np.add.reduceat(partials, starts)
         merged[:, 2] = np.minimum.reduceat(partials[:, 2], starts)
         merged[:, 3] = np.maximum.reduceat(partials[:, 3], starts)

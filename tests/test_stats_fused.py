@@ -257,6 +257,23 @@ def test_assume_finite_kernel_fills_only_requested_fields(assume_finite_kernel, 
     assert assume_finite_kernel == [ONE_PASS_MIN // stats_fused.ROW]
 
 
+def test_a_damaged_package_is_refused_once_and_removed(tmp_path, monkeypatch, caplog):
+    """A package that cannot be loaded (here: cut short) leaves the multi-pass kernels serving, with one
+    message, and is deleted, so that the next run compiles it again."""
+    key = ("record", "cpu", torch.bfloat16)
+    compiled = stats_fused._package(key)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    package = stats_fused._package(key)
+    package.parent.mkdir()
+    package.write_bytes(compiled.read_bytes()[:5000])
+    for name in ("_state", "_threads", "_runners"):
+        monkeypatch.setattr(stats_fused, name, {})
+    assert not stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    assert not package.exists() and caplog.text.count("one-pass statistic kernel is not available") == 1
+    x = sprinkle(torch.randn(9000).bfloat16())
+    check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
+
+
 def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch):
     """While one process compiles a package (it holds the lock beside it), another that needs the same kernel
     waits, then loads that package instead of compiling its own."""

@@ -298,7 +298,8 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
             try:
                 _load(key)
                 _state[key] = "ready"
-            except Exception as exc:
+            except Exception as exc:                # a damaged package: the next run compiles it again
+                _package(key).unlink(missing_ok=True)
                 _refuse(key, exc)
     return all(_state[key] == "ready" for key in keys)
 

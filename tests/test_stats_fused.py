@@ -49,6 +49,21 @@ def assume_finite_kernel(monkeypatch):
     yield read
 
 
+@pytest.fixture
+def no_compile(monkeypatch):
+    """A compile in a child process fails the test (through the kernel's state, where it runs in a thread)."""
+    def no_child(*args, **kwargs):
+        raise AssertionError("a kernel was compiled again")
+    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
+
+
+@pytest.fixture
+def fresh_process(monkeypatch, no_compile):
+    """This process as a later run's starts: no kernel known or loaded, and no compile allowed."""
+    for name in ("_state", "_threads", "_runners"):
+        monkeypatch.setattr(stats_fused, name, {})
+
+
 def fused(tensors, eps, fields=ALL):
     assert stats_fused.usable(tensors, CPU)
     return tensor_records(tensors, eps, fields)
@@ -107,14 +122,11 @@ def test_fused_saturation_limit():
     assert fused([x], 1e-8, fields)[0, FIELDS.index("sat")] == 3
 
 
-def test_one_package_serves_every_call_without_tracing_or_compiling(monkeypatch):
+def test_one_package_serves_every_call_without_tracing_or_compiling(no_compile):
     """Once loaded, a kernel serves every shape, stride, grad mode and call site, inference tensors included:
     no Dynamo trace and no compile in a child process, and every record equals torch's."""
     from torch._dynamo.utils import counters
 
-    def no_child(*args, **kwargs):
-        raise AssertionError("a kernel was compiled again")
-    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
     before, state = dict(counters["stats"]), dict(stats_fused._state)
     w = torch.randn(300, 500, requires_grad=True)
     inputs = [[torch.randn(n).to(dtype)] for n in (1, 2, 3, 4096, 8192, 50_000) for dtype in DTYPES]
@@ -153,14 +165,8 @@ def test_kernels_take_every_shape(shape):
                                rtol=1e-5, atol=1e-3)
 
 
-def test_a_package_on_disk_is_loaded_not_compiled_again(monkeypatch):
-    """A later process (here: a fresh state) finds the compiled package and loads it; no child process runs."""
-    def no_child(*args, **kwargs):
-        raise AssertionError("a kernel was compiled again")
-    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
-    monkeypatch.setattr(stats_fused, "_state", {})
-    monkeypatch.setattr(stats_fused, "_threads", {})
-    monkeypatch.setattr(stats_fused, "_runners", {})
+def test_a_package_on_disk_is_loaded_not_compiled_again(fresh_process):
+    """A later process finds the compiled package and loads it; no child process runs."""
     assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
     x = sprinkle(torch.randn(9000).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
@@ -257,7 +263,7 @@ def test_assume_finite_kernel_fills_only_requested_fields(assume_finite_kernel, 
     assert assume_finite_kernel == [ONE_PASS_MIN // stats_fused.ROW]
 
 
-def test_a_damaged_package_is_refused_once_and_removed(tmp_path, monkeypatch, caplog):
+def test_a_damaged_package_is_refused_once_and_removed(tmp_path, monkeypatch, caplog, fresh_process):
     """A package that cannot be loaded (here: cut short) leaves the multi-pass kernels serving, with one
     message, and is deleted, so that the next run compiles it again."""
     key = ("record", "cpu", torch.bfloat16)
@@ -266,15 +272,13 @@ def test_a_damaged_package_is_refused_once_and_removed(tmp_path, monkeypatch, ca
     package = stats_fused._package(key)
     package.parent.mkdir()
     package.write_bytes(compiled.read_bytes()[:5000])
-    for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stats_fused, name, {})
     assert not stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
     assert not package.exists() and caplog.text.count("one-pass statistic kernel is not available") == 1
     x = sprinkle(torch.randn(9000).bfloat16())
     check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
 
 
-def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch):
+def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch, fresh_process):
     """While one process compiles a package (it holds the lock beside it), another that needs the same kernel
     waits, then loads that package instead of compiling its own."""
     fcntl = pytest.importorskip("fcntl")
@@ -282,12 +286,6 @@ def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch)
     compiled = stats_fused._package(key)            # by this module's fixture, in the default cache
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     package = stats_fused._package(key)
-
-    def no_child(*args, **kwargs):
-        raise AssertionError("a kernel was compiled again")
-    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
-    for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stats_fused, name, {})
     package.parent.mkdir()
     with open(package.with_name(package.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)            # another rank is compiling

@@ -34,6 +34,7 @@ Inside a Dynamo trace, or under a dispatch mode, the kernel is not used: it woul
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import logging
@@ -151,11 +152,16 @@ def _package(key: tuple) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     kernel, device_type, dtype = key
-    fn = _KERNELS[kernel][0]
-    recipe = "\n".join([inspect.getsource(fn), str(ROW), ",".join(schema.FIELDS), torch.__version__,
-                        platform.machine(), _hardware(device_type)])
-    digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
-    return Path(cache_dir()) / "trainmon" / f"{kernel}-{device_type}-{str(dtype).split('.')[1]}-{digest}.pt2"
+    return (Path(cache_dir()) / "trainmon" /
+            f"{kernel}-{device_type}-{str(dtype).split('.')[1]}-{_fingerprint(kernel, device_type)}.pt2")
+
+
+@functools.lru_cache(maxsize=None)
+def _fingerprint(kernel: str, device_type: str) -> str:
+    """What a kernel's compiled code depends on besides its dtype, hashed (read from disk once per process)."""
+    recipe = "\n".join([inspect.getsource(_KERNELS[kernel][0]), str(ROW), ",".join(schema.FIELDS),
+                        torch.__version__, platform.machine(), _hardware(device_type)])
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
 def _hardware(device_type: str) -> str:

@@ -3,6 +3,9 @@
     python benchmarks/stats_kernels.py            # kernels on the design §7 hook tensors + train step
     python benchmarks/stats_kernels.py --quick    # 3 rounds instead of 11;  --no-step: kernels only
     python benchmarks/stats_kernels.py --per-element   # ns/element: multi-pass vs one-pass kernel vs floor
+    python benchmarks/stats_kernels.py --one-pass-sizes  # CPU fp32: µs per tensor, passes vs assume-finite kernel
+    python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
+    python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16: µs per tensor, shared batches vs own calls
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
 "x norm" is the median over rounds of candidate time / one torch._foreach_norm(ord=2, dtype=fp32) pass
@@ -358,16 +361,93 @@ def per_element(rounds):
             print(f"  {str(dtype)[6:]:9s} {label:>15s} " + " ".join(f"{res[k][0] * 1e6 / numel:13.2f}" for k in cands))
 
 
+def median_us(fn, calls: int) -> float:
+    for _ in range(min(calls, 20)):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def one_pass_sizes():
+    """CPU fp32 tensor_records, µs per tensor, with the multi-pass kernels against the assume-finite one-pass
+    kernel (stats_cpu.ONE_PASS_MIN moved below / above each size): calls of 20 tensors, and calls of one."""
+    from trainmon.monitor import stats_cpu
+
+    fields, shipped = stats.fields_for_ops(DESIGN_OPS), stats_cpu.ONE_PASS_MIN
+    stats_fused.prepare("cpu", [F32], wait=True, kernel="finite")
+    print("\n== CPU fp32, µs per tensor (median of 200 calls, in the cache): multi-pass | one-pass kernel")
+    print(f"  {'elements':>9s} {'20 per call':>21s} {'1 per call':>21s}")
+    try:
+        for n in (4097, 8192, 12000, 16384, 32768, 65536, 131072, 262144):
+            row = []
+            for count in (20, 1):
+                ts = [torch.randn(n) for _ in range(count)]
+                for threshold in (1 << 62, 1):
+                    stats_cpu.ONE_PASS_MIN = threshold
+                    row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 200) / count)
+            print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f} {row[2]:10.1f} {row[3]:10.1f}")
+    finally:
+        stats_cpu.ONE_PASS_MIN = shipped
+
+
+def gather_sizes():
+    """CPU bf16 tensor_records (record kernel), µs per tensor in calls of 20: copied into shared batches (the
+    shipped stats_fused.GATHER_BELOW) against a kernel call of each tensor's own."""
+    fields, shipped = stats.fields_for_ops(DESIGN_OPS), stats_fused.GATHER_BELOW
+    stats_fused.prepare("cpu", [torch.bfloat16], wait=True)
+    print("\n== CPU bf16, µs per tensor, 20 per call (median of 100 calls): shared batches | own calls")
+    try:
+        for n in (4096, 16384, 65536):
+            ts = [torch.randn(n).bfloat16() for _ in range(20)]
+            row = []
+            for below in (shipped, 1):
+                stats_fused.GATHER_BELOW = below
+                row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 100) / 20)
+            print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f}")
+    finally:
+        stats_fused.GATHER_BELOW = shipped
+
+
+def call_cost():
+    """Host time of one call of the assume-finite kernel on a [2, 4096] fp32 tensor: through the loaded
+    package's runner (shipped), the eager ops, and a torch.compile'd function (the earlier path)."""
+    stats_fused.prepare("cpu", [F32], wait=True, kernel="finite")
+    x = torch.randn(2, stats_fused.ROW)
+    compiled = torch.compile(stats_fused._finite_row_figures, dynamic=True, fullgraph=True)
+    paths = {"package runner (stats_fused._run)": lambda: stats_fused._run("finite", x, 1e-8),
+             "eager ops": lambda: stats_fused._finite_row_figures(x, 1e-8),
+             "torch.compile'd function": lambda: compiled(x, 1e-8)}
+    print("\n== µs per call, [2, 4096] fp32, median of 3,000 calls")
+    for name, fn in paths.items():
+        print(f"  {name:36s} {median_us(fn, 3000):7.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-step", action="store_true")
     ap.add_argument("--per-element", action="store_true")
+    ap.add_argument("--one-pass-sizes", action="store_true")
+    ap.add_argument("--call-cost", action="store_true")
+    ap.add_argument("--gather-sizes", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 11
     if args.per_element:
         per_element(rounds)
+        return
+    if args.one_pass_sizes:
+        one_pass_sizes()
+        return
+    if args.call_cost:
+        call_cost()
+        return
+    if args.gather_sizes:
+        gather_sizes()
         return
     design = stats.fields_for_ops(DESIGN_OPS)
     for dtype in (torch.float32, torch.bfloat16):

@@ -28,8 +28,8 @@ _FAST_DTYPES = (torch.float32, torch.float64)
 _SMALL = 1 << 12
 # From this size a tensor takes the assume-finite one-pass kernel: its calls (one for the whole rows, one for
 # the rest) cost less than the passes they save. In calls of 20 tensors, per tensor, passes against kernel:
-# 15.9 against 13.3 µs at 8 K elements, 36.0 against 22.5 at 64 K, but 14.8 against 19.2 at 4 K + 1; a call
-# of one 8 K-element tensor, 58.2 against 61.8 µs (benchmarks/README.md).
+# 15.2 against 12.8 µs at 8 K elements, 35.9 against 22.2 at 64 K, but 13.8 against 18.4 at 4 K + 1; a call
+# of one 8 K-element tensor, 48.2 against 44.6 µs (benchmarks/stats_kernels.py --one-pass-sizes).
 ONE_PASS_MIN = 1 << 13
 
 

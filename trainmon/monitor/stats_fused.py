@@ -26,7 +26,7 @@ into a package in inductor's cache directory, which the other ranks of the node 
 again, and which later runs find and load in milliseconds. Calls take
 the engine's other kernels until the training thread has loaded the package, at its first statistics after
 the compile. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
-25 µs of wrappers), and reads its input as contiguous rows, so it is given nothing else. A compile that fails
+25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it is given nothing else. A compile that fails
 (no C++ compiler, an old torch; on GPUs no Triton, or no CUDA toolkit for AOTInductor's C++ wrapper) leaves
 the other kernels in place for good, with one message.
 Inside a Dynamo trace, or under a dispatch mode, the kernel is not used: it would bypass both.
@@ -61,8 +61,8 @@ logger = logging.getLogger("trainmon")
 
 ROW = 4096                                      # elements per row: its counts are exact in fp32
 # Tensors below this size are copied into shared batches, one kernel call per batch: the copy costs less
-# than the host work of a call of their own (CPU bf16: 11 against 16 µs per tensor of 4 K elements; the
-# same from 64 K on).
+# than the host work of a call of their own (CPU bf16: 10.6 against 15.5 µs per tensor of 4 K elements, the
+# same from 64 K on; benchmarks/stats_kernels.py --gather-sizes).
 GATHER_BELOW = 1 << 17
 _INF = math.inf
 _NANS = schema.INDEX["nans"]

@@ -115,8 +115,8 @@ _MAX_ROWS_PER_INSERT = 2048
 def insert_records(conn: sqlite3.Connection, rows: list[tuple]) -> None:
     """Inserts `records` rows, (tag_id, step, micro_step, call_index, pp_stage, *FIELDS, nan_fields) each, in
     order, with a multi-row INSERT per chunk: one call into SQLite per chunk, where `executemany` makes one per
-    row and releases and takes back the GIL around each, which the training thread then waits on (1,500
-    rows: 3.8 against 7.9 ms of the writer's CPU while another thread runs torch ops; benchmarks/README.md)."""
+    row and releases and takes back the GIL around each, which the training thread then waits on (1,560
+    rows: 4.3 against 7.4 ms of the writer's CPU while another thread runs torch ops; benchmarks/db_inserts.py)."""
     width = len(FIELDS) + 6
     try:
         limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)

@@ -26,9 +26,9 @@ into a package in inductor's cache directory, which the other ranks of the node 
 again, and which later runs find and load in milliseconds. Calls take
 the engine's other kernels until the training thread has loaded the package, at its first statistics after
 the compile. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
-25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it is given nothing else. A compile that fails
-(no C++ compiler, an old torch; on GPUs no Triton, or no CUDA toolkit for AOTInductor's C++ wrapper) leaves
-the other kernels in place for good, with one message.
+25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it
+is given nothing else. A compile that fails (no C++ compiler, an old torch; on GPUs no Triton, or no CUDA
+toolkit for AOTInductor's C++ wrapper) leaves the other kernels in place for good, with one message.
 Inside a Dynamo trace, or under a dispatch mode, the kernel is not used: it would bypass both.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ Compile cost never lands on the training thread: the first request for a (kernel
 its compile in a child process (a thread of this one would let tracing's save and restore of the RNG state
 rewind the training loop's random draws): torch.export for every `[rows, width]` shape, then AOTInductor
 into a package in inductor's cache directory, which the other ranks of the node wait for rather than compile
-again, and which later runs find and load in milliseconds. Calls take
+again, and which later runs find and load without compiling. Calls take
 the engine's other kernels until the training thread has loaded the package, at its first statistics after
 the compile. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
 25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it
@@ -288,7 +288,8 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     waits for it. Returns whether the kernel is ready for all of them.
 
     The compile runs in a child process (unless its package is on disk already); the main thread, the one
-    that trains, then loads the package (milliseconds, once) at its first statistics after the compile."""
+    that trains, then loads the package at its first statistics after the compile (once: about 1 s for a
+    process's first package, mostly torch's imports; 3-4 ms for the next)."""
     keys = [(kernel, torch.device(device).type, dtype) for dtype in dtypes]
     for key in keys:
         with _lock:

@@ -43,7 +43,7 @@ from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.collective_bindings import COALESCING_MANAGER, repoint, restore
 from trainmon.core.collective_ops import (ALL_OPS, BATCH_P2P, COLLECTIVES, SENDS, collective_name,
                                              compact_ranks, p2p_name, tensor_names)
-from trainmon.core.records import COMM, RecordKey
+from trainmon.core.records import COMM, record_key
 from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")
@@ -316,7 +316,7 @@ class CollectiveMonitor(Hooks):
         if not named:
             return
         collector = self.state.collector
-        keys = [RecordKey(COMM, name, 0, None, collector.next_call_index(), tuple(t.shape), str(t.dtype))
+        keys = [record_key(COMM, name, 0, None, collector.next_call_index(), tuple(t.shape), str(t.dtype))
                 for name, t in named]
         collector.record(keys, [t.detach() for _, t in named])
 

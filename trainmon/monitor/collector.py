@@ -13,6 +13,8 @@ from trainmon.core.records import RecordKey, StepBatch
 
 logger = logging.getLogger("trainmon")
 
+_PENDING = -1  # the block of a record not reduced yet (StepCollector._seen)
+
 
 class StepCollector:
     """Gathers the records of one step on the device and ships them to the host in one copy.
@@ -53,13 +55,23 @@ class StepCollector:
         self._scalars: dict[str, object] = {}
         self._flag_keys: list[RecordKey] = []
         self._flags: list[torch.Tensor] = []
-        # id -> (weakref, version, pending slot or record row) of the deferred tensors recorded this step
+        # The per-tensor bookkeeping of a step lives in dicts and lists of atomic values (weak references
+        # apart, one per tensor): a tuple of them per tensor would be kept until the step ends, long enough
+        # for Python's garbage collector to move it to its oldest generation, whose full collections take a
+        # pause proportional to the whole heap.
+        # id -> weakref, and id -> (version, block, slot), of the deferred tensors recorded this step: the record
+        # is row `slot` of `_reduced[block]`, or pending slot `slot` where block is _PENDING
+        self._seen_refs: dict[int, weakref.ref] = {}
         self._seen: dict[int, tuple] = {}
+        self._reduced: list[torch.Tensor] = []  # the record rows of each batch reduced this step
         self._call_index = 0
-        self._indexed: dict[tuple, tuple] = {}  # call_index_of: (family, name, vpp, micro, id) -> (weakref, index)
+        # call_index_of: (family, name, vpp, micro, id) -> index, and -> weakref
+        self._indexed: dict[tuple, int] = {}
+        self._indexed_refs: dict[tuple, weakref.ref] = {}
         self._pending_keys: list[RecordKey] = []
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
-        self._pending_tensors: list[tuple[torch.Tensor, int]] = []  # (tensor, version when recorded)
+        self._pending_tensors: list[torch.Tensor] = []
+        self._pending_versions: list[int] = []  # per pending tensor: its version when recorded
         self._pending_bytes = 0
         self._trial: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, version) on first sight
 
@@ -74,11 +86,12 @@ class StepCollector:
         """The call index of one tensor event, the same for every hook that reports it: the NaN sentinel and
         the statistic hooks each see a module's output (or grad) and would otherwise reserve one index each."""
         where = (family, name, vpp_stage, micro, id(tensor))
-        seen = self._indexed.get(where)
-        if seen is not None and seen[0]() is tensor:
-            return seen[1]
+        ref = self._indexed_refs.get(where)
+        if ref is not None and ref() is tensor:
+            return self._indexed[where]
         index = self.next_call_index()
-        self._indexed[where] = (weakref.ref(tensor), index)
+        self._indexed[where] = index
+        self._indexed_refs[where] = weakref.ref(tensor)
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
@@ -103,39 +116,48 @@ class StepCollector:
         now = []
         for key, tensor in zip(keys, tensors):
             version = tensor._version
-            seen = self._seen.get(id(tensor))
-            if seen is not None and seen[0]() is tensor and seen[1] == version:
-                self._reuse(key, seen[2])
-                continue
+            ref = self._seen_refs.get(id(tensor))
+            if ref is not None and ref() is tensor:
+                seen_version, block, slot = self._seen[id(tensor)]
+                if seen_version == version:
+                    self._reuse(key, block, slot)
+                    continue
             self._pending_bytes += tensor.numel() * tensor.element_size()
             if key.name in self._deferrable_names:
                 slot = len(self._pending_tensors)
-                self._pending_tensors.append((tensor, version))
+                self._pending_tensors.append(tensor)
+                self._pending_versions.append(version)
                 self._pending_keys.append(key)
                 self._pending_slots.append(slot)
-                self._seen[id(tensor)] = (weakref.ref(tensor), version, slot)
+                self._see(tensor, version, _PENDING, slot)
             else:
                 now.append((key, tensor, version))
         if now:
-            rows = self._reduce_now([(key, tensor) for key, tensor, _ in now])
+            self._reduce_now([(key, tensor) for key, tensor, _ in now])
+            block = len(self._reduced) - 1
             for i, (key, tensor, version) in enumerate(now):
-                self._seen[id(tensor)] = (weakref.ref(tensor), version, rows[i:i + 1])
+                self._see(tensor, version, block, i)
                 if key.name not in self._eager_names:
                     self._trial.append((key.name, tensor, version))
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
 
-    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> torch.Tensor:
+    def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
+        self._reduced.append(rows)
         self._add([k for k, _ in items], rows)
-        return rows
 
-    def _reuse(self, key: RecordKey, source) -> None:
-        if isinstance(source, int):  # still pending: share its slot
+    def _see(self, tensor: torch.Tensor, version: int, block: int, slot: int) -> None:
+        """Notes where the record of `tensor` at `version` is: see `_seen`."""
+        self._seen_refs[id(tensor)] = weakref.ref(tensor)
+        self._seen[id(tensor)] = (version, block, slot)
+
+    def _reuse(self, key: RecordKey, block: int, slot: int) -> None:
+        if block == _PENDING:  # share its slot
             self._pending_keys.append(key)
-            self._pending_slots.append(source)
+            self._pending_slots.append(slot)
         else:
-            self._add([key], source)
+            self._add([key], self._reduced[block].narrow(0, slot, 1))
 
     def flush_pending(self) -> None:
         """Reduces every pending tensor in one batch, and lets go of the tensors held since the last one.
@@ -147,15 +169,19 @@ class StepCollector:
         self._pending_bytes = 0
         if not self._pending_keys:
             return
-        pending, keys, slots = self._pending_tensors, self._pending_keys, self._pending_slots
-        self._pending_keys, self._pending_slots, self._pending_tensors = [], [], []
-        modified = {slot for slot, (t, version) in enumerate(pending) if t._version != version}
-        rows = stats.tensor_records([t for t, _ in pending], self.eps, self.fields)
-        for slot, (t, version) in enumerate(pending):
+        pending, versions = self._pending_tensors, self._pending_versions
+        keys, slots = self._pending_keys, self._pending_slots
+        self._pending_keys, self._pending_slots, self._pending_tensors, self._pending_versions = [], [], [], []
+        modified = {slot for slot, (t, version) in enumerate(zip(pending, versions)) if t._version != version}
+        rows = stats.tensor_records(pending, self.eps, self.fields)
+        self._reduced.append(rows)
+        block = len(self._reduced) - 1
+        for slot, (t, version) in enumerate(zip(pending, versions)):
             if slot in modified:
+                self._seen_refs.pop(id(t), None)
                 self._seen.pop(id(t), None)
             else:
-                self._seen[id(t)] = (weakref.ref(t), version, rows[slot:slot + 1])
+                self._seen[id(t)] = (version, block, slot)
         kept = [i for i, slot in enumerate(slots) if slot not in modified]
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])

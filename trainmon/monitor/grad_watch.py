@@ -15,7 +15,13 @@ def watch_grad(tensor: torch.Tensor, callback: Callable[[torch.Tensor], None]) -
     (`Tensor.register_hook`) would, before that node runs, for about half the cost of registering it: no
     handle and no per-tensor hook dict, for hooks that live as long as the graph.
     """
-    tensor.grad_fn.register_prehook(functools.partial(_grad_of_output, callback, tensor.output_nr))
+    tensor.grad_fn.register_prehook(output_grad_hook(callback, tensor.output_nr))
+
+
+def output_grad_hook(callback: Callable[[torch.Tensor], None], output_nr: int) -> Callable:
+    """The pre-hook `watch_grad` registers, for a tensor that is output `output_nr` of its node: hooks that
+    recur every step can be made once and registered on each step's node (`tensor.grad_fn.register_prehook`)."""
+    return functools.partial(_grad_of_output, callback, output_nr)
 
 
 def _grad_of_output(callback: Callable[[torch.Tensor], None], output_nr: int, grads: tuple) -> None:

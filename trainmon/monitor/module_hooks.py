@@ -4,7 +4,7 @@ Activation grads come from two light autograd attachments instead of torch's ful
 identity views around module outputs break frameworks that modify outputs in place (Megatron's fused
 bias-dropout-add) and cost time even when idle:
 
-- the grad of each output: `watch_grad` on the output tensor (the output stays the module's own tensor);
+- the grad of each output: a pre-hook on its `grad_fn` (`grad_watch`; the output stays the module's own tensor);
 - the grad of each input (tensor positional arguments and activations passed by keyword, `input_places`):
   the forward pre-hook passes the inputs through one identity autograd node (`_InputTap`) whose backward
   sees the grads the module's backward computed for them, before they are summed with grads from other
@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -34,8 +34,8 @@ from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
-from trainmon.monitor.grad_watch import watch_grad
-from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey
+from trainmon.monitor.grad_watch import output_grad_hook
+from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey, record_key
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, input_values, values_at
 
@@ -58,19 +58,22 @@ class WatchedModule:
     # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded.
     open_calls: list = field(default_factory=list)
     grad_recorders: tuple = ()  # (input grads, output grad) callbacks, guarded
+    # (micro-step, leaf name, output_nr) -> the pre-hook on an output's grad_fn: made once, as every step's
+    # calls repeat them (hooks that live until backward would otherwise be garbage for Python's collector)
+    output_grad_hooks: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class _TapTarget:
     """Where one module call's input grads are recorded; `name` is set when its forward returns."""
 
     watched: WatchedModule
     micro: int
-    suffixes: list  # leaf-name suffix per tapped input ("" or "_<i>")
+    suffixes: tuple  # leaf-name suffix per tapped input ("" or "_<i>")
     name: Optional[str] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _OpenCall:
     """One recorded module call between its forward pre-hook and its forward hook."""
 
@@ -79,21 +82,22 @@ class _OpenCall:
 
 
 class _InputTap(torch.autograd.Function):
-    """Identity on a module call's inputs; its backward hands their grads to `record`."""
+    """Identity on a module call's inputs; its backward hands their grads to the target's input grad recorder."""
 
     @staticmethod
-    def forward(ctx, record: Callable, *tensors):
-        ctx.record = record
+    def forward(ctx, target: _TapTarget, *tensors):
+        ctx.target = target
         # Views of the inputs would make autograd reject in-place ops on them; detached aliases do not.
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.record(grads)
+        target = ctx.target
+        target.watched.grad_recorders[0](target, grads)
         return (None,) + grads
 
 
-def _tapped_inputs(inputs: list, selector) -> tuple[list[int], list[str]]:
+def _tapped_inputs(inputs: list, selector) -> tuple[list[int], tuple[str, ...]]:
     """The positions in `inputs` of the selected floating tensors that require grad (a tensor passed twice:
     once), and their leaf-name suffixes ("" or "_<i>")."""
     suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, selector)}
@@ -102,7 +106,7 @@ def _tapped_inputs(inputs: list, selector) -> tuple[list[int], list[str]]:
         if id(t) in suffixes and id(t) not in seen and t.requires_grad:
             tapped.append(i)
             seen.add(id(t))
-    return tapped, [suffixes[id(inputs[i])] for i in tapped]
+    return tapped, tuple(suffixes[id(inputs[i])] for i in tapped)
 
 
 def _root(leaf):
@@ -133,6 +137,7 @@ class ActivationHooks(Hooks):
                 # Built once per module: the autograd callbacks of every call share them.
                 watched.grad_recorders = (self.state.guarded(item, self._record_input_grads),
                                           self.state.guarded(item, self._record_output_grad))
+                watched.output_grad_hooks.clear()
             self._handles.append(in_graph.forward_pre_hook(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
                 with_kwargs=True, grads_refused=self.backward))
@@ -147,6 +152,7 @@ class ActivationHooks(Hooks):
         for watched in self.modules:
             watched.open_calls.clear()
             watched.unrecomputed.clear()
+            watched.output_grad_hooks.clear()
 
     def _call_name(self, watched: WatchedModule, forward_pass: tuple) -> str:
         last_pass, calls = watched.calls_in_micro
@@ -175,7 +181,7 @@ class ActivationHooks(Hooks):
             call = _OpenCall(collector.next_call_index())
             watched.open_calls.append(call)
             if self.backward and state.training_forward and torch.is_grad_enabled():
-                call.tap = _TapTarget(watched, state.forward_micro(watched.vpp_stage), [])
+                call.tap = _TapTarget(watched, state.forward_micro(watched.vpp_stage), ())
                 return self._tap_inputs(call.tap, args, kwargs)
             return None
 
@@ -188,8 +194,7 @@ class ActivationHooks(Hooks):
         tapped, target.suffixes = _tapped_inputs(inputs, target.watched.input_grad_sel)
         if not tapped:
             return None
-        aliases = _InputTap.apply(functools.partial(target.watched.grad_recorders[0], target),
-                                  *(inputs[i] for i in tapped))
+        aliases = _InputTap.apply(target, *(inputs[i] for i in tapped))
         args, kwargs = list(args), dict(kwargs)
         for i, alias in zip(tapped, aliases):
             alias._trainmon_root = _root(inputs[i])
@@ -249,9 +254,16 @@ class ActivationHooks(Hooks):
 
     @staticmethod
     def _hook_output_grads(watched: WatchedModule, micro: int, output_leaves: list) -> None:
+        hooks = watched.output_grad_hooks
         for leaf_name, tensor in output_leaves:
-            if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
-                watch_grad(tensor, functools.partial(watched.grad_recorders[1], watched, micro, leaf_name))
+            grad_fn = tensor.grad_fn
+            if grad_fn is not None:  # made in this forward: the hook goes with its graph
+                where = (micro, leaf_name, tensor.output_nr)
+                hook = hooks.get(where)
+                if hook is None:
+                    hook = hooks[where] = output_grad_hook(
+                        functools.partial(watched.grad_recorders[1], watched, micro, leaf_name), tensor.output_nr)
+                grad_fn.register_prehook(hook)
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
         self._record_grads(watched, micro, [(leaf_name, grad)])
@@ -275,12 +287,12 @@ class ActivationHooks(Hooks):
         if not (input_leaves or output_leaves):
             return
         vpp = watched.vpp_stage
-        keys = [RecordKey(family, leaf_name, vpp, micro, input_index, tuple(t.shape), str(t.dtype))
+        keys = [record_key(family, leaf_name, vpp, micro, input_index, tuple(t.shape), str(t.dtype))
                 for leaf_name, t in input_leaves]
         tensors = [t for _, t in input_leaves]
         for leaf_name, t in output_leaves:
-            keys.append(RecordKey(family, leaf_name, vpp, micro, collector.call_index_of(family, leaf_name, vpp, micro, t),
-                                  tuple(t.shape), str(t.dtype)))
+            index = collector.call_index_of(family, leaf_name, vpp, micro, t)
+            keys.append(record_key(family, leaf_name, vpp, micro, index, tuple(t.shape), str(t.dtype)))
             tensors.append(t)
         collector.record(keys, tensors, defer=True)
 
@@ -288,5 +300,5 @@ class ActivationHooks(Hooks):
 def _grad_key(collector: StepCollector, watched: WatchedModule, micro: int, leaf_name: str,
               grad: torch.Tensor) -> RecordKey:
     vpp = watched.vpp_stage
-    return RecordKey(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
+    return record_key(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
                      tuple(grad.shape), str(grad.dtype))

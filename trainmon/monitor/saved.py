@@ -27,7 +27,7 @@ import torch
 from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
-from trainmon.core.records import SAVE, SAVE_GRAD, RecordKey
+from trainmon.core.records import SAVE, SAVE_GRAD, record_key
 from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")
@@ -144,7 +144,7 @@ class SavedVariables(Hooks):
 
     def _record(self, family: str, name: str, micro: int, tensor: torch.Tensor, phase: str) -> None:
         collector = self.state.collector
-        key = RecordKey(family, name, 0, micro, collector.call_index_of(family, name, 0, micro, tensor),
+        key = record_key(family, name, 0, micro, collector.call_index_of(family, name, 0, micro, tensor),
                         tuple(tensor.shape), str(tensor.dtype))
         # Deferred like activations: a variable the script changes in place before the batch is reduced
         # is read at once from then on (StepCollector).

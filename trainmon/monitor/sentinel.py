@@ -28,7 +28,7 @@ from trainmon.core.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.monitor import in_graph
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import watch_grad
-from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey
+from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_values, local_shard
@@ -177,7 +177,7 @@ class NanSentinel(Hooks):
     def _probe_one(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int, micro: Optional[int]) -> None:
         if tensor.numel():
             index = self.state.collector.call_index_of(family, name, vpp_stage, micro, tensor)
-            key = RecordKey(family, name, vpp_stage, micro, index, tuple(tensor.shape), str(tensor.dtype))
+            key = record_key(family, name, vpp_stage, micro, index, tuple(tensor.shape), str(tensor.dtype))
             self.probes.add(key, tensor)
 
     def _probe_weights(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
@@ -186,7 +186,7 @@ class NanSentinel(Hooks):
         leaves = [(name, tensor.detach()) for name, tensor in leaves if tensor is not None and tensor.numel()]
         if leaves:
             next_call_index = self.state.collector.next_call_index
-            keys = [RecordKey(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), str(t.dtype))
+            keys = [record_key(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), str(t.dtype))
                     for name, t in leaves]
             self.probes.add_norms(keys, [local_shard(t) for _, t in leaves])
 

@@ -19,7 +19,7 @@ from trainmon.monitor import stats
 from trainmon.monitor.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
-from trainmon.core.records import RecordKey
+from trainmon.core.records import RecordKey, record_key
 from trainmon.monitor.state import HookState
 
 def identity_record(device, dtype=torch.float64) -> torch.Tensor:
@@ -145,5 +145,5 @@ def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group) -> None
 def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordKey:
     shape = watched.shape if watched.shape is not None else tuple(watched.param.shape)
     dtype = piece.dtype if piece is not None else watched.param.dtype
-    return RecordKey(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
+    return record_key(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
                      tuple(shape), str(dtype))

@@ -112,20 +112,24 @@ _RECORD_PLACES = f"({', '.join('?' * (len(FIELDS) + 6))})"
 _MAX_ROWS_PER_INSERT = 2048
 
 
-def insert_records(conn: sqlite3.Connection, rows: list[tuple]) -> None:
+def insert_records(conn: sqlite3.Connection, rows) -> None:
     """Inserts `records` rows, (tag_id, step, micro_step, call_index, pp_stage, *FIELDS, nan_fields) each, in
     order, with a multi-row INSERT per chunk: one call into SQLite per chunk, where `executemany` makes one per
     row and releases and takes back the GIL around each, which the training thread then waits on (1,560
-    rows: 4.3 against 7.4 ms of the writer's CPU while another thread runs torch ops; benchmarks/db_inserts.py)."""
+    rows: 4.3 against 7.4 ms of the writer's CPU while another thread runs torch ops; benchmarks/db_inserts.py).
+
+    `rows` is an object array of one row per record (a list of row tuples is converted): a chunk's parameters
+    are then one flat list, with no Python list or tuple per row for the garbage collector to track."""
+    table = rows if isinstance(rows, np.ndarray) else np.array(rows, dtype=object).reshape(len(rows), -1)
     width = len(FIELDS) + 6
     try:
         limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
     except AttributeError:                      # Python 3.10: SQLite's smallest default
         limit = 999
     per = max(1, min(_MAX_ROWS_PER_INSERT, limit // width))
-    for start in range(0, len(rows), per):
-        chunk = rows[start:start + per]
-        conn.execute(_RECORD_INSERT + ",".join([_RECORD_PLACES] * len(chunk)), [v for row in chunk for v in row])
+    for start in range(0, len(table), per):
+        chunk = table[start:start + per]
+        conn.execute(_RECORD_INSERT + ",".join([_RECORD_PLACES] * len(chunk)), chunk.ravel().tolist())
 
 
 def connect(path: str, journal_mode: str = "WAL") -> sqlite3.Connection:
@@ -179,8 +183,9 @@ def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
     return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
 
 
-def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> tuple[list[list], np.ndarray]:
-    """Rows of the record fields for SQLite (NaN and unrecorded as None) and each row's `nan_fields` mask.
+def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """The record fields for SQLite, an object array of Python floats (NaN and unrecorded as None), and each
+    row's `nan_fields` mask.
 
     Args:
         values: float64 [n, N_FIELDS].
@@ -189,9 +194,9 @@ def encode_fields(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> 
     """
     nan = np.isnan(values)
     missing = nan if recorded is None else nan | ~recorded
-    rows = values.astype(object)
-    rows[missing] = None
-    return rows.tolist(), nan_masks(values, recorded)
+    fields = values.astype(object)
+    fields[missing] = None
+    return fields, nan_masks(values, recorded)
 
 
 def nan_masks(values: np.ndarray, recorded: Optional[np.ndarray] = None) -> np.ndarray:

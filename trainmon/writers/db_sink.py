@@ -62,13 +62,15 @@ class MonitorDb:
             values: float64 [len(keys), N_FIELDS] records in db_schema.FIELDS order.
             recorded: see db_schema.encode_fields (None: every field was recorded).
         """
-        rows, masks = db_schema.encode_fields(values, recorded)
+        fields, masks = db_schema.encode_fields(values, recorded)
         with self._transaction():
             tag_ids = [self._tag_id(key) for key in keys]
             micro_steps, call_indexes = [key.micro_step for key in keys], [key.call_index for key in keys]
-            db_schema.insert_records(self.conn, [
-                (tag_id, step, micro, call, pp_stage, *fields, int(mask))
-                for tag_id, micro, call, fields, mask in zip(tag_ids, micro_steps, call_indexes, rows, masks)])
+            rows = np.empty((len(keys), fields.shape[1] + 6), dtype=object)
+            for column, value in enumerate((tag_ids, step, micro_steps, call_indexes, pp_stage)):
+                rows[:, column] = value
+            rows[:, 5:-1], rows[:, -1] = fields, masks
+            db_schema.insert_records(self.conn, rows)
             block = db_schema.encode_block(tag_ids, micro_steps, call_indexes, values, masks, recorded)
             self.conn.execute("INSERT INTO record_blocks (step, pp_stage, records) VALUES (?, ?, ?)",
                               (step, pp_stage, block))

@@ -166,8 +166,10 @@ def test_kernels_take_every_shape(shape):
 
 
 def test_a_package_on_disk_is_loaded_not_compiled_again(fresh_process):
-    """A later process finds the compiled package and loads it; no child process runs."""
-    assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    """A later process finds the compiled package and loads it at the first request, so every record of the
+    run comes from the one-pass kernel; no child process runs, and no background thread."""
+    assert stats_fused.prepare(CPU, [torch.bfloat16])
+    assert stats_fused._threads == {}
     x = sprinkle(torch.randn(9000).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
 
@@ -333,9 +335,10 @@ def test_fused_1e8_elements(dtype):
 
 
 @pytest.mark.slow  # compiles in a child process
-def test_compiling_never_disturbs_the_training_loops_random_draws():
+def test_compiling_never_disturbs_the_training_loops_random_draws(tmp_path):
     """The compile runs while training draws random numbers (dropout, sampling); Dynamo saves and restores
-    the RNG state around a compile, which must not rewind those draws."""
+    the RNG state around a compile, which must not rewind those draws. (An empty cache: a package on disk
+    would be loaded at the first request, with no compile.)"""
     code = ("import time, torch\n"
             "from trainmon.monitor import stats, stats_fused\n"
             "x = torch.randn(5000).bfloat16()\n"
@@ -351,7 +354,7 @@ def test_compiling_never_disturbs_the_training_loops_random_draws():
             "torch.manual_seed(0)\n"
             "assert all(torch.equal(d, torch.rand(64)) for d in draws)\n"
             "print(len(draws))\n")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 3                       # the loop drew while the kernel compiled

@@ -25,7 +25,9 @@ rewind the training loop's random draws): torch.export for every `[rows, width]`
 into a package in inductor's cache directory, which the other ranks of the node wait for rather than compile
 again, and which later runs find and load without compiling. Calls take
 the engine's other kernels until the training thread has loaded the package, at its first statistics after
-the compile. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
+the compile. A package already on disk is loaded at the first request instead, so that every record of a
+run comes from the same kernel whenever a background thread happens to finish: reruns and ranks then agree
+to the last bit. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
 25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it
 is given nothing else. A compile that fails (no C++ compiler, an old torch; on GPUs no Triton, or no CUDA
 toolkit for AOTInductor's C++ wrapper) leaves the other kernels in place for good, with one message.
@@ -287,19 +289,22 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     """Starts compiling `kernel` for `dtypes` on `device` in the background (once each); with `wait`,
     waits for it. Returns whether the kernel is ready for all of them.
 
-    The compile runs in a child process (unless its package is on disk already); the main thread, the one
-    that trains, then loads the package at its first statistics after the compile (once: about 1 s for a
-    process's first package, mostly torch's imports; 3-4 ms for the next)."""
+    The compile runs in a child process; the main thread, the one that trains, then loads the package at its
+    first statistics after the compile. A package on disk already is loaded by the first request from the
+    main thread. A load costs about 1 s for a process's first package, mostly torch's imports, and 3-4 ms
+    for the next."""
     keys = [(kernel, torch.device(device).type, dtype) for dtype in dtypes]
     for key in keys:
         with _lock:
-            if key not in _state:
+            if key not in _state and _on_disk(key):
+                _state[key] = "warm"                # loaded below, before this request is answered
+            elif key not in _state:
                 _state[key] = "warming"
                 _threads[key] = threading.Thread(target=_warm, args=(key,), name="trainmon-stat-kernel-compile",
                                                  daemon=True)
                 _threads[key].start()
     for key in keys:
-        if wait:
+        if wait and key in _threads:
             _threads[key].join()
         if _state[key] == "warm" and threading.current_thread() is threading.main_thread():
             try:
@@ -311,10 +316,18 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     return all(_state[key] == "ready" for key in keys)
 
 
+def _on_disk(key: tuple) -> bool:
+    """Whether an earlier run (or another rank) left the kernel's package on disk."""
+    try:
+        return _package(key).exists()
+    except Exception:                               # no cache directory: the compile thread says why
+        return False
+
+
 def settle() -> None:
     """Waits for every kernel compile started so far and loads its kernel: the steady state a long run
     reaches within seconds, for benchmarks of a few steps."""
-    for kernel, device_type, dtype in list(_threads):
+    for kernel, device_type, dtype in list(_state):
         prepare(device_type, [dtype], wait=True, kernel=kernel)
 
 

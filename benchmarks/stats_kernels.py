@@ -5,7 +5,7 @@
     python benchmarks/stats_kernels.py --per-element   # ns/element: multi-pass vs one-pass kernel vs floor
     python benchmarks/stats_kernels.py --one-pass-sizes  # CPU fp32: µs per tensor, passes vs assume-finite kernel
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
-    python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16: µs per tensor, shared batches vs own calls
+    python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
 "x norm" is the median over rounds of candidate time / one torch._foreach_norm(ord=2, dtype=fp32) pass
@@ -395,10 +395,14 @@ def one_pass_sizes():
 
 
 def gather_sizes():
-    """CPU bf16 tensor_records (record kernel), µs per tensor in calls of 20: copied into shared batches (the
-    shipped stats_fused.GATHER_BELOW) against a kernel call of each tensor's own."""
-    fields, shipped = stats.fields_for_ops(DESIGN_OPS), stats_fused.GATHER_BELOW
+    """µs per tensor, copied into shared kernel calls against a kernel call of each tensor's own: CPU bf16
+    through the record kernel (stats_fused.GATHER_BELOW), in calls of 20; CPU fp32 through the assume-finite
+    kernel (stats_cpu.GATHER_MAX), in calls of 100 distinct tensors or 8 MB, as a step's activations come."""
+    from trainmon.monitor import stats_cpu
+
+    fields, shipped, shipped_max = stats.fields_for_ops(DESIGN_OPS), stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX
     stats_fused.prepare("cpu", [torch.bfloat16], wait=True)
+    stats_fused.prepare("cpu", [F32], wait=True, kernel="finite")
     print("\n== CPU bf16, µs per tensor, 20 per call (median of 100 calls): shared batches | own calls")
     try:
         for n in (4096, 16384, 65536):
@@ -408,8 +412,16 @@ def gather_sizes():
                 stats_fused.GATHER_BELOW = below
                 row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 100) / 20)
             print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f}")
+        print("\n== CPU fp32, whole rows, µs per tensor, 100 tensors or 8 MB per call (median of 40 calls): shared calls | own calls")
+        for n in (8192, 16384, 32768, 65536, 131072, 262144):
+            ts = [torch.randn(n) for _ in range(max(4, min(100, (1 << 21) // n)))]
+            row = []
+            for largest in (1 << 62, 0):
+                stats_cpu.GATHER_MAX = largest
+                row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 40) / len(ts))
+            print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f}")
     finally:
-        stats_fused.GATHER_BELOW = shipped
+        stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX = shipped, shipped_max
 
 
 def call_cost():

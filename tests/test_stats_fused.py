@@ -13,7 +13,7 @@ import torch
 
 from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
 from trainmon.monitor import stats_fused
-from trainmon.monitor.stats import fields_for_ops, merge_records, tensor_records
+from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
 from trainmon.monitor.stats_cpu import ONE_PASS_MIN
 
 CPU = torch.device("cpu")
@@ -231,10 +231,35 @@ def test_cpu_call_shares_its_tensors_between_the_kernels(assume_finite_kernel, m
     for row_, t in zip(rec, tensors):
         check(row_, t, 1e-3)
     assert sorted(batches, key=str) == sorted([
-        ("finite", torch.float32, ONE_PASS_MIN // row), ("finite", torch.float32, ONE_PASS_MIN // row),
+        ("finite", torch.float32, 2 * ONE_PASS_MIN // row),           # whole rows only: one shared call
         ("finite", torch.float32, 9000 // row), ("finite", torch.float32, 1),   # 9000: whole rows, then the rest
         ("record", torch.bfloat16, big // row),                       # large: its own call, no copy
         ("record", torch.bfloat16, 8 + 2 + 1)], key=str)              # small ones: one batch, row-aligned
+
+
+def test_whole_row_tensors_share_the_assume_finite_kernels_calls(assume_finite_kernel, monkeypatch):
+    """CPU fp32 tensors of whole rows, each no larger than the scratch buffer, are copied one after the other
+    (strided ones too) and read in shared calls, a new one where the buffer is full; a larger tensor is read in
+    place. Every record equals torch's, in the caller's order, those holding a NaN or an Inf included."""
+    calls = []
+
+    def run(kernel, x, *consts, real=stats_fused._run):
+        calls.append(x.shape[0])
+        return real(kernel, x, *consts)
+    monkeypatch.setattr(stats_fused, "_run", run)
+    g = torch.Generator().manual_seed(11)
+    row, per_call = stats_fused.ROW, CHUNK_ELEMS["cpu"] // stats_fused.ROW
+    tensors = []
+    for i in range(40):
+        rows = 2 + i % 7
+        t = torch.randn(rows * row, generator=g) if i % 3 else torch.randn(64, rows * row // 64, generator=g).t()
+        tensors.append(sprinkle(t, seed=i) if i % 11 == 5 and i % 3 else t)
+    tensors.insert(7, torch.randn(1 << 20, generator=g))
+    for row_, t in zip(tensor_records(tensors, 1e-3, ALL), tensors):
+        check(row_, t, 1e-3)
+    gathered = sum(t.numel() for t in tensors) // row - 256
+    assert calls[0] == 256 and sum(calls[1:]) == gathered                 # the large one first, in place
+    assert len(calls) == 1 + -(-gathered // per_call) and max(calls[1:]) <= per_call
 
 
 def test_failing_kernels_are_retired_and_the_records_stay_right(monkeypatch, caplog):

@@ -11,7 +11,7 @@ there, this look would be a host synchronisation inside a hook.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ _SMALL = 1 << 12
 # 15.2 against 12.8 µs at 8 K elements, 35.9 against 22.2 at 64 K, but 13.8 against 18.4 at 4 K + 1; a call
 # of one 8 K-element tensor, 48.2 against 44.6 µs (benchmarks/stats_kernels.py --one-pass-sizes).
 ONE_PASS_MIN = 1 << 13
+# Whole-row tensors up to this size are copied one after the other into shared calls of that kernel: per
+# tensor, 7.0 against 11.0 µs at 8 K elements, 13.6 against 15.5 at 32 K, 22.9 against 22.0 at 64 K
+# (benchmarks/stats_kernels.py --gather-sizes).
+GATHER_MAX = 1 << 15
 
 
 def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
@@ -75,7 +79,8 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     """Records that hold when every element is finite.
 
     A tensor of ONE_PASS_MIN elements or more goes through the one-pass kernel once it is compiled
-    (`stats_fused.finite_rows`: every figure from one read); smaller ones, and every tensor until then, are
+    (`stats_fused.finite_rows`: every figure from one read), those of whole rows up to GATHER_MAX elements
+    copied together into shared calls (`_gathered_rows`); smaller ones, and every tensor until then, are
     read in cache-sized chunks by a few passes each: weights and optimizer state are cold when the optimizer
     step ends, and whole-tensor passes would each stream them from memory.
     """
@@ -83,15 +88,20 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
                for dtype in {t.dtype for t in tensors}}
     one_pass = stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN], _CPU, kernel="finite")
     chunked, figures, at_least = [], [], []       # tensors read in chunks, their figures
-    owners, blocks = [], []                       # per block of the one-pass kernel's rows, its tensor
+    owners, counts, blocks = [], [], []           # the one-pass kernel's row blocks, and whose rows they hold
+    gathered = {dtype: [] for dtype in scratch}   # tensors copied whole into shared kernel calls
     for i, t in enumerate(tensors):
         work = scratch[t.dtype]
+        n, cap = t.numel(), work.cap
+        if one_pass and ONE_PASS_MIN <= n <= min(cap, GATHER_MAX) and n % ROW == 0:
+            gathered[t.dtype].append(i)
+            continue
         flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, work.copy)
-        n, cap = flat.numel(), work.cap
         if one_pass and n >= ONE_PASS_MIN:
             rows = stats_fused.finite_rows(flat, work.lam)
             if rows is not None:
                 owners.extend([i] * len(rows))
+                counts.extend(len(block) for block in rows)
                 blocks.extend(rows)
                 continue
             one_pass = False                      # the kernel was just retired: the passes read the rest
@@ -103,14 +113,61 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
             chunks = [flat.narrow(0, start, min(cap, n - start)) for start in range(0, n, cap)]
             figures.append(_combine_chunks([_chunk_figures(chunk, want) for chunk in chunks]))
             at_least.append(sum(work.count_at_least(chunk) for chunk in chunks) if want[3] else 0)
+    for dtype, members in gathered.items():
+        for batch in _batches(tensors, members, scratch[dtype].cap):
+            read = _gathered_rows(tensors, batch, scratch[dtype]) if one_pass else None
+            if read is None:                      # the kernel was retired: the passes read these
+                one_pass = False
+                chunked.extend(batch)
+                figures.extend(_chunk_figures(tensors[i].reshape(-1), want) for i in batch)
+                at_least.extend(scratch[dtype].count_at_least(tensors[i].reshape(-1)) if want[3] else 0
+                                for i in batch)
+                continue
+            order, rows = read
+            owners.extend(order)
+            counts.extend(tensors[i].numel() // ROW for i in order)
+            blocks.append(rows)
     values = np.tile(_IDENTITY, (len(tensors), 1))
     if chunked:
         values[chunked] = _stacked_figures([tensors[i].dtype for i in chunked], figures, at_least)
     if owners:                                    # whole tensors: their rows hold the identity until now
-        index, merged = _merged_rows(owners, blocks)
+        index, merged = _merged_rows(owners, counts, blocks)
         values[index] = merged
     count = np.array([float(t.numel()) for t in tensors])
     return _packed_records(count, values, want)
+
+
+def _batches(tensors: Sequence[torch.Tensor], members: list[int], cap: int) -> list[list[int]]:
+    """`members` in consecutive batches of at most `cap` elements."""
+    batches, filled = [[]], 0
+    for i in members:
+        n = tensors[i].numel()
+        if filled + n > cap:
+            batches.append([])
+            filled = 0
+        batches[-1].append(i)
+        filled += n
+    return batches
+
+
+def _gathered_rows(tensors: Sequence[torch.Tensor], batch: list[int], work: "_Scratch") -> Optional[tuple]:
+    """The one-pass kernel's rows of the tensors of `batch` (whole rows each), copied one after the other into
+    the scratch buffer and read in one call, and the order they were copied in (the contiguous ones first, in
+    one concatenation): the call costs less than one per tensor. None where the kernel failed (and was
+    retired)."""
+    order = [i for i in batch if tensors[i].is_contiguous()]
+    at = sum(tensors[i].numel() for i in order)
+    flat = work.copy.narrow(0, 0, sum(tensors[i].numel() for i in batch))
+    if order:
+        torch.cat([tensors[i].view(-1) for i in order], out=flat.narrow(0, 0, at))
+    for i in batch:
+        t = tensors[i]
+        if not t.is_contiguous():
+            flat.narrow(0, at, t.numel()).view(t.shape).copy_(t)
+            at += t.numel()
+            order.append(i)
+    rows = stats_fused.finite_rows(flat, work.lam)
+    return None if rows is None else (order, rows[0])
 
 
 # Figure columns of `_assume_finite` (sum, sumsq, min, max, count of |x| >= eps): their identity.
@@ -129,20 +186,21 @@ def _stacked_figures(dtypes: list, figures: list, at_least: list) -> np.ndarray:
     return values
 
 
-def _merged_rows(owners: list[int], blocks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+def _merged_rows(owners: list[int], counts: list[int], blocks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """The figures (`_IDENTITY`'s columns, float64) of each tensor the one-pass kernel read, merged from its
-    row partials (`[rows, 5]` blocks, a tensor's one or two adjacent): counts and sums added, min of mins,
-    max of maxes. Returns the tensors' indices and their `[k, 5]` figures."""
+    row partials: the `[rows, 5]` blocks hold, one after the other, `counts[j]` rows of tensor `owners[j]` (a
+    tensor's rows adjacent). Counts and sums added, min of mins, max of maxes. Returns the tensors' indices and
+    their `[k, 5]` figures."""
     partials = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).numpy().astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
-        if owners[0] == owners[-1]:               # one tensor (owners ascend): no segments to find
+        if owners[0] == owners[-1] and len(set(owners)) == 1:   # one tensor: no segments to find
             merged = partials.sum(0, keepdims=True)
             merged[0, 2], merged[0, 3] = partials[:, 2].min(), partials[:, 3].max()
             return np.asarray(owners[:1]), merged
         owner = np.asarray(owners)
-        first = np.ones(len(owner), dtype=bool)   # the first block of each tensor starts its rows
+        first = np.ones(len(owner), dtype=bool)   # the first segment of each tensor starts its rows
         first[1:] = owner[1:] != owner[:-1]
-        starts = np.cumsum([0] + [len(b) for b in blocks[:-1]])[first]
+        starts = np.cumsum([0] + counts[:-1])[first]
         merged = np.add.reduceat(partials, starts)
         merged[:, 2] = np.minimum.reduceat(partials[:, 2], starts)
         merged[:, 3] = np.maximum.reduceat(partials[:, 3], starts)

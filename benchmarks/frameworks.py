@@ -96,7 +96,8 @@ def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict) ->
             with open(os.path.join(tmp, f"timings.rank{rank}.json")) as f:
                 ranks.append(json.load(f))
         disk = sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(out_dir) for name in names)
-    return {"step_s": ranks[0]["step_s"], "cpu_s": ranks[0]["cpu_s"], "calls": [r["calls"] for r in ranks],
+    return {"step_s": ranks[0]["step_s"], "cpu_s": ranks[0]["cpu_s"], "gc_s": ranks[0]["gc_s"],
+            "calls": [r["calls"] for r in ranks],
             "disk_bytes_per_rank_step": disk / NPROC / (steps + 1), "job_s": time.perf_counter() - start}
 
 
@@ -148,13 +149,14 @@ def run_micro(tier: str, formats: list[str], calls: int, steps: int, warmup: int
 
 def summarize(runs: list[dict], warmup: int) -> list[dict]:
     """One row per (job, tier): pooled medians of wall and CPU time per step, ratios against `none`,
-    per-repeat ratios, and the added time per hooked call. Runs' step lists start after the warm-up."""
+    per-repeat ratios, the added time per hooked call, and the mean wall and garbage collection time per
+    step (the jobs'). Runs' step lists start after the warm-up."""
     rows = []
     for key in dict.fromkeys(r["job"] for r in runs):
         mine = [r for r in runs if r["job"] == key]
         pooled: dict = {}
         for r in mine:
-            for metric in ("step_s", "cpu_s", "thread_s"):
+            for metric in ("step_s", "cpu_s", "thread_s", "gc_s"):
                 if metric in r:
                     pooled.setdefault((r["tier"], metric), []).extend(r[metric][warmup:])
         median = {k: statistics.median(v) for k, v in pooled.items()}
@@ -174,6 +176,11 @@ def summarize(runs: list[dict], warmup: int) -> list[dict]:
                 # Module hooks run in every tier but `wg` (grad hooks on parameters only).
                 row[f"{name}_us_per_hooked_call"] = ((value - base) / calls * 1e6
                                                      if base and tier not in ("none", "wg") else None)
+            if (tier, "gc_s") in pooled:
+                mean = statistics.mean(pooled[tier, "step_s"])
+                base = statistics.mean(pooled["none", "step_s"]) if ("none", "step_s") in pooled else None
+                row["wall_mean_ms"], row["wall_mean_ratio"] = mean * 1e3, mean / base if base else None
+                row["gc_ms"] = statistics.mean(pooled[tier, "gc_s"]) * 1e3
             if "disk_bytes_per_rank_step" in tier_runs[0]:
                 row["disk_kb_per_rank_step"] = statistics.mean(r["disk_bytes_per_rank_step"] for r in tier_runs) / 1024
             rows.append(row)
@@ -194,15 +201,17 @@ def print_tables(rows: list[dict], micro_rows: list[dict], args) -> None:
 def _print_jobs(rows: list[dict], args) -> None:
     print(f"{args.steps} steps after {args.warmup} of warm-up, {args.repeats} repeat(s), format {args.format}. "
           "Rank 0's median wall time per step, its ratio against `none` (pooled, and per repeat), the same "
-          "for the process's CPU time (every thread), and the added time per hooked call in both.\n")
+          "for the process's CPU time (every thread), the added time per hooked call in both, and the mean wall "
+          "time per step with the mean time in Python's garbage collector (pauses a median hides).\n")
     print("| job | tier | wall/step | × none | per repeat | CPU/step | CPU × none | hooked calls/step "
-          "| µs per hooked call: wall | CPU | disk/rank/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| µs per hooked call: wall | CPU | mean wall/step | × none | GC/step | disk/rank/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         per_repeat = ", ".join(f"{x:.2f}" for x in r["per_repeat"]) if r["tier"] != "none" else ""
         print(f"| {r['job']} | {r['tier']} | {r['wall_ms']:.0f} ms | {_fmt(r['wall_ratio'], '.3f')} | {per_repeat} "
               f"| {r['cpu_ms']:.0f} ms | {_fmt(r['cpu_ratio'], '.3f')} | {r['hooked_calls_per_step']:.0f} "
               f"| {_fmt(r['wall_us_per_hooked_call'], '.0f')} | {_fmt(r['cpu_us_per_hooked_call'], '.0f')} "
+              f"| {r['wall_mean_ms']:.0f} ms | {_fmt(r['wall_mean_ratio'], '.3f')} | {r['gc_ms']:.1f} ms "
               f"| {r['disk_kb_per_rank_step']:.1f} KB |")
 
 

@@ -1,5 +1,6 @@
 """TrainerMon behaviour on a real training loop: numerics, hooks, step gating, api, teardown."""
 import copy
+import gc
 import json
 import logging
 import os
@@ -579,3 +580,42 @@ def test_input_grad_of_a_module_that_modifies_its_input_in_place(output_dir, wri
     for step in range(3):
         row = grads[(grads.step == step) & (grads.name == "relu.input")].iloc[0]
         assert row["norm"] == pytest.approx(float(expected[step].norm()), rel=1e-5) and row["norm"] > 0
+
+
+def _survivors_of_a_forward(model, optimizer) -> int:
+    """Objects made by one forward pass that outlive a garbage collection run right after it: those the
+    collector moves towards its oldest generation, whose full collections pause the whole process."""
+    from trainmon.demo import lm_loss
+    from training import batches
+
+    tokens, labels = next(batches())
+    gc.collect()
+    gc.disable()
+    try:
+        loss = lm_loss(model, tokens, labels)
+        gc.collect(0)
+        survivors = len(gc.get_objects(1))
+        loss.backward()
+    finally:
+        gc.enable()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return survivors
+
+
+def test_a_monitored_forward_leaves_the_garbage_collector_few_objects(output_dir, write_config):
+    """Every activation and grad of the model recorded: past the steps that make a run's record keys and grad
+    hooks, a forward pass's hooks keep fewer than 10 objects per module call for the collector (the
+    autograd nodes and aliases of the input taps, their grad hooks' dicts, a weak reference per tensor);
+    the step's own bookkeeping holds numbers."""
+    plain = make_model(layers=4)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    run_steps(plain, plain_optimizer, 2)
+    monitor, model, optimizer, _ = train(write_config, steps=3, model=make_model(layers=4), **FULL)
+    calls = []
+    handles = [m.register_forward_hook(lambda *_: calls.append(1)) for m in model.modules()]
+    extra = _survivors_of_a_forward(model, optimizer) - _survivors_of_a_forward(plain, plain_optimizer)
+    for handle in handles:
+        handle.remove()
+    monitor.stop()
+    assert 0 < extra < 10 * len(calls), (extra, len(calls))

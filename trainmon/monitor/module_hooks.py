@@ -301,4 +301,4 @@ def _grad_key(collector: StepCollector, watched: WatchedModule, micro: int, leaf
               grad: torch.Tensor) -> RecordKey:
     vpp = watched.vpp_stage
     return record_key(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
-                     tuple(grad.shape), str(grad.dtype))
+                      tuple(grad.shape), str(grad.dtype))

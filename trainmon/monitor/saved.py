@@ -145,7 +145,7 @@ class SavedVariables(Hooks):
     def _record(self, family: str, name: str, micro: int, tensor: torch.Tensor, phase: str) -> None:
         collector = self.state.collector
         key = record_key(family, name, 0, micro, collector.call_index_of(family, name, 0, micro, tensor),
-                        tuple(tensor.shape), str(tensor.dtype))
+                         tuple(tensor.shape), str(tensor.dtype))
         # Deferred like activations: a variable the script changes in place before the batch is reduced
         # is read at once from then on (StepCollector).
         collector.record([key], [tensor], defer=True)

@@ -1,7 +1,6 @@
 """Reading the grad of a tensor made in the forward pass, when the backward pass computes it."""
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -21,10 +20,19 @@ def watch_grad(tensor: torch.Tensor, callback: Callable[[torch.Tensor], None]) -
 def output_grad_hook(callback: Callable[[torch.Tensor], None], output_nr: int) -> Callable:
     """The pre-hook `watch_grad` registers, for a tensor that is output `output_nr` of its node: hooks that
     recur every step can be made once and registered on each step's node (`tensor.grad_fn.register_prehook`)."""
-    return functools.partial(_grad_of_output, callback, output_nr)
+    return _OutputGrad(callback, output_nr)
 
 
-def _grad_of_output(callback: Callable[[torch.Tensor], None], output_nr: int, grads: tuple) -> None:
-    grad = grads[output_nr]
-    if grad is not None:
-        callback(grad)
+class _OutputGrad:
+    """Hands a node's grad of one of its outputs to `callback`. One object that lives as long as the graph (a
+    `functools.partial` would be two, for Python's garbage collector to track)."""
+
+    __slots__ = ("callback", "output_nr")
+
+    def __init__(self, callback: Callable[[torch.Tensor], None], output_nr: int):
+        self.callback, self.output_nr = callback, output_nr
+
+    def __call__(self, grads: tuple) -> None:
+        grad = grads[self.output_nr]
+        if grad is not None:
+            self.callback(grad)

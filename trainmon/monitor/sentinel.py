@@ -14,7 +14,6 @@ writer thread.
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from typing import Callable, Optional
@@ -103,13 +102,18 @@ class _Probes:
 
 
 class _GradConsumer:
-    """Who a tensor's grad is attributed to: the innermost module that took the tensor as input."""
+    """Who a tensor's grad is attributed to: the innermost module that took the tensor as input. Called with
+    the grad, it hands both to `on_grad` (itself the callback, rather than a partial: fewer objects that live
+    until backward)."""
 
-    __slots__ = ("tensor", "name", "vpp_stage", "micro")
+    __slots__ = ("tensor", "name", "vpp_stage", "micro", "on_grad")
 
-    def __init__(self, tensor: torch.Tensor, name: str, vpp_stage: int, micro: int):
+    def __init__(self, tensor: torch.Tensor, name: str, vpp_stage: int, micro: int, on_grad: Callable):
         self.tensor = weakref.ref(tensor)
-        self.name, self.vpp_stage, self.micro = name, vpp_stage, micro
+        self.name, self.vpp_stage, self.micro, self.on_grad = name, vpp_stage, micro, on_grad
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.on_grad(self, grad)
 
 
 class NanSentinel(Hooks):
@@ -142,7 +146,10 @@ class NanSentinel(Hooks):
         self.probes = _Probes()
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
-        self._probed: dict[int, tuple] = {}
+        # id -> weakref, and id -> version, of the forward tensors probed this step (numbers, not a tuple per
+        # tensor, for Python's garbage collector)
+        self._probed_refs: dict[int, weakref.ref] = {}
+        self._probed: dict[int, int] = {}
         self._in_pass: dict[int, int] = {}  # vpp stage -> micro-step, of the grads seen in the running backward pass
         self._callback_queued = False
         self._grad_hook = state.guarded("NaN sentinel on activation grads", self._on_grad)
@@ -170,6 +177,7 @@ class NanSentinel(Hooks):
             handle.remove()
         self._handles.clear()
         self._consumers.clear()
+        self._probed_refs.clear()
         self._probed.clear()
         self.probes.reset()
 
@@ -193,12 +201,13 @@ class NanSentinel(Hooks):
     def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int) -> None:
         """Probes the forward tensors not already probed unchanged this step: a container returning its last
         child's output (nn.Sequential, a model returning its head's output) is not read twice."""
-        probed = self._probed
+        refs, probed = self._probed_refs, self._probed
         for name, tensor in leaves:
-            seen = probed.get(id(tensor))
-            if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+            ref = refs.get(id(tensor))
+            if ref is not None and ref() is tensor and probed[id(tensor)] == tensor._version:
                 continue
-            probed[id(tensor)] = (weakref.ref(tensor), tensor._version)
+            refs[id(tensor)] = weakref.ref(tensor)
+            probed[id(tensor)] = tensor._version
             self._probe_one(ACTV, name, tensor, vpp_stage, micro)
 
     def probe_saved(self, family: str, name: str, tensor: torch.Tensor, micro: int) -> None:
@@ -234,9 +243,9 @@ class NanSentinel(Hooks):
             # An inner module took the same tensor (pre-hooks run outside-in): the grad is its grad_input.
             consumer.name, consumer.vpp_stage, consumer.micro = name, vpp, micro
             return
-        consumer = _GradConsumer(tensor, name, vpp, micro)
+        consumer = _GradConsumer(tensor, name, vpp, micro, self._grad_hook)
         self._consumers[id(tensor)] = consumer
-        watch_grad(tensor, functools.partial(self._grad_hook, consumer))
+        watch_grad(tensor, consumer)
 
     def _on_grad(self, consumer: _GradConsumer, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward()
@@ -296,6 +305,7 @@ class NanSentinel(Hooks):
             self.state.collector.add_flags(self.probes.keys, filled)
         self.probes.reset()
         self._consumers.clear()
+        self._probed_refs.clear()
         self._probed.clear()
         self._in_pass.clear()
 

@@ -27,6 +27,7 @@ a small, fast model where the cost per hooked call, not the statistics, decides 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -119,19 +120,31 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
 
         CudaToCpuMode().__enter__()
     x = torch.randn(8, 16)
-    wall, cpu, thread = [], [], []
+    wall, cpu, thread, in_gc = [], [], [], []
+    collecting = [0.0, 0.0]  # (start of the running collection, collection time of this step)
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            collecting[1] += time.perf_counter() - collecting[0]
+    gc.callbacks.append(on_gc)
     for _ in range(warmup + steps):
         start = (time.perf_counter(), time.process_time(), time.thread_time())
+        collecting[1] = 0.0
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         wall.append(time.perf_counter() - start[0])
         cpu.append(time.process_time() - start[1])
         thread.append(time.thread_time() - start[2])
+        in_gc.append(collecting[1])
+    gc.callbacks.remove(on_gc)
     if monitor is not None:
         monitor.stop()
     # Module calls per step: the chain, its Linear and the Sequential around them, each forward and backward.
-    return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "calls": [{"forward": calls + 2, "backward": calls + 2}]}
+    return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "gc_s": in_gc,
+            "calls": [{"forward": calls + 2, "backward": calls + 2}]}
 
 
 def run_micro(tier: str, formats: list[str], calls: int, steps: int, warmup: int, shim: bool, extra: dict) -> dict:
@@ -219,14 +232,16 @@ def _print_micro(micro_rows: list[dict], args) -> None:
     print(f"\nMicro-benchmark: a chain of {args.micro_calls} parameter-free modules in one process; a hooked call "
           "is one forward or one backward hook run; µs per hooked call = added time per step / hooked calls, "
           "in wall time, in the training thread's CPU time (the hooks and the step's own work) and in the "
-          "process's CPU time (the writer thread too).\n")
-    print("| setting | tier | step | × none | per repeat | µs per hooked call: wall | training thread | process |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "process's CPU time (the writer thread too); the mean step and the mean time in Python's garbage "
+          "collector per step.\n")
+    print("| setting | tier | step | × none | per repeat | µs per hooked call: wall | training thread | process "
+          "| mean step | GC/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in micro_rows:
         per_repeat = ", ".join(f"{x:.2f}" for x in r["per_repeat"]) if r["tier"] != "none" else ""
         print(f"| {r['job']} | {r['tier']} | {r['wall_ms']:.1f} ms | {_fmt(r['wall_ratio'], '.3f')} | {per_repeat} "
               f"| {_fmt(r['wall_us_per_hooked_call'], '.1f')} | {_fmt(r.get('thread_us_per_hooked_call'), '.1f')} "
-              f"| {_fmt(r['cpu_us_per_hooked_call'], '.1f')} |")
+              f"| {_fmt(r['cpu_us_per_hooked_call'], '.1f')} | {r['wall_mean_ms']:.1f} ms | {r['gc_ms']:.2f} ms |")
 
 
 def main() -> int:

@@ -260,6 +260,9 @@ def test_whole_row_tensors_share_the_assume_finite_kernels_calls(assume_finite_k
     gathered = sum(t.numel() for t in tensors) // row - 256
     assert calls[0] == 256 and sum(calls[1:]) == gathered                 # the large one first, in place
     assert len(calls) == 1 + -(-gathered // per_call) and max(calls[1:]) <= per_call
+    calls.clear()
+    tensor_records([tensors[7], torch.randn(5000, generator=g)], 1e-3, ALL)   # none to share: no empty call
+    assert calls == [256]
 
 
 def test_failing_kernels_are_retired_and_the_records_stay_right(monkeypatch, caplog):

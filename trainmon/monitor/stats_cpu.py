@@ -138,8 +138,8 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
 
 
 def _batches(tensors: Sequence[torch.Tensor], members: list[int], cap: int) -> list[list[int]]:
-    """`members` in consecutive batches of at most `cap` elements."""
-    batches, filled = [[]], 0
+    """`members` in consecutive batches of at most `cap` elements (none when there are no members)."""
+    batches, filled = [], cap
     for i in members:
         n = tensors[i].numel()
         if filled + n > cap:
@@ -193,7 +193,7 @@ def _merged_rows(owners: list[int], counts: list[int], blocks: list[torch.Tensor
     their `[k, 5]` figures."""
     partials = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).numpy().astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
-        if owners[0] == owners[-1] and len(set(owners)) == 1:   # one tensor: no segments to find
+        if len(set(owners)) == 1:                 # one tensor: no segments to find
             merged = partials.sum(0, keepdims=True)
             merged[0, 2], merged[0, 3] = partials[:, 2].min(), partials[:, 3].max()
             return np.asarray(owners[:1]), merged

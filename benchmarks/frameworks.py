@@ -27,7 +27,6 @@ a small, fast model where the cost per hooked call, not the statistics, decides 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -106,6 +105,9 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
     """A parameter-free chain of `calls` modules behind one Linear, trained with the tier's hooks (child side)."""
     import torch
 
+    sys.path.insert(0, SCRIPTS)
+    from step_timer import GcClock
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), *[torch.nn.GELU() for _ in range(calls)])
@@ -115,31 +117,23 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
     monitor = attach_monitor(tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS), out_dir,
                              model, optimizer)
     if shim:
-        sys.path.insert(0, SCRIPTS)
         from cpu_shims import CudaToCpuMode
 
         CudaToCpuMode().__enter__()
     x = torch.randn(8, 16)
     wall, cpu, thread, in_gc = [], [], [], []
-    collecting = [0.0, 0.0]  # (start of the running collection, collection time of this step)
-
-    def on_gc(phase, info):
-        if phase == "start":
-            collecting[0] = time.perf_counter()
-        else:
-            collecting[1] += time.perf_counter() - collecting[0]
-    gc.callbacks.append(on_gc)
+    clock = GcClock()
     for _ in range(warmup + steps):
         start = (time.perf_counter(), time.process_time(), time.thread_time())
-        collecting[1] = 0.0
+        clock.take()
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         wall.append(time.perf_counter() - start[0])
         cpu.append(time.process_time() - start[1])
         thread.append(time.thread_time() - start[2])
-        in_gc.append(collecting[1])
-    gc.callbacks.remove(on_gc)
+        in_gc.append(clock.take())
+    clock.close()
     if monitor is not None:
         monitor.stop()
     # Module calls per step: the chain, its Linear and the Sequential around them, each forward and backward.

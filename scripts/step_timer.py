@@ -20,6 +20,27 @@ import torch
 from trainmon.monitor import stats_fused
 
 
+class GcClock:
+    """The time Python's garbage collector has run since the last `take()`."""
+
+    def __init__(self):
+        self._total, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self._total += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        total, self._total = self._total, 0.0
+        return total
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
 class StepTimer:
     """Collects this rank's step times; `count_calls()` wraps one untimed step that counts module calls."""
 
@@ -31,21 +52,13 @@ class StepTimer:
         self.gc_times: list[float] = []
         self.calls = {"forward": 0, "backward": 0}
         self._last = (time.perf_counter(), time.process_time())
-        self._gc_time, self._gc_start = 0.0, 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        else:
-            self._gc_time += time.perf_counter() - self._gc_start
+        self._gc = GcClock()
 
     def step_done(self) -> None:
         now = (time.perf_counter(), time.process_time())
         self.times.append(now[0] - self._last[0])
         self.cpu_times.append(now[1] - self._last[1])
-        self.gc_times.append(self._gc_time)
-        self._gc_time = 0.0
+        self.gc_times.append(self._gc.take())
         if len(self.times) == 1:
             # The monitor's statistic kernels compile in the background during a run's first seconds: the
             # steps timed here are those of a longer run, with the kernels in place.

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Optional, Sequence
 
 import torch
 
 from trainmon.monitor import in_graph, stats
 from trainmon.monitor.accelerator import copy_done_event
+from trainmon.monitor.tensor_memo import TensorMemo
 from trainmon.core.records import RecordKey, StepBatch
 
 logger = logging.getLogger("trainmon")
@@ -55,19 +55,14 @@ class StepCollector:
         self._scalars: dict[str, object] = {}
         self._flag_keys: list[RecordKey] = []
         self._flags: list[torch.Tensor] = []
-        # The per-tensor bookkeeping of a step lives in dicts and lists of atomic values (weak references
-        # apart, one per tensor): a tuple of them per tensor would be kept until the step ends, long enough
-        # for Python's garbage collector to move it to its oldest generation, whose full collections take a
-        # pause proportional to the whole heap.
-        # id -> weakref, and id -> (version, block, slot), of the deferred tensors recorded this step: the record
-        # is row `slot` of `_reduced[block]`, or pending slot `slot` where block is _PENDING
-        self._seen_refs: dict[int, weakref.ref] = {}
-        self._seen: dict[int, tuple] = {}
+        # The per-tensor bookkeeping of a step holds numbers (TensorMemo, parallel lists), not an object per
+        # tensor for Python's garbage collector.
+        # id -> (version, block, slot) of the deferred tensors recorded this step: the record is row `slot` of
+        # `_reduced[block]`, or pending slot `slot` where block is _PENDING
+        self._seen = TensorMemo()
         self._reduced: list[torch.Tensor] = []  # the record rows of each batch reduced this step
         self._call_index = 0
-        # call_index_of: (family, name, vpp, micro, id) -> index, and -> weakref
-        self._indexed: dict[tuple, int] = {}
-        self._indexed_refs: dict[tuple, weakref.ref] = {}
+        self._indexed = TensorMemo()  # call_index_of: (family, name, vpp, micro, id) -> index
         self._pending_keys: list[RecordKey] = []
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
         self._pending_tensors: list[torch.Tensor] = []
@@ -86,12 +81,10 @@ class StepCollector:
         """The call index of one tensor event, the same for every hook that reports it: the NaN sentinel and
         the statistic hooks each see a module's output (or grad) and would otherwise reserve one index each."""
         where = (family, name, vpp_stage, micro, id(tensor))
-        ref = self._indexed_refs.get(where)
-        if ref is not None and ref() is tensor:
-            return self._indexed[where]
-        index = self.next_call_index()
-        self._indexed[where] = index
-        self._indexed_refs[where] = weakref.ref(tensor)
+        index = self._indexed.get(where, tensor)
+        if index is None:
+            index = self.next_call_index()
+            self._indexed.put(where, tensor, index)
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:
@@ -116,12 +109,10 @@ class StepCollector:
         now = []
         for key, tensor in zip(keys, tensors):
             version = tensor._version
-            ref = self._seen_refs.get(id(tensor))
-            if ref is not None and ref() is tensor:
-                seen_version, block, slot = self._seen[id(tensor)]
-                if seen_version == version:
-                    self._reuse(key, block, slot)
-                    continue
+            seen = self._seen.get(id(tensor), tensor)
+            if seen is not None and seen[0] == version:
+                self._reuse(key, seen[1], seen[2])
+                continue
             self._pending_bytes += tensor.numel() * tensor.element_size()
             if key.name in self._deferrable_names:
                 slot = len(self._pending_tensors)
@@ -129,14 +120,14 @@ class StepCollector:
                 self._pending_versions.append(version)
                 self._pending_keys.append(key)
                 self._pending_slots.append(slot)
-                self._see(tensor, version, _PENDING, slot)
+                self._seen.put(id(tensor), tensor, (version, _PENDING, slot))
             else:
                 now.append((key, tensor, version))
         if now:
             self._reduce_now([(key, tensor) for key, tensor, _ in now])
             block = len(self._reduced) - 1
             for i, (key, tensor, version) in enumerate(now):
-                self._see(tensor, version, block, i)
+                self._seen.put(id(tensor), tensor, (version, block, i))
                 if key.name not in self._eager_names:
                     self._trial.append((key.name, tensor, version))
         if self._pending_bytes >= self.batch_bytes:
@@ -146,11 +137,6 @@ class StepCollector:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
         self._reduced.append(rows)
         self._add([k for k, _ in items], rows)
-
-    def _see(self, tensor: torch.Tensor, version: int, block: int, slot: int) -> None:
-        """Notes where the record of `tensor` at `version` is: see `_seen`."""
-        self._seen_refs[id(tensor)] = weakref.ref(tensor)
-        self._seen[id(tensor)] = (version, block, slot)
 
     def _reuse(self, key: RecordKey, block: int, slot: int) -> None:
         if block == _PENDING:  # share its slot
@@ -178,10 +164,9 @@ class StepCollector:
         block = len(self._reduced) - 1
         for slot, (t, version) in enumerate(zip(pending, versions)):
             if slot in modified:
-                self._seen_refs.pop(id(t), None)
-                self._seen.pop(id(t), None)
+                self._seen.pop(id(t))
             else:
-                self._seen[id(t)] = (version, block, slot)
+                self._seen.put(id(t), t, (version, block, slot))
         kept = [i for i, slot in enumerate(slots) if slot not in modified]
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])

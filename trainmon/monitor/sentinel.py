@@ -30,6 +30,7 @@ from trainmon.monitor.grad_watch import watch_grad
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
+from trainmon.monitor.tensor_memo import TensorMemo
 from trainmon.monitor.tensor_select import floating_leaves, input_values, local_shard
 
 NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))  # families probed by an L2 norm: no Inf sign
@@ -146,10 +147,7 @@ class NanSentinel(Hooks):
         self.probes = _Probes()
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
-        # id -> weakref, and id -> version, of the forward tensors probed this step (numbers, not a tuple per
-        # tensor, for Python's garbage collector)
-        self._probed_refs: dict[int, weakref.ref] = {}
-        self._probed: dict[int, int] = {}
+        self._probed = TensorMemo()  # id -> version, of the forward tensors probed this step
         self._in_pass: dict[int, int] = {}  # vpp stage -> micro-step, of the grads seen in the running backward pass
         self._callback_queued = False
         self._grad_hook = state.guarded("NaN sentinel on activation grads", self._on_grad)
@@ -177,7 +175,6 @@ class NanSentinel(Hooks):
             handle.remove()
         self._handles.clear()
         self._consumers.clear()
-        self._probed_refs.clear()
         self._probed.clear()
         self.probes.reset()
 
@@ -201,13 +198,11 @@ class NanSentinel(Hooks):
     def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int) -> None:
         """Probes the forward tensors not already probed unchanged this step: a container returning its last
         child's output (nn.Sequential, a model returning its head's output) is not read twice."""
-        refs, probed = self._probed_refs, self._probed
+        probed = self._probed
         for name, tensor in leaves:
-            ref = refs.get(id(tensor))
-            if ref is not None and ref() is tensor and probed[id(tensor)] == tensor._version:
+            if probed.get(id(tensor), tensor) == tensor._version:
                 continue
-            refs[id(tensor)] = weakref.ref(tensor)
-            probed[id(tensor)] = tensor._version
+            probed.put(id(tensor), tensor, tensor._version)
             self._probe_one(ACTV, name, tensor, vpp_stage, micro)
 
     def probe_saved(self, family: str, name: str, tensor: torch.Tensor, micro: int) -> None:
@@ -305,7 +300,6 @@ class NanSentinel(Hooks):
             self.state.collector.add_flags(self.probes.keys, filled)
         self.probes.reset()
         self._consumers.clear()
-        self._probed_refs.clear()
         self._probed.clear()
         self._in_pass.clear()
 

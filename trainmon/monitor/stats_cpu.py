@@ -87,16 +87,23 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
                for dtype in {t.dtype for t in tensors}}
     one_pass = stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN], _CPU, kernel="finite")
-    chunked, figures, at_least = [], [], []       # tensors read in chunks, their figures
+    chunked, figures, at_least = [], [], []       # tensors read by the passes, their figures
     owners, counts, blocks = [], [], []           # the one-pass kernel's row blocks, and whose rows they hold
     gathered = {dtype: [] for dtype in scratch}   # tensors copied whole into shared kernel calls
+
+    def by_passes(i: int, flat: torch.Tensor) -> None:
+        figure, count = _by_passes(flat, scratch[flat.dtype], want)
+        chunked.append(i)
+        figures.append(figure)
+        at_least.append(count)
+
     for i, t in enumerate(tensors):
         work = scratch[t.dtype]
-        n, cap = t.numel(), work.cap
-        if one_pass and ONE_PASS_MIN <= n <= min(cap, GATHER_MAX) and n % ROW == 0:
+        n = t.numel()
+        if one_pass and ONE_PASS_MIN <= n <= min(work.cap, GATHER_MAX) and n % ROW == 0:
             gathered[t.dtype].append(i)
             continue
-        flat = t.view(-1) if t.is_contiguous() else _contiguous_copy(t, work.copy)
+        flat = _flat(t, work.copy)
         if one_pass and n >= ONE_PASS_MIN:
             rows = stats_fused.finite_rows(flat, work.lam)
             if rows is not None:
@@ -105,23 +112,15 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
                 blocks.extend(rows)
                 continue
             one_pass = False                      # the kernel was just retired: the passes read the rest
-        chunked.append(i)
-        if n <= cap:                              # most tensors: one chunk, no slicing
-            figures.append(_chunk_figures(flat, want))
-            at_least.append(work.count_at_least(flat) if want[3] else 0)
-        else:
-            chunks = [flat.narrow(0, start, min(cap, n - start)) for start in range(0, n, cap)]
-            figures.append(_combine_chunks([_chunk_figures(chunk, want) for chunk in chunks]))
-            at_least.append(sum(work.count_at_least(chunk) for chunk in chunks) if want[3] else 0)
+        by_passes(i, flat)
     for dtype, members in gathered.items():
-        for batch in _batches(tensors, members, scratch[dtype].cap):
-            read = _gathered_rows(tensors, batch, scratch[dtype]) if one_pass else None
+        work = scratch[dtype]
+        for batch in _batches(tensors, members, work.cap):
+            read = _gathered_rows(tensors, batch, work) if one_pass else None
             if read is None:                      # the kernel was retired: the passes read these
                 one_pass = False
-                chunked.extend(batch)
-                figures.extend(_chunk_figures(tensors[i].reshape(-1), want) for i in batch)
-                at_least.extend(scratch[dtype].count_at_least(tensors[i].reshape(-1)) if want[3] else 0
-                                for i in batch)
+                for i in batch:
+                    by_passes(i, _flat(tensors[i], work.copy))
                 continue
             order, rows = read
             owners.extend(order)
@@ -242,12 +241,25 @@ def _assumable(t: torch.Tensor, workspace: Callable) -> bool:
     return t.is_contiguous() or _SMALL < t.numel() <= workspace(t.dtype)[0].numel()
 
 
-def _contiguous_copy(t: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-    """`t`'s elements, flat, in the scratch buffer `copy`: one pass where the exact kernels take twelve,
-    and the same sums, which read the same contiguous copy there."""
+def _flat(t: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements, flat: a view of a contiguous tensor, else a copy into the scratch buffer `copy` (one pass
+    where the exact kernels take twelve, and the same sums, which read the same contiguous copy there)."""
+    if t.is_contiguous():
+        return t.view(-1)
     flat = copy[:t.numel()]
     flat.view(t.shape).copy_(t)
     return flat
+
+
+def _by_passes(flat: torch.Tensor, work: "_Scratch", want: tuple) -> tuple[list[torch.Tensor], int]:
+    """The `_FIGURES` of a flat contiguous tensor and its count of |x| >= eps, read by a few passes per chunk
+    of the scratch buffer's size."""
+    n, cap = flat.numel(), work.cap
+    if n <= cap:                                  # most tensors: one chunk, no slicing
+        return _chunk_figures(flat, want), (work.count_at_least(flat) if want[3] else 0)
+    chunks = [flat.narrow(0, start, min(cap, n - start)) for start in range(0, n, cap)]
+    return (_combine_chunks([_chunk_figures(chunk, want) for chunk in chunks]),
+            sum(work.count_at_least(chunk) for chunk in chunks) if want[3] else 0)
 
 
 # The figures of one chunk (0-d tensors of its dtype), and how the figures of chunks combine.

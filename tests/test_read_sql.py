@@ -88,12 +88,18 @@ def _every_event(path, rank) -> list[AnomalyEvent]:
     return events
 
 
-@pytest.mark.parametrize("indexed", [True, False], ids=["indexes", "older-db-without-them"])
-def test_sql_summary_equals_the_summary_of_every_record(tmp_path, indexed):
+# What schema version 4 had where version 5 has first_nonfinite, and what databases older still had neither of.
+_SCHEMA_4 = ("DROP TABLE first_nonfinite; CREATE INDEX records_nonfinite_tag ON records "
+             "(tag_id, step, micro_step, nans, infs) WHERE nans > 0 OR infs > 0;")
+_OLDER = "DROP TABLE first_nonfinite; DROP INDEX anomalies_nonfinite;"
+
+
+@pytest.mark.parametrize("older", [None, _SCHEMA_4, _OLDER], ids=["current", "schema-4", "older-without-either"])
+def test_sql_summary_equals_the_summary_of_every_record(tmp_path, older):
     path = _write_rank(tmp_path / "run" / "rank_0")
-    if not indexed:
+    if older:
         conn = sqlite3.connect(path)
-        conn.executescript("DROP INDEX records_nonfinite_tag; DROP INDEX anomalies_nonfinite;")
+        conn.executescript(older)
         conn.close()
     expected = summarize(0, _every_event(path, 0))
     got = summarize_rank_dir(find_run(tmp_path / "run").ranks[0])

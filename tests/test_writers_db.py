@@ -52,7 +52,88 @@ def test_both_common_queries_use_an_index(output_dir, write_config):
             "EXPLAIN QUERY PLAN SELECT * FROM records WHERE tag_id = 3 ORDER BY step"))
         by_step = " ".join(r[-1] for r in conn.execute(
             "EXPLAIN QUERY PLAN SELECT * FROM records WHERE step = 0"))
-    assert "records_tag_step" in by_tag and "records_step_tag" in by_step, (by_tag, by_step)
+    # one tag over steps: a seek per step (skip-scan) in the index led by the step
+    assert "records_step_tag (ANY(step) AND tag_id=?)" in by_tag and "records_step_tag (step=?)" in by_step, \
+        (by_tag, by_step)
+
+
+def _wal_frames_of_one_step(db: MonitorDb, step: int, keys: list, values: np.ndarray) -> int:
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.add_step(step, 0, keys, values, {})
+    return db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+
+
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "every-record-nan"])
+def test_a_step_writes_as_many_pages_late_in_a_run_as_early(tmp_path, nonfinite):
+    """A step's rows go at the end of every index of `records`, so the pages a step writes do not grow with the
+    steps before it, even when every record is non-finite (an index led by the tag would take a page per tag and
+    step: the writer would fall further behind the longer the run)."""
+    db = MonitorDb(tmp_path / "monitor.db")
+    keys = [RecordKey("actv", f"layers.{i}.output", 0, 0, i, (4,), "torch.float32") for i in range(400)]
+    values = np.random.default_rng(0).standard_normal((len(keys), len(db_schema.FIELDS)))
+    values[:, 1] = 3.0 if nonfinite else 0.0  # nans
+    for step in range(10):
+        db.add_step(step, 0, keys, values, {})
+    early = _wal_frames_of_one_step(db, 10, keys, values)
+    for step in range(11, 300):
+        db.add_step(step, 0, keys, values, {})
+    late = _wal_frames_of_one_step(db, 300, keys, values)
+    db.close()
+    assert late <= 1.25 * early, (early, late)  # with a (tag_id, step) index: 63 and 658 pages
+
+
+def _first_nonfinite(path) -> tuple[dict, dict]:
+    """The `first_nonfinite` table, and each tag's first non-finite step computed from `records`."""
+    with sqlite3.connect(path) as conn:
+        noted = dict(conn.execute("SELECT tag_id, step FROM first_nonfinite"))
+        direct = dict(conn.execute(f"SELECT tag_id, MIN(step) FROM records WHERE {db_schema.NONFINITE_RECORD} "
+                                   "GROUP BY tag_id"))
+    return noted, direct
+
+
+def test_first_nonfinite_holds_each_tags_first_nonfinite_step(tmp_path):
+    db = MonitorDb(tmp_path / "monitor.db")
+    keys = [RecordKey("actv", name, 0, 0, i, (4,), "torch.float32") for i, name in enumerate("abc")]
+    values = np.zeros((3, len(db_schema.FIELDS)))
+    nans, infs = db_schema.FIELDS.index("nans"), db_schema.FIELDS.index("infs")
+    for step in range(10):
+        values[:] = 0
+        values[0, nans] = step in (3, 5)   # a: NaN at steps 3 and 5
+        values[1, infs] = step >= 7        # b: Inf from step 7; c: never
+        db.add_step(step, 0, keys, values, {})
+    noted, direct = _first_nonfinite(tmp_path / "monitor.db")
+    assert noted == direct == {db._tag_ids[("actv", "a", 0, (4,), "torch.float32")]: 3,
+                               db._tag_ids[("actv", "b", 0, (4,), "torch.float32")]: 7}
+    values[:] = 0
+    values[1, infs] = 1                   # a job resumed from an earlier checkpoint writes step 2 again
+    db.add_step(2, 0, keys, values, {})
+    db.close()
+    noted, direct = _first_nonfinite(tmp_path / "monitor.db")
+    assert noted == direct and sorted(noted.values()) == [2, 3]
+
+
+def test_a_version_4_database_moves_to_first_nonfinite_when_a_job_appends(tmp_path):
+    path = tmp_path / "monitor.db"
+    db = MonitorDb(path)
+    keys = [RecordKey("actv", name, 0, 0, i, (4,), "torch.float32") for i, name in enumerate("ab")]
+    values = np.zeros((2, len(db_schema.FIELDS)))
+    for step in range(4):
+        values[0, db_schema.FIELDS.index("nans")] = step >= 1
+        db.add_step(step, 0, keys, values, {})
+    # as schema version 4 wrote it: the two indexes led by the tag, no first_nonfinite table
+    db.conn.executescript("DROP TABLE first_nonfinite; "
+                          "CREATE INDEX records_tag_step ON records (tag_id, step); "
+                          "CREATE INDEX records_nonfinite_tag ON records (tag_id, step, micro_step, nans, infs) "
+                          "WHERE nans > 0 OR infs > 0;")
+    db_schema.write_meta(db.conn, {"schema_version": 4})
+    db.close()
+    MonitorDb(path).close()
+    noted, direct = _first_nonfinite(path)
+    assert noted == direct and list(noted.values()) == [1]
+    with sqlite3.connect(path) as conn:
+        indexes = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert db_schema.read_meta(conn)["schema_version"] == db_schema.SCHEMA_VERSION == 5
+    assert not indexes & {"records_tag_step", "records_nonfinite_tag"}, indexes
 
 
 def test_metadata_holds_config_versions_and_world_size(output_dir, write_config):

@@ -55,6 +55,9 @@ def graph_buffers() -> bool:
     return _on_graph_buffers > 0
 
 
+_dynamo_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
 def stream_capturing() -> bool:
     """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now).
     torch has no device-generic query for this; an accelerator that is not initialised captures nothing."""
@@ -143,7 +146,9 @@ def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: b
         raise RuntimeError(f"trainmon: a {kind} hook is already on {type(module).__name__} (two monitors on one model)")
     _hooks[key] = (weakref.ref(module), hook, with_kwargs, with_output, grads_refused)
 
-    # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call.
+    # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call
+    # (Dynamo's frame callback is set). Elsewhere the hook is called as it is: the wrapper that turns Dynamo off
+    # costs more than some hooks.
     eager = torch._dynamo.disable(hook, recursive=True)
 
     def traced_or_eager(mod, *args):
@@ -154,7 +159,7 @@ def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: b
         if stream_capturing():
             _say_once(CAPTURE_REFUSED)
             return None
-        return eager(mod, *args)
+        return (hook if _dynamo_frame_callback() is None else eager)(mod, *args)
 
     # The hooks of the compiled module itself are frames of their own, which Dynamo would compile too: they
     # run eagerly (the grads of the region's outputs are watched there). Hooks inlined into a traced frame

@@ -9,8 +9,9 @@ step); the same of the anomalies table per (module, phase); the collectives' non
 anomalies no non-finite record holds (a NaN loss, a rule that flagged an infinite figure), counted by an
 anti-join. `rank_summary.summarize` then orders that handful of events exactly as it ordered all of them.
 
-The writers' partial indexes `records_nonfinite_tag` and `anomalies_nonfinite` make these queries seeks;
-a database written before they existed is read the same way, by scans.
+The writers' table `first_nonfinite` and partial index `anomalies_nonfinite` make these queries seeks (a
+database of schema version 4 has the partial index `records_nonfinite_tag` instead); a database written
+before they existed is read the same way, by scans.
 """
 from __future__ import annotations
 
@@ -56,8 +57,7 @@ def read_nonfinite(conn: sqlite3.Connection, rank: int, has_anomalies: bool) -> 
             _ANOMALY_QUERY.replace("{uncommitted}", _marks(uncommitted)), uncommitted)]
         count += _anomalies_beside_records(conn, rank, places, uncommitted)
     comm_tags = [tag for tag, (family, _, _) in places.items() if family == COMM]
-    indexes = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-    rows = conn.execute(_FIRST_RECORDS_SEEK if "records_nonfinite_tag" in indexes else _FIRST_RECORDS).fetchall()
+    rows = conn.execute(_first_records_query(conn)).fetchall()
     if comm_tags:
         rows += conn.execute(f"SELECT {_RECORD_COLUMNS}, r.rowid FROM records r WHERE {_RECORD_NONFINITE} AND "
                              f"r.tag_id IN ({_marks(comm_tags)})", comm_tags).fetchall()
@@ -66,8 +66,21 @@ def read_nonfinite(conn: sqlite3.Connection, rank: int, has_anomalies: bool) -> 
     return DbNonfinite(count, anomalies + [_record_event(rank, places[row[0]], row) for row in rows])
 
 
-# The non-finite records at their tag's first non-finite step: with the partial index, one seek per tag
-# (MATERIALIZED: flattened, SQLite would scan the whole index instead); without it, a scan.
+def _first_records_query(conn: sqlite3.Connection) -> str:
+    """The query of the non-finite records at their tag's first non-finite step that this database answers
+    fastest."""
+    objects = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+    if "first_nonfinite" in objects:
+        return _FIRST_RECORDS_NOTED
+    return _FIRST_RECORDS_SEEK if "records_nonfinite_tag" in objects else _FIRST_RECORDS
+
+
+# The non-finite records at their tag's first non-finite step: from the steps `first_nonfinite` notes, a seek per
+# tag; with schema version 4's partial index, also one seek per tag (MATERIALIZED: flattened, SQLite would scan
+# the whole index instead); without either, a scan.
+_FIRST_RECORDS_NOTED = f"""
+SELECT {_RECORD_COLUMNS}, r.rowid FROM first_nonfinite f JOIN records r ON r.step = f.step AND r.tag_id = f.tag_id
+WHERE {_RECORD_NONFINITE}"""
 _FIRST_RECORDS_SEEK = f"""
 WITH f AS MATERIALIZED (SELECT t.id AS tag_id, (SELECT MIN(r.step) FROM records r WHERE r.tag_id = t.id
                                                AND {_RECORD_NONFINITE}) AS step FROM tags t)

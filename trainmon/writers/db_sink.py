@@ -32,6 +32,8 @@ class MonitorDb:
     def __init__(self, path: Path, journal_mode: str = "WAL"):
         self.path = path
         self.conn = db_schema.connect(str(path), journal_mode)
+        self._last_keys: Optional[list[RecordKey]] = None
+        self._last_tag_ids: list[int] = []
         # by (family, name, vpp_stage, shape as a tuple, dtype): the JSON of a shape is made only for a new tag,
         # and read once per distinct shape (a reader of a record stream opens this at every poll)
         shapes: dict[str, tuple] = {}
@@ -64,7 +66,9 @@ class MonitorDb:
         """
         fields, masks = db_schema.encode_fields(values, recorded)
         with self._transaction():
-            tag_ids = [self._tag_id(key) for key in keys]
+            # A job's steps mostly bring the same keys in the same order: the tag ids of the last step serve again.
+            tag_ids = self._last_tag_ids if keys == self._last_keys else [self._tag_id(key) for key in keys]
+            self._last_keys, self._last_tag_ids = list(keys), tag_ids
             micro_steps, call_indexes = [key.micro_step for key in keys], [key.call_index for key in keys]
             rows = np.empty((len(keys), fields.shape[1] + 6), dtype=object)
             for column, value in enumerate((tag_ids, step, micro_steps, call_indexes, pp_stage)):
@@ -107,6 +111,7 @@ class MonitorDb:
                 self.conn.execute("ROLLBACK")
             for ident in set(self._tag_ids) - known:
                 del self._tag_ids[ident]
+            self._last_keys = None
             raise
 
     def close(self) -> None:

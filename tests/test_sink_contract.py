@@ -175,3 +175,19 @@ def test_a_registered_sink_is_built_and_written(tmp_path):
 def test_an_unknown_format_says_which_are_known():
     with pytest.raises(ValueError, match="format 'parquet' has no sink; known: csv, api, tensorboard, db"):
         build_sinks(["parquet"])
+
+
+def test_the_api_sink_keeps_each_familys_last_step_that_recorded_it():
+    from trainmon.writers.api_sink import ApiSink
+
+    sink = ApiSink()
+    sink.start(context(None))
+    sink.write(batch(0))
+    only_actv = batch(1)
+    keep = [i for i, key in enumerate(only_actv.keys) if key.family == ACTV]
+    only_actv.keys, only_actv.values = [only_actv.keys[i] for i in keep], only_actv.values[keep]
+    only_actv._derived = None
+    sink.write(only_actv)
+    latest = sink.latest([ACTV, GRAD_REDUCED])
+    assert latest[tag_of(KEYS[ACTV], 0)]["norm"] == pytest.approx(expected(1)[ACTV])
+    assert latest[tag_of(KEYS[GRAD_REDUCED], 0)]["norm"] == pytest.approx(expected(0)[GRAD_REDUCED])

@@ -55,7 +55,9 @@ def graph_buffers() -> bool:
     return _on_graph_buffers > 0
 
 
-_dynamo_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+# Dynamo's frame callback, None outside a compiled call; a torch release without this query reports one always (the
+# hooks then always go through Dynamo's disable wrapper).
+_dynamo_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: "unknown")
 
 
 def stream_capturing() -> bool:

@@ -16,6 +16,8 @@ ALL = frozenset(FIELDS)
 NAN, INF = math.nan, math.inf
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 COUNT_FIELDS = ("count", "nans", "infs", "zeros", "min", "max", "sat", "pinfs")   # must match exactly
+# On a machine with a GPU (DEVELOPERS.md, "On a GPU") the engine's record tests run there too.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def reference(x: torch.Tensor, eps: float) -> dict:
@@ -55,9 +57,11 @@ def sprinkle(x: torch.Tensor, seed=0) -> torch.Tensor:
     return x
 
 
-def cases(dtype):
+def cases(dtype, device="cpu"):
     g = torch.Generator().manual_seed(1)
-    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    full = lambda shape, value: torch.full(shape, value, dtype=dtype, device=device)  # noqa: E731
+    t = lambda values: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
     big = r(64, 33, 17)
     mixed = sprinkle(r(50, 70))
     tiny = r(1000) * 1e-4
@@ -68,28 +72,29 @@ def cases(dtype):
         "nan_inf_T": mixed.t(),                      # non-contiguous
         "strided": big[::3, 1::2, ::5],
         "expanded": r(1, 7).expand(5, 7),
-        "all_zero": torch.zeros(300, dtype=dtype),
-        "neg_zero": -torch.zeros(5, dtype=dtype),
-        "all_nan": torch.full((130,), NAN, dtype=dtype),
-        "all_inf": torch.tensor([INF, -INF, INF], dtype=dtype),
-        "nan_and_pos": torch.tensor([NAN, 2.0, 3.0, INF], dtype=dtype),   # min_f > 0 with a NaN
-        "inf_and_neg": torch.tensor([-INF, -2.0, -3.0, NAN], dtype=dtype),
-        "empty": torch.zeros(0, 3, dtype=dtype),
-        "scalar": torch.tensor(2.5, dtype=dtype),
-        "scalar_nan": torch.tensor(NAN, dtype=dtype),
-        "scalar_zero": torch.tensor(0.0, dtype=dtype),
+        "all_zero": full((300,), 0.0),
+        "neg_zero": full((5,), -0.0),
+        "all_nan": full((130,), NAN),
+        "all_inf": t([INF, -INF, INF]),
+        "nan_and_pos": t([NAN, 2.0, 3.0, INF]),   # min_f > 0 with a NaN
+        "inf_and_neg": t([-INF, -2.0, -3.0, NAN]),
+        "empty": full((0, 3), 0.0),
+        "scalar": t(2.5),
+        "scalar_nan": t(NAN),
+        "scalar_zero": t(0.0),
         "near_eps": tiny,
-        "extremes": torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).tiny, -torch.finfo(dtype).max,
-                                  torch.finfo(dtype).smallest_normal / 4], dtype=dtype),
+        "extremes": t([torch.finfo(dtype).max, torch.finfo(dtype).tiny, -torch.finfo(dtype).max,
+                       torch.finfo(dtype).smallest_normal / 4]),
     }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS + [torch.float64])
 @pytest.mark.parametrize("eps", [1e-8, 1e-3, 0.5])
-def test_records_match_float64_reference(dtype, eps):
-    cs = cases(dtype)
+def test_records_match_float64_reference(dtype, eps, device):
+    cs = cases(dtype, device)
     rec = tensor_records(list(cs.values()), eps, ALL)
-    assert rec.shape == (len(cs), N_FIELDS) and rec.dtype == torch.float64 and rec.device.type == "cpu"
+    assert rec.shape == (len(cs), N_FIELDS) and rec.dtype == torch.float64 and rec.device.type == device
     for row, (name, x) in zip(rec, cs.items()):
         check(row, x, eps)
 
@@ -103,12 +108,14 @@ def test_eps_boundary_is_exact(dtype):
     check(tensor_records([x], eps, ALL)[0], x, eps)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_large_tensor_with_nonfinite_many_chunks(dtype):
+def test_large_tensor_with_nonfinite_many_chunks(dtype, device):
     x = (torch.randn(3_000_000, generator=torch.Generator().manual_seed(2)) * 3 + 1).to(dtype)
     sprinkle(x, seed=5)
     x[123_456:123_456 + 10_000] = 0                  # a run of zeros crossing row boundaries
-    assert x.numel() > stats.CHUNK_ELEMS["cpu"]       # several chunks
+    assert x.numel() > stats.CHUNK_ELEMS["cpu"]       # several chunks on the CPU
+    x = x.to(device)
     check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8, rel=1e-5)
 
 
@@ -121,10 +128,11 @@ def test_many_nonfinite_in_one_row_and_chunk():
 
 @pytest.mark.parametrize("ops", [["norm"], ["nans"], ["infs"], ["zeros"], ["min"], ["max"], ["mean"],
                                  ["min", "max", "norm", "mean"], ["zeros", "mean"], list(OPS)])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_only_requested_fields(ops, dtype):
+def test_only_requested_fields(ops, dtype, device):
     fields = fields_for_ops(ops)
-    cs = cases(dtype)
+    cs = cases(dtype, device)
     rec = tensor_records(list(cs.values()), 1e-8, fields)
     for row, x in zip(rec, cs.values()):
         check(row, x, 1e-8, fields)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
+from test_stats import ALL, DEVICES, FIELDS, OpLog, cases, check, reference, sprinkle
 from trainmon.monitor import stats_fused
 from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
 from trainmon.monitor.stats_cpu import ONE_PASS_MIN
@@ -64,16 +64,20 @@ def fresh_process(monkeypatch, no_compile):
         monkeypatch.setattr(stats_fused, name, {})
 
 
-def fused(tensors, eps, fields=ALL):
-    assert stats_fused.usable(tensors, CPU)
+def fused(tensors, eps, fields=ALL, device=CPU):
+    assert stats_fused.usable(tensors, device)
     return tensor_records(tensors, eps, fields)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("eps", [1e-8, 1e-3, 0.5, 0.0])
-def test_fused_records_match_torch(dtype, eps):
-    cs = cases(dtype)                 # NaN, ±Inf, empty, scalar, non-contiguous, expanded, subnormal
-    rec = fused(list(cs.values()), eps)
+def test_fused_records_match_torch(dtype, eps, device):
+    device = torch.device(device)
+    if device != CPU:                 # a GPU's kernel (Triton): compiled once, by the first such test
+        assert stats_fused.prepare(device, DTYPES, wait=True)
+    cs = cases(dtype, device)         # NaN, ±Inf, empty, scalar, non-contiguous, expanded, subnormal
+    rec = fused(list(cs.values()), eps, device=device)
     for row, x in zip(rec, cs.values()):
         check(row, x, eps)
 

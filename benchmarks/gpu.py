@@ -1,0 +1,223 @@
+"""The device checks of a run on a GPU (or an Ascend NPU), in one command: a lent device's time is short.
+
+Each (mode, tier) trains TinyGPT in its own process (bf16, 12 layers, hidden 2048 by default: a GPU-sized
+step) and reports:
+
+- the median step time after warm-up (the benchmark's loop ends each step with a device synchronize,
+  outside the monitor) and its ratio against `none` of the same mode;
+- device kernels launched per step (torch.profiler over one step after warm-up) and the extra against `none`;
+- peak allocated device memory, and the extra against `none`;
+- host synchronisations the training thread made during the monitored steps, under
+  `torch.cuda.set_sync_debug_mode("warn")`, with the trainmon frame that made each: the design allows none
+  (the writer thread's wait for a step's copy is by design, and counted apart);
+- the records each run wrote (the `db` sink's rows).
+
+Modes: `eager`; `compiled` (torch.compile, inductor); `graphs` (torch.compile with mode="reduce-overhead",
+which captures CUDA graphs: the monitor must run and say once what it cannot see there).
+
+    python benchmarks/gpu.py --out $OUT/gpu.json                       # on the device: every check, ~8 min
+    python benchmarks/gpu.py --device cpu --layers 2 --hidden 128 --seq 64 --batch 4 --steps 4 --warmup 2 \\
+        --modes eager,compiled --dtype float32                         # the script itself, on a CPU
+
+The targets (the brief): full ≤ 1.05×, sentinel ≤ 1.01× in eager mode, no host synchronisation.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+
+from overhead import attach_monitor, tier_config
+
+MODES = ("eager", "compiled", "graphs")
+TIERS = ("none", "sentinel", "wg", "wg+xy", "full")
+
+
+def _device_module(torch, device):
+    return getattr(torch, device.type)  # torch.cuda, torch.npu (torch_npu), torch.cpu
+
+
+@contextlib.contextmanager
+def _sync_watch(torch, device, found: list):
+    """Records every synchronising call the sync debug mode reports while the block runs: (thread, the innermost
+    trainmon frame or the innermost frame, message)."""
+    if device.type != "cuda":
+        yield
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "synchroniz" not in text.lower():
+            return shown(message, category, filename, lineno, file, line)
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if f"{os.sep}trainmon{os.sep}" in f.filename]
+        frame = (ours or stack)[-1]
+        found.append((threading.current_thread().name, f"{frame.filename}:{frame.lineno} {frame.name}", text[:120]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+
+
+def run_child(spec: dict) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
+    from trainmon.monitor import stats_fused
+
+    torch.manual_seed(0)
+    device = torch.device(spec["device"])
+    dtype = getattr(torch, spec["dtype"])
+    accel = _device_module(torch, device)
+    model = TinyGPT(vocab=spec["vocab"], hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
+                    seq=spec["seq"]).to(device=device, dtype=dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run_model = model
+    if spec["mode"] == "compiled":
+        run_model = torch.compile(model)
+    elif spec["mode"] == "graphs":
+        run_model = torch.compile(model, mode="reduce-overhead")
+    out_dir = tempfile.mkdtemp(prefix="trainmon_gpu_")
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    monitor = attach_monitor(tier_config(spec["tier"], ["db"]), out_dir, run_model, optimizer)
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(t.to(device) for t in synthetic_batch(gen, spec["batch"], spec["seq"], spec["vocab"]))
+               for _ in range(4)]
+
+    def step(i: int) -> None:
+        if spec["mode"] == "graphs":
+            torch.compiler.cudagraph_mark_step_begin()
+        tokens, labels = batches[i % len(batches)]
+        lm_loss(run_model, tokens, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for i in range(spec["warmup"]):
+        step(i)
+    stats_fused.settle()  # the statistic kernels compiled by now, as in any longer run
+    accel.synchronize()
+    if device.type != "cpu":
+        accel.reset_peak_memory_stats()
+    times, syncs = [], []
+    for i in range(spec["steps"]):
+        start = time.perf_counter()
+        with _sync_watch(torch, device, syncs):
+            step(i)
+        accel.synchronize()
+        times.append(time.perf_counter() - start)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(0)
+        accel.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type.name in ("CUDA", "PrivateUse1"))
+    peak = accel.max_memory_allocated() if device.type != "cpu" else 0
+    if monitor is not None:
+        monitor.stop()
+    return {**spec, "step_s": statistics.median(times), "kernels": kernels, "peak_bytes": peak,
+            "syncs_training": [s for s in syncs if s[0] == "MainThread"],
+            "syncs_other_threads": len([s for s in syncs if s[0] != "MainThread"]),
+            "records": _records_written(out_dir)}
+
+
+def _records_written(out_dir: str) -> int:
+    total = 0
+    for root, _, files in os.walk(out_dir):
+        if "monitor.db" in files:
+            with contextlib.closing(sqlite3.connect(os.path.join(root, "monitor.db"))) as conn:
+                total += conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--tiers", default=",".join(TIERS), help="the tiers of eager mode")
+    parser.add_argument("--compiled-tiers", default="none,sentinel,full",
+                        help="the tiers of the compiled modes (each process compiles the model first)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per (mode, tier) process")
+    parser.add_argument("--out", help="also write every result as JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))))
+        return 0
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") else "")
+          + f", {args.dtype}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}")
+    results = []
+    for mode in args.modes.split(","):
+        for tier in (args.tiers if mode == "eager" else args.compiled_tiers).split(","):
+            spec = {"mode": mode, "tier": tier, "device": device, "dtype": args.dtype, "layers": args.layers,
+                    "hidden": args.hidden, "heads": args.heads, "seq": args.seq, "batch": args.batch,
+                    "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup}
+            try:
+                child = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
+                                       text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                results.append({**spec, "error": f"over {args.timeout} s"})
+                continue
+            if child.returncode:
+                results.append({**spec, "error": child.stderr.strip().splitlines()[-1:] or ["exit %d" % child.returncode]})
+                continue
+            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    _print_table(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _print_table(results: list[dict]) -> None:
+    base = {r["mode"]: r for r in results if r["tier"] == "none" and "error" not in r}
+    print("| mode | tier | step | × none | kernels/step | extra | peak MB | extra MB | host syncs (training) "
+          "| other threads | records |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['tier']} | failed: {r['error']} | | | | | | | | |")
+            continue
+        b = base.get(r["mode"])
+        ratio = f"{r['step_s'] / b['step_s']:.3f}" if b else "-"
+        extra_k = r["kernels"] - b["kernels"] if b else "-"
+        extra_mb = f"{(r['peak_bytes'] - b['peak_bytes']) / 2**20:.0f}" if b else "-"
+        print(f"| {r['mode']} | {r['tier']} | {r['step_s'] * 1e3:.1f} ms | {ratio} | {r['kernels']} | {extra_k} | "
+              f"{r['peak_bytes'] / 2**20:.0f} | {extra_mb} | {len(r['syncs_training'])} | {r['syncs_other_threads']} "
+              f"| {r['records']} |")
+    for r in results:
+        for thread, where, message in r.get("syncs_training", [])[:5]:
+            print(f"host sync, {r['mode']} {r['tier']}: {where}: {message}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -37,8 +37,11 @@ class StepCollector:
     """
 
     def __init__(self, eps: float, fields: stats.FieldSet, rank: int, pp_stage: int = 0,
-                 batch_bytes: int = 32 << 20):
+                 batch_bytes: int = 32 << 20, shared_events: bool = False):
         self.eps = eps
+        # Whether two groups of hooks report the same tensor events (the NaN sentinel beside the statistic hooks
+        # and saved variables): only then does call_index_of note each event's index.
+        self.shared_events = shared_events
         self.fields = fields  # what each record computes: stats.fields_for_ops
         self.rank = rank
         self.pp_stage = pp_stage
@@ -79,7 +82,10 @@ class StepCollector:
     def call_index_of(self, family: str, name: str, vpp_stage: int, micro: Optional[int],
                       tensor: torch.Tensor) -> int:
         """The call index of one tensor event, the same for every hook that reports it: the NaN sentinel and
-        the statistic hooks each see a module's output (or grad) and would otherwise reserve one index each."""
+        the statistic hooks each see a module's output (or grad) and would otherwise reserve one index each.
+        Where one group alone reports each event, it asks once per event, and the index is reserved at once."""
+        if not self.shared_events:
+            return self.next_call_index()
         where = (family, name, vpp_stage, micro, id(tensor))
         index = self._indexed.get(where, tensor)
         if index is None:

@@ -113,7 +113,7 @@ NONFINITE_RECORD = "nans > 0 OR infs > 0"
 # (a step written again, by a job resumed from an earlier checkpoint, can). `WHERE` before `ON CONFLICT`:
 # SQLite's grammar needs it there.
 _NOTE_FIRST_NONFINITE = (f"INSERT INTO first_nonfinite (tag_id, step) SELECT tag_id, step FROM records "
-                         f"WHERE step IN ({{steps}}) AND ({NONFINITE_RECORD}) ON CONFLICT (tag_id) DO UPDATE "
+                         f"WHERE ({NONFINITE_RECORD}){{steps}} ON CONFLICT (tag_id) DO UPDATE "
                          f"SET step = excluded.step WHERE excluded.step < first_nonfinite.step")
 # SQLite reads an index by skip-scan (a seek per distinct value of its first column) only where its statistics
 # say that value has many rows: a tag's rows over steps are then a seek per step in `records_step_tag`, about
@@ -151,10 +151,14 @@ def insert_records(conn: sqlite3.Connection, rows) -> None:
         note_first_nonfinite(conn, steps)
 
 
-def note_first_nonfinite(conn: sqlite3.Connection, steps: list[int]) -> None:
-    """Brings `first_nonfinite` up to date with the records of `steps`: a seek in the partial index
-    `records_nonfinite` per step, which finds nothing in a healthy step."""
-    conn.execute(_NOTE_FIRST_NONFINITE.format(steps=", ".join("?" * len(steps))), steps)
+def note_first_nonfinite(conn: sqlite3.Connection, steps: Optional[list[int]]) -> None:
+    """Brings `first_nonfinite` up to date with the records of `steps` (None: of every step, for a database
+    of an older schema): a seek in the partial index `records_nonfinite` per step, which finds nothing in a
+    healthy step."""
+    if steps is None:
+        conn.execute(_NOTE_FIRST_NONFINITE.format(steps=""))
+    else:
+        conn.execute(_NOTE_FIRST_NONFINITE.format(steps=f" AND step IN ({', '.join('?' * len(steps))})"), steps)
 
 
 def connect(path: str, journal_mode: str = "WAL") -> sqlite3.Connection:
@@ -203,8 +207,7 @@ def _upgrade(conn: sqlite3.Connection, version: int) -> None:
         conn.execute("DELETE FROM record_blocks")
     if version < 5:
         conn.executescript("DROP INDEX IF EXISTS records_tag_step; DROP INDEX IF EXISTS records_nonfinite_tag;")
-        conn.execute(f"INSERT INTO first_nonfinite (tag_id, step) SELECT tag_id, MIN(step) FROM records "
-                     f"WHERE {NONFINITE_RECORD} GROUP BY tag_id")
+        note_first_nonfinite(conn, None)
 
 
 def write_meta(conn: sqlite3.Connection, items: dict[str, Any]) -> None:

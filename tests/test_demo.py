@@ -23,8 +23,12 @@ def _demo(tmp_path, *args) -> str:
 
 
 def test_trainmon_demo_runs_and_writes_every_family(tmp_path):
+    import tempfile
     from trainmon.read import open_run
+    config_files = lambda: set(Path(tempfile.gettempdir()).glob("trainmon_demo_*"))  # noqa: E731
+    before = config_files()
     stdout = _demo(tmp_path, "--steps", "6")
+    assert config_files() == before  # the embedded config's file is gone with the run
     assert "monitor output:" in stdout
     with open_run(next(tmp_path.glob("run-*"))) as run:
         records = run.records()

@@ -157,17 +157,19 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    config_path = args.config
-    if config_path is None:
-        handle = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="trainmon_demo_", delete=False)
-        with handle:
-            json.dump(DEMO_CONFIG, handle)
-        config_path = handle.name
     inject_step = int(args.steps * INJECT_AT) if args.inject else None
     if inject_step is not None:
         print(f"injecting +Inf into {INJECT_MODULE}'s output at step {inject_step}")
-    losses, output, watch = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps,
-                                  inject_step=inject_step)
+    if args.config is not None:
+        losses, output, watch = train(args.steps, args.config, grad_acc_steps=args.grad_acc_steps,
+                                      inject_step=inject_step)
+    else:  # the embedded config, in a file that lives as long as the run
+        with tempfile.TemporaryDirectory(prefix="trainmon_demo_") as folder:
+            config_path = os.path.join(folder, "config.json")
+            with open(config_path, "w") as handle:
+                json.dump(DEMO_CONFIG, handle)
+            losses, output, watch = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps,
+                                          inject_step=inject_step)
     print(f"\ntrained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
           f"{'' if math.isfinite(losses[-1]) else ' (non-finite!)'}")
     run_dir = os.path.dirname(output)

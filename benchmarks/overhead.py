@@ -1,6 +1,8 @@
 """Overhead of trainmon on the benchmark model, as ratios against the same run without monitoring.
 
-Model: 4-layer causal LM, hidden 256, seq 128, batch 8, vocab 1024, AdamW, fp32, one thread.
+Model: 4-layer causal LM, hidden 256, seq 128, batch 8, vocab 1024, AdamW, fp32, one thread. `--model small`:
+hidden 64, seq 64, batch 4, 4 micro-batches per step, the shape of the small framework jobs
+(`frameworks.py`'s `-small` jobs) without a framework: a hooked call is cheap for the model there.
 Each tier runs in its own process (so peak RSS is its own); per-step process CPU time (all threads,
 the writer's included) and wall time are medians over the steps after warm-up, once the statistic kernels
 have compiled (a few seconds into a run). `stats` is the median training-thread CPU time per collected
@@ -9,6 +11,7 @@ step spent in the statistic engine (`stats.tensor_records`).
     python benchmarks/overhead.py                      # all tiers, csv
     python benchmarks/overhead.py --tiers none,full --format csv,api --steps 30
     python benchmarks/overhead.py --tiers none,full --sinks "api;csv;tensorboard;db;csv,tensorboard,db"
+    python benchmarks/overhead.py --model small --tiers none,full --format api --steps 60 --interleave 2
 
 `--sinks` runs the tiers once per format set and compares each with the `api` set (in-memory only):
 the cost of a sink is the writer thread's CPU time plus any wait when its queue is full. Disk per
@@ -27,6 +30,9 @@ import tempfile
 import time
 
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
+# TinyGPT's shape, the batch of a micro-batch, and the micro-batches per optimizer step
+MODELS = {"benchmark": {"hidden": 256, "seq": 128, "batch": 8, "micro_batches": 1},
+          "small": {"hidden": 64, "seq": 64, "batch": 4, "micro_batches": 4}}
 TIERS = {
     "none": None,
     "wg": {"wg_distribution": True},
@@ -62,7 +68,8 @@ def attach_monitor(config: dict | None, out_dir: str, model, optimizer):
     return TrainerMon(path).set_monitor(model, optimizer=optimizer)
 
 
-def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict, interleave: int = 1) -> dict:
+def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict, interleave: int = 1,
+             model_name: str = "benchmark") -> dict:
     """Trains in this process and returns the medians (the child side).
 
     With `interleave` k > 1 the monitor collects every k-th step only, and the collected steps are
@@ -75,7 +82,9 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = TinyGPT(vocab=1024, hidden=256, layers=4, heads=4, seq=128)
+    shape = MODELS[model_name]
+    micro_batches = shape["micro_batches"]
+    model = TinyGPT(vocab=1024, hidden=shape["hidden"], layers=4, heads=4, seq=shape["seq"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     out_dir = tempfile.mkdtemp(prefix="trainmon_bench_")
@@ -87,9 +96,10 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     for i in range(warmup + steps * interleave):
         if i == warmup:
             stats_fused.settle()            # the statistic kernels compiled by now, as in any longer run
-        tokens, labels = synthetic_batch(gen, 8, 128, 1024)
+        batches = [synthetic_batch(gen, shape["batch"], shape["seq"], 1024) for _ in range(micro_batches)]
         c0, w0, t0, s0 = time.process_time(), time.perf_counter(), time.thread_time(), in_stats[0]
-        lm_loss(model, tokens, labels).backward()
+        for tokens, labels in batches:
+            (lm_loss(model, tokens, labels) / micro_batches).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         cpu.append(time.process_time() - c0)
@@ -164,6 +174,7 @@ def disk_by_sink(out_dir: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiers", default=",".join(TIERS))
+    parser.add_argument("--model", choices=sorted(MODELS), default="benchmark")
     parser.add_argument("--format", default="csv", help="comma-separated formats for the monitored tiers")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -176,7 +187,7 @@ def main() -> int:
     formats = args.format.split(",")
     if args.child:
         print(json.dumps(run_tier(args.child, formats, args.steps, args.warmup, json.loads(args.extra),
-                                  args.interleave)))
+                                  args.interleave, args.model)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     format_sets = args.sinks.split(";") if args.sinks else [args.format]
@@ -186,7 +197,7 @@ def main() -> int:
     for tier, fmt in runs:
         out = subprocess.run([sys.executable, __file__, "--child", tier, "--format", fmt,
                               "--steps", str(args.steps), "--warmup", str(args.warmup), "--extra", args.extra,
-                              "--interleave", str(args.interleave)],
+                              "--interleave", str(args.interleave), "--model", args.model],
                              check=True, capture_output=True, text=True, env=env)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     if args.sinks:

@@ -120,12 +120,12 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     idle = [c for i, c in enumerate(cpu) if i >= warmup and i % interleave != 0]
     return {"tier": tier, "formats": formats, "cpu_s": statistics.median(collected),
             "idle_cpu_s": statistics.median(idle) if idle else None,
-            "train_thread_cpu_s": statistics.median(train_cpu[warmup:]),
+            "train_thread_cpu_s": statistics.median(train_cpu[i] for i in collected_steps),
             "stats_cpu_s": statistics.median(stats_cpu[i] for i in collected_steps),
             "sink_cpu_s": {name: sum(t) / len(t) for name, t in sink_cpu.items() if t},
             "disk_by_sink": {sink: size / (warmup + steps) for sink, size in disk_by_sink(out_dir).items()},
             "blocked_s": writer.get("blocked_seconds", 0.0),
-            "wall_s": statistics.median(wall[warmup:]), "peak_rss_mb": resource.getrusage(
+            "wall_s": statistics.median(wall[i] for i in collected_steps), "peak_rss_mb": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 1024, "flush_at_stop_s": flush,
             "disk_bytes_per_step": disk / (warmup + steps)}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainmon.monitor import stats
+from trainmon.monitor import stats, stats_native
 from trainmon.core.derive import derive_ops, derive_rows
 from trainmon.monitor.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, merge_records, tensor_records
 
@@ -88,10 +88,20 @@ def cases(dtype, device="cpu"):
     }
 
 
+@pytest.fixture(params=["native", "torch ops"])
+def cpu_kernels(request, monkeypatch):
+    """CPU fp32/fp64 figures from the native kernel (`stats_native`), or from torch ops and the one-pass kernel
+    (the path while the native one is being built, or where it cannot be)."""
+    native = request.param == "native"
+    if native:
+        assert stats_native.prepare(wait=True)
+    monkeypatch.setattr(stats_native, "enabled", native)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS + [torch.float64])
 @pytest.mark.parametrize("eps", [1e-8, 1e-3, 0.5])
-def test_records_match_float64_reference(dtype, eps, device):
+def test_records_match_float64_reference(dtype, eps, device, cpu_kernels):
     cs = cases(dtype, device)
     rec = tensor_records(list(cs.values()), eps, ALL)
     assert rec.shape == (len(cs), N_FIELDS) and rec.dtype == torch.float64 and rec.device.type == device
@@ -100,7 +110,7 @@ def test_records_match_float64_reference(dtype, eps, device):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_eps_boundary_is_exact(dtype):
+def test_eps_boundary_is_exact(dtype, cpu_kernels):
     eps = 1e-3
     e = torch.tensor(eps, dtype=torch.float64).to(dtype)
     below, above = torch.nextafter(e, torch.tensor(0.0, dtype=dtype)), torch.nextafter(e, torch.tensor(1.0, dtype=dtype))
@@ -110,7 +120,7 @@ def test_eps_boundary_is_exact(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_large_tensor_with_nonfinite_many_chunks(dtype, device):
+def test_large_tensor_with_nonfinite_many_chunks(dtype, device, cpu_kernels):
     x = (torch.randn(3_000_000, generator=torch.Generator().manual_seed(2)) * 3 + 1).to(dtype)
     sprinkle(x, seed=5)
     x[123_456:123_456 + 10_000] = 0                  # a run of zeros crossing row boundaries
@@ -384,7 +394,7 @@ def test_inference_mode_and_threads():
     assert errors == []
 
 
-def test_cpu_assume_finite_path_agrees_with_the_exact_kernels():
+def test_cpu_assume_finite_path_agrees_with_the_exact_kernels(cpu_kernels):
     """On CPU, finite fp32/fp64 tensors take the assume-finite path and the rest the exact kernels;
     both must give the same records (to fp32 summation order) for every field."""
     from trainmon.monitor.stats import _exact_records

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from test_stats import ALL, DEVICES, FIELDS, OpLog, cases, check, reference, sprinkle
-from trainmon.monitor import stats_fused
+from trainmon.monitor import stats_fused, stats_native
 from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
 from trainmon.monitor.stats_cpu import ONE_PASS_MIN
 
@@ -39,6 +39,7 @@ def assume_finite_kernel(monkeypatch):
     """CPU fp32/fp64 through stats_cpu's assume-finite path, as shipped; yields, per tensor its one-pass kernel
     read, the rows it read (a last partial row included)."""
     monkeypatch.setattr(stats_fused, "cpu_wide", False)
+    monkeypatch.setattr(stats_native, "enabled", False)      # the path while the native kernel is not built
     read = []
 
     def finite_rows(flat, lam, run=stats_fused.finite_rows):
@@ -274,6 +275,7 @@ def test_failing_kernels_are_retired_and_the_records_stay_right(monkeypatch, cap
     record still equals torch's."""
     monkeypatch.setattr(stats_fused, "cpu_wide", False)
     monkeypatch.setattr(stats_fused, "_state", dict(stats_fused._state))
+    monkeypatch.setattr(stats_native, "enabled", False)
 
     def run(kernel, x, *consts):
         raise RuntimeError(f"{kernel} kernel broke")

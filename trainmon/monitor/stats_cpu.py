@@ -3,11 +3,13 @@
 On a CPU tensor, reading a value waits for no device, so the engine can afford to look: it computes
 the figures that are exact when every element is finite (sum, sumsq, min, max and the count of
 |x| >= eps), reads whether they came out finite, and runs the exact kernels only on the tensors holding a
-NaN or an Inf (or whose fp32 sums overflowed). A large tensor's figures come from one read of its elements
-(stats_fused's "finite" kernel, half the work of the full record kernel); smaller ones, and every tensor
-until that kernel is compiled, take 4 to 6 passes (sum, dot, aminmax, the count), against 12 for the
-branch-free exact kernels. On accelerators the record kernel or the branch-free kernels run instead:
-there, this look would be a host synchronisation inside a hook.
+NaN or an Inf (or whose fp32 sums overflowed). The figures of every fp32/fp64 tensor of a call come from
+one native call that reads each tensor once where it lies (`stats_native`). Until that kernel is built
+(its first fraction of a second), or where there is no C compiler, a large tensor's figures come from one
+read of its elements (stats_fused's "finite" kernel, half the work of the full record kernel), and smaller
+ones, and every tensor until that kernel is compiled, take 4 to 6 passes (sum, dot, aminmax, the count),
+against 12 for the branch-free exact kernels. On accelerators the record kernel or the branch-free kernels
+run instead: there, this look would be a host synchronisation inside a hook.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from trainmon.core.schema import N_FIELDS
-from trainmon.monitor import stats_fused
+from trainmon.monitor import stats_fused, stats_native
 from trainmon.monitor.stats_fused import ROW
 
 _CPU = torch.device("cpu")
@@ -57,14 +59,21 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     # costs tens: this route serves many calls of a few tensors each (a hook's activations).
     table = rec.numpy()
     packed = len(want)
-    small = [u for u in fast if uniq[u].numel() <= _SMALL]
-    large = [u for u in fast if uniq[u].numel() > _SMALL]
-    for dtype in _FAST_DTYPES:
-        group = [u for u in small if uniq[u].dtype == dtype]
-        if group:
-            table[group, :packed] = _assume_finite_small([uniq[u] for u in group], eps, want, consts(dtype, eps)[0])
-    if large:
-        table[large, :packed] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
+    if fast and stats_native.ready():           # every tensor read in place, in one call per dtype
+        for dtype in _FAST_DTYPES:
+            group = [u for u in fast if uniq[u].dtype == dtype]
+            if group:
+                table[group, :packed] = _assume_finite_native([uniq[u] for u in group], want, consts(dtype, eps)[0])
+    elif fast:
+        small = [u for u in fast if uniq[u].numel() <= _SMALL]
+        large = [u for u in fast if uniq[u].numel() > _SMALL]
+        for dtype in _FAST_DTYPES:
+            group = [u for u in small if uniq[u].dtype == dtype]
+            if group:
+                table[group, :packed] = _assume_finite_small([uniq[u] for u in group], eps, want,
+                                                             consts(dtype, eps)[0])
+        if large:
+            table[large, :packed] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
     if fast:
         # Finite sums and extremes mean no element was NaN or Inf.
         finite = np.isfinite(table[fast, 4:8]).all(1)
@@ -301,6 +310,14 @@ def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.nd
         if want[field]:
             rec[:, field] = values[:, column]
     return rec
+
+
+def _assume_finite_native(tensors: Sequence[torch.Tensor], want: tuple, lam: float) -> np.ndarray:
+    """The records of `_assume_finite` for tensors of one dtype, from the native kernel (`stats_native`). A
+    non-contiguous tensor (at most a chunk, see `_assumable`) is read from a contiguous copy of its own."""
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    count = np.fromiter((t.numel() for t in tensors), dtype=np.float64, count=len(tensors))
+    return _packed_records(count, stats_native.figures(flat, lam), want)
 
 
 def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tuple, lam: float) -> np.ndarray:

@@ -1,0 +1,101 @@
+"""Tests of the native assume-finite kernel (trainmon.monitor.stats_native) against direct torch computations."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from test_stats import ALL, check, sprinkle
+from trainmon.monitor import stats_native
+from trainmon.monitor.stats import tensor_records
+
+BLOCK = stats_native.BLOCK
+SIZES = [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 1_000_003]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert stats_native.prepare(wait=True)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """This process as one that has not asked for the library yet."""
+    monkeypatch.setattr(stats_native, "_state", {"state": None})
+    monkeypatch.setattr(stats_native, "_functions", {})
+
+
+def float64_figures(t: torch.Tensor, lam: float) -> list[float]:
+    d = t.double().reshape(-1)
+    return [float(d.sum()), float((d * d).sum()), float(d.min()), float(d.max()), float((d.abs() > lam).sum())]
+
+
+@pytest.mark.parametrize("dtype", stats_native.DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+def test_figures_match_float64(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    tensors = [(torch.randn(numel, generator=g) * 3 + 0.5).to(dtype), torch.rand(numel, generator=g).to(dtype) * 1e-7]
+    got = stats_native.figures(tensors, 1e-8)
+    for row, t in zip(got, tensors):
+        want = float64_figures(t, 1e-8)
+        scale = float(t.double().abs().sum())
+        assert abs(row[0] - want[0]) <= 1e-6 * scale            # partials of BLOCK elements in the data's type
+        assert row[1] == pytest.approx(want[1], rel=1e-6)
+        assert list(row[2:]) == want[2:]                         # min, max and the count: exact
+
+
+@pytest.mark.parametrize("dtype", stats_native.DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_element_anywhere_makes_a_figure_nonfinite(dtype, numel, bad):
+    for at in sorted({0, numel // 2, numel - 1}):
+        t = torch.randn(numel, dtype=dtype)
+        t[at] = bad
+        assert not np.isfinite(stats_native.figures([t], 1e-8)[0, :4]).all(), (numel, bad, at)
+
+
+def test_the_engine_reads_cpu_fp32_and_fp64_through_it_in_one_call_per_dtype(monkeypatch):
+    """Contiguous tensors, views (copied), NaN/Inf (then the exact kernels), empty and 16-bit ones (the other
+    kernels): every record equals torch's."""
+    calls = []
+
+    def figures(tensors, lam, run=stats_native.figures):
+        calls.append((tensors[0].dtype, len(tensors)))
+        return run(tensors, lam)
+    monkeypatch.setattr(stats_native, "figures", figures)
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(64, 300, generator=g)
+    tensors = [torch.randn(5000, generator=g), wide[:, 1::2], wide.t(), sprinkle(torch.randn(9000, generator=g)),
+               torch.randn(7, 9, generator=g).double(), torch.zeros(0), torch.randn(40, generator=g).bfloat16(),
+               torch.randn(3, generator=g)]
+    rec = tensor_records(tensors, 1e-3, ALL)
+    for row, t in zip(rec, tensors):
+        check(row, t, 1e-3)
+    assert sorted(calls, key=str) == [(torch.float32, 5), (torch.float64, 1)]
+
+
+def test_without_a_c_compiler_the_other_kernels_serve_with_one_message(fresh_state, monkeypatch, caplog):
+    monkeypatch.setattr(stats_native, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        assert not stats_native.prepare(wait=True)
+        x = torch.randn(10_000)
+        check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8)
+        assert not stats_native.ready()
+    assert caplog.text.count("native statistic kernel is not available") == 1 and "no C compiler" in caplog.text
+
+
+def test_a_library_on_disk_is_loaded_at_the_first_request(fresh_state, monkeypatch):
+    """An earlier run's library: ready at once, without a build, so every record of the run comes from it."""
+    monkeypatch.setattr(stats_native.subprocess, "run", lambda *a, **k: pytest.fail("built again"))
+    assert stats_native.ready() and "thread" not in stats_native._state
+
+
+def test_a_damaged_library_is_removed_and_refused(fresh_state, monkeypatch, tmp_path, caplog):
+    damaged = tmp_path / "figures.so"
+    damaged.write_bytes(b"\x7fELF cut short")
+    monkeypatch.setattr(stats_native, "_library", lambda: damaged)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        assert not stats_native.ready()
+    assert not damaged.exists() and "not available" in caplog.text

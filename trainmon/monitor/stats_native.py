@@ -1,0 +1,187 @@
+"""The assume-finite figures of many CPU tensors in one native call, each tensor read once where it lies.
+
+stats_cpu's assume-finite path needs, per fp32/fp64 tensor, its sum, sum of squares, min, max and count of
+|x| > lam. In torch ops that is a few op calls per tensor (about 2-6 µs of host work each), or a copy of the
+tensors into shared buffers for one kernel call: for the hundreds of small activations of a small model's
+step, the host work and the copy cost more than reading the data. Here a small C function, given the
+tensors' addresses and lengths, reads each tensor in place in blocks of `BLOCK` elements (partials in the
+data's type, vectorised, added in float64: the precision of the one-pass kernel's rows).
+
+Not ready until built: the first request starts the build (one C compiler call, about 0.1 s) in a thread,
+and the engine's other kernels serve until it is loaded; a library an earlier run left on disk is loaded by
+the first request. It is built for this machine's CPU (`-march=native`) into inductor's cache directory,
+under a name that changes with its source, the compiler flags and the CPU. A build or check that fails (no
+C compiler) leaves the other kernels in place, with one message.
+
+The figures are those of finite data: a NaN or an Inf makes the sum non-finite (the build lets the compiler
+assume finite values, which vectorises min and max; a NaN still propagates through the sums), which sends the
+tensor to the exact kernels, as on the rest of that path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("trainmon")
+
+BLOCK = 4096                                        # elements per partial: the one-pass kernel's row
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#define BLOCK %(block)d
+/* out[5 * i ...]: sum, sum of squares, min, max and count of |x| > lam of tensor i (ptrs[i], lens[i] elements):
+   partials of BLOCK elements in the data's type, added in double. */
+#define FIGURES(NAME, T, ABS) \
+static void NAME##_block(const T* restrict y, int64_t e, T l, T* restrict r) { \
+    T s = 0, q = 0, mn = INFINITY, mx = -INFINITY, c = 0; \
+    for (int64_t j = 0; j < e; ++j) { \
+        T v = y[j]; s += v; q += v * v; \
+        mn = v < mn ? v : mn; mx = v > mx ? v : mx; c += ABS(v) > l ? (T)1 : (T)0; \
+    } \
+    r[0] = s; r[1] = q; r[2] = mn; r[3] = mx; r[4] = c; \
+} \
+void NAME(int64_t n, const uint64_t* ptrs, const int64_t* lens, double lam, double* out) { \
+    for (int64_t i = 0; i < n; ++i) { \
+        const T* x = (const T*)ptrs[i]; \
+        int64_t len = lens[i]; \
+        double s = 0, q = 0, c = 0, mn = INFINITY, mx = -INFINITY; \
+        T r[5]; \
+        for (int64_t b = 0; b < len; b += BLOCK) { \
+            NAME##_block(x + b, len - b < BLOCK ? len - b : BLOCK, (T)lam, r); \
+            s += r[0]; q += r[1]; c += r[4]; \
+            mn = r[2] < mn ? r[2] : mn; mx = r[3] > mx ? r[3] : mx; \
+        } \
+        double* o = out + 5 * i; \
+        o[0] = s; o[1] = q; o[2] = mn; o[3] = mx; o[4] = c; \
+    } \
+}
+FIGURES(figures_float32, float, fabsf)
+FIGURES(figures_float64, double, fabs)
+""" % {"block": BLOCK}
+_FLAGS = ["-O3", "-march=native", "-ffinite-math-only", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-shared", "-fPIC"]
+DTYPES = (torch.float32, torch.float64)
+
+enabled = True                                      # tests of the other kernels turn it off
+_state = {"state": None}                            # None | "building" | "ready" | "failed"
+_functions: dict = {}                               # dtype -> the loaded C function
+_lock = threading.Lock()
+
+
+def ready() -> bool:
+    """Whether the library is loaded; the first call starts its build (or loads it from disk)."""
+    state = _state["state"]
+    if state == "ready":
+        return enabled
+    if state is None:
+        with _lock:
+            if _state["state"] is None:
+                _start()
+    return enabled and _state["state"] == "ready"
+
+
+def prepare(wait: bool = False) -> bool:
+    """Starts the build (once); with `wait`, waits for it. Whether the library is ready."""
+    ready()
+    thread = _state.get("thread")
+    if wait and thread is not None:
+        thread.join()
+    return ready()
+
+
+def figures(tensors: Sequence[torch.Tensor], lam: float) -> np.ndarray:
+    """float64 `[len(tensors), 5]`: sum, sum of squares, min, max and count of |x| > lam of each tensor, all
+    contiguous and of one dtype of DTYPES (`ready()` must have said so). Right where every element is finite."""
+    out = np.empty((len(tensors), 5))
+    if not tensors:
+        return out
+    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
+    lengths = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))
+    _functions[tensors[0].dtype](len(tensors), addresses.ctypes.data, lengths.ctypes.data, lam, out.ctypes.data)
+    return out
+
+
+def _start() -> None:
+    path = _library()
+    if path is not None and path.exists():          # an earlier run's: every record of this run comes from it
+        _finish(path)
+        return
+    _state["state"] = "building"
+    _state["thread"] = threading.Thread(target=_build, args=(path,), name="trainmon-stat-native-build", daemon=True)
+    _state["thread"].start()
+
+
+def _build(path: Optional[Path]) -> None:
+    try:
+        if path is None:
+            raise RuntimeError("no C compiler found (set CC to one)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        source = path.with_suffix(f".{os.getpid()}.c")
+        partial = path.with_suffix(f".{os.getpid()}.partial.so")
+        source.write_text(_SOURCE)
+        try:
+            done = subprocess.run([_compiler(), *_FLAGS, "-o", str(partial), str(source)], capture_output=True,
+                                  text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError((done.stderr.strip().splitlines() or ["no message"])[-1])
+            os.replace(partial, path)               # whole or absent, for every process that looks
+        finally:
+            source.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
+        _finish(path)
+    except Exception as exc:                        # no compiler, a read-only cache: the other kernels serve
+        _refuse(exc)
+
+
+def _finish(path: Path) -> None:
+    """Loads the library and checks it on a sample; a damaged one is removed (the next run builds it again)."""
+    try:
+        library = ctypes.CDLL(str(path))
+        for dtype in DTYPES:
+            function = getattr(library, f"figures_{str(dtype).split('.')[1]}")
+            function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p]
+            function.restype = None
+            _functions[dtype] = function
+            sample = torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=dtype)
+            got = figures([sample, sample[1:]], 0.5)
+            if not np.array_equal(got, [[2.0, 14.0, -2.0, 3.0, 3.0], [1.0, 13.0, -2.0, 3.0, 2.0]]):
+                raise RuntimeError(f"the {dtype} figures of a sample came out {got.tolist()}")
+        _state["state"] = "ready"
+    except Exception as exc:
+        path.unlink(missing_ok=True)
+        _refuse(exc)
+
+
+def _refuse(exc: BaseException) -> None:
+    _state["state"] = "failed"
+    if threading.main_thread().is_alive():          # else the interpreter is exiting: nothing to say
+        logger.warning("trainmon: the native statistic kernel is not available (%s: %s); the other CPU kernels are "
+                       "used", type(exc).__name__, exc)
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _library() -> Optional[Path]:
+    """Where the library lives, or None without a C compiler."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from trainmon.monitor.stats_fused import _hardware
+
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    recipe = "\n".join([_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), _hardware("cpu")])
+    return Path(cache_dir()) / "trainmon" / f"figures-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.so"

@@ -99,3 +99,21 @@ def test_a_damaged_library_is_removed_and_refused(fresh_state, monkeypatch, tmp_
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         assert not stats_native.ready()
     assert not damaged.exists() and "not available" in caplog.text
+
+
+def test_while_it_builds_no_generated_kernel_is_compiled_for_cpu_fp32(fresh_state, monkeypatch, tmp_path):
+    """The build takes a fraction of a second, the generated kernel's compile about 30 s of a core: the passes
+    serve meanwhile."""
+    import threading
+
+    from trainmon.monitor import stats_fused
+    release = threading.Event()
+    monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")   # none on disk yet
+    monkeypatch.setattr(stats_native, "_build", lambda path: release.wait(30))
+    monkeypatch.setattr(stats_fused, "usable", lambda *a, **k: pytest.fail("the generated kernel was asked for"))
+    x = torch.randn(1 << 20)
+    try:
+        check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8)
+        assert stats_native._state["state"] == "building"
+    finally:
+        release.set()

@@ -4,11 +4,11 @@ On a CPU tensor, reading a value waits for no device, so the engine can afford t
 the figures that are exact when every element is finite (sum, sumsq, min, max and the count of
 |x| >= eps), reads whether they came out finite, and runs the exact kernels only on the tensors holding a
 NaN or an Inf (or whose fp32 sums overflowed). The figures of every fp32/fp64 tensor of a call come from
-one native call that reads each tensor once where it lies (`stats_native`). Until that kernel is built
-(its first fraction of a second), or where there is no C compiler, a large tensor's figures come from one
-read of its elements (stats_fused's "finite" kernel, half the work of the full record kernel), and smaller
-ones, and every tensor until that kernel is compiled, take 4 to 6 passes (sum, dot, aminmax, the count),
-against 12 for the branch-free exact kernels. On accelerators the record kernel or the branch-free kernels
+one native call that reads each tensor once where it lies (`stats_native`). Where that kernel cannot be
+built (no C compiler), a large tensor's figures come from one read of its elements (stats_fused's "finite"
+kernel, half the work of the full record kernel); smaller ones, and every tensor while either kernel is
+being built, take 4 to 6 passes (sum, dot, aminmax, the count), against 12 for the branch-free exact
+kernels. On accelerators the record kernel or the branch-free kernels
 run instead: there, this look would be a host synchronisation inside a hook.
 """
 from __future__ import annotations
@@ -95,7 +95,9 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     """
     scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
                for dtype in {t.dtype for t in tensors}}
-    one_pass = stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN], _CPU, kernel="finite")
+    # While the native kernel builds (a fraction of a second), the passes serve rather than a compile of ~30 s
+    one_pass = stats_native.unavailable() and stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN],
+                                                                 _CPU, kernel="finite")
     chunked, figures, at_least = [], [], []       # tensors read by the passes, their figures
     owners, counts, blocks = [], [], []           # the one-pass kernel's row blocks, and whose rows they hold
     gathered = {dtype: [] for dtype in scratch}   # tensors copied whole into shared kernel calls

@@ -162,11 +162,11 @@ def _package(key: tuple) -> Path:
 def _fingerprint(kernel: str, device_type: str) -> str:
     """What a kernel's compiled code depends on besides its dtype, hashed (read from disk once per process)."""
     recipe = "\n".join([inspect.getsource(_KERNELS[kernel][0]), str(ROW), ",".join(schema.FIELDS),
-                        torch.__version__, platform.machine(), _hardware(device_type)])
+                        torch.__version__, platform.machine(), hardware(device_type)])
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
-def _hardware(device_type: str) -> str:
+def hardware(device_type: str) -> str:
     """The instruction sets a CPU kernel was compiled for, or the accelerator's model."""
     if device_type == "cpu":
         try:

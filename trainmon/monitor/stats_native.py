@@ -91,6 +91,11 @@ def ready() -> bool:
     return enabled and _state["state"] == "ready"
 
 
+def unavailable() -> bool:
+    """Whether the other kernels serve for good: turned off, or the build or its check failed."""
+    return not enabled or _state["state"] == "failed"
+
+
 def prepare(wait: bool = False) -> bool:
     """Starts the build (once); with `wait`, waits for it. Whether the library is ready."""
     ready()
@@ -178,10 +183,10 @@ def _library() -> Optional[Path]:
     """Where the library lives, or None without a C compiler."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from trainmon.monitor.stats_fused import _hardware
+    from trainmon.monitor.stats_fused import hardware
 
     compiler = _compiler()
     if compiler is None:
         return None
-    recipe = "\n".join([_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), _hardware("cpu")])
+    recipe = "\n".join([_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), hardware("cpu")])
     return Path(cache_dir()) / "trainmon" / f"figures-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.so"

@@ -8,8 +8,8 @@ one native call that reads each tensor once where it lies (`stats_native`). Wher
 built (no C compiler), a large tensor's figures come from one read of its elements (stats_fused's "finite"
 kernel, half the work of the full record kernel); smaller ones, and every tensor while either kernel is
 being built, take 4 to 6 passes (sum, dot, aminmax, the count), against 12 for the branch-free exact
-kernels. On accelerators the record kernel or the branch-free kernels
-run instead: there, this look would be a host synchronisation inside a hook.
+kernels. On accelerators the record kernel or the branch-free kernels run instead: there, this look would be
+a host synchronisation inside a hook.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     python benchmarks/stats_kernels.py            # kernels on the design §7 hook tensors + train step
     python benchmarks/stats_kernels.py --quick    # 3 rounds instead of 11;  --no-step: kernels only
-    python benchmarks/stats_kernels.py --per-element   # ns/element: multi-pass vs one-pass kernel vs floor
+    python benchmarks/stats_kernels.py --per-element   # ns/element: multi-pass, one-pass, generated, native (shipped), floor
     python benchmarks/stats_kernels.py --one-pass-sizes  # CPU fp32: µs per tensor, passes vs assume-finite kernel
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
@@ -71,7 +71,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.monitor import stats, stats_fused  # noqa: E402
+from trainmon.monitor import stats, stats_fused, stats_native  # noqa: E402
 
 EPS = 1e-8
 INF = math.inf
@@ -327,25 +327,27 @@ def step_overhead(rounds, fields):
 
 def per_element(rounds):
     """ns per element of tensor_records (design ops): with the multi-pass kernels only, with the one-pass
-    record kernel only, and as shipped (16-bit through the record kernel, CPU fp32 through the assume-finite
-    path and its own one-pass kernel), next to one _foreach_norm pass
-    over the same tensors (the floor): one tensor of each size, many small tensors in one call, and the
-    hook tensors of the §7 model in one call (172 tensors, 89 distinct views)."""
+    record kernel only, through the generated kernels where there is no native one ("generated": CPU fp32
+    through the assume-finite path and its own one-pass kernel), and as shipped (16-bit through the record
+    kernel, CPU fp32 through the native kernel), next to one _foreach_norm pass over the same tensors (the
+    floor): one tensor of each size, many small tensors in one call, and the hook tensors of the §7 model in
+    one call (172 tensors, 89 distinct views)."""
     fields = stats.fields_for_ops(DESIGN_OPS)
     dtypes = (torch.float32, torch.bfloat16)
     stats_fused.prepare("cpu", dtypes, wait=True)
     stats_fused.prepare("cpu", [torch.float32], wait=True, kernel="finite")
+    stats_native.prepare(wait=True)
 
-    def records(enabled, cpu_wide=False):
+    def records(enabled, cpu_wide=False, native=False):
         def run(ts):
-            stats_fused.enabled, stats_fused.cpu_wide = enabled, cpu_wide
+            stats_fused.enabled, stats_fused.cpu_wide, stats_native.enabled = enabled, cpu_wide, native
             try:
                 return stats.tensor_records(ts, EPS, fields)
             finally:
-                stats_fused.enabled, stats_fused.cpu_wide = True, False
+                stats_fused.enabled, stats_fused.cpu_wide, stats_native.enabled = True, False, True
         return run
-    cands = {"multi-pass": records(False), "one-pass": records(True, True), "shipped": records(True),
-             "_foreach_norm": c_foreach_norm}
+    cands = {"multi-pass": records(False), "one-pass": records(True, True), "generated": records(True),
+             "shipped": records(True, native=True), "_foreach_norm": c_foreach_norm}
     print(f"\n== ns per element, median of {rounds} interleaved rounds (one thread)")
     print(f"  {'dtype':9s} {'tensors':>15s} " + " ".join(f"{k:>13s}" for k in cands))
     g = torch.Generator().manual_seed(0)

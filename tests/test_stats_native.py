@@ -117,3 +117,22 @@ def test_while_it_builds_no_generated_kernel_is_compiled_for_cpu_fp32(fresh_stat
         assert stats_native._state["state"] == "building"
     finally:
         release.set()
+
+
+def test_under_a_dispatch_mode_the_ops_it_would_bypass_run_instead(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+    monkeypatch.setattr(stats_native, "figures", lambda *a: pytest.fail("the native kernel bypassed the mode"))
+    x = torch.randn(20_000)
+    with Seen() as mode:
+        row = tensor_records([x], 1e-8, ALL)[0]
+    check(row, x, 1e-8)
+    assert mode.ops > 0

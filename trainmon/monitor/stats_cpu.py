@@ -59,7 +59,7 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     # costs tens: this route serves many calls of a few tensors each (a hook's activations).
     table = rec.numpy()
     packed = len(want)
-    if fast and stats_native.ready():           # every tensor read in place, in one call per dtype
+    if fast and stats_native.usable([uniq[u] for u in fast]):  # each read in place, in one call per dtype
         for dtype in _FAST_DTYPES:
             group = [u for u in fast if uniq[u].dtype == dtype]
             if group:

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 logger = logging.getLogger("trainmon")
 
@@ -72,6 +73,7 @@ FIGURES(figures_float64, double, fabs)
 _FLAGS = ["-O3", "-march=native", "-ffinite-math-only", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 enabled = True                                      # tests of the other kernels turn it off
 _state = {"state": None}                            # None | "building" | "ready" | "failed"
@@ -89,6 +91,13 @@ def ready() -> bool:
             if _state["state"] is None:
                 _start()
     return enabled and _state["state"] == "ready"
+
+
+def usable(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the library may read `tensors` now: it is ready, they are plain tensors (a subclass has its own
+    dispatch), and no compile traces and no dispatch mode watches the call (the library would bypass both)."""
+    return (ready() and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) in _PLAIN for t in tensors))
 
 
 def unavailable() -> bool:

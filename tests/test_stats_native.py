@@ -136,3 +136,14 @@ def test_under_a_dispatch_mode_the_ops_it_would_bypass_run_instead(monkeypatch):
         row = tensor_records([x], 1e-8, ALL)[0]
     check(row, x, 1e-8)
     assert mode.ops > 0
+
+
+def test_cc_may_name_a_compiler_behind_a_wrapper(fresh_state, monkeypatch, tmp_path):
+    """`CC="ccache gcc"` is common: the command is split as a shell would."""
+    import shutil
+    monkeypatch.setenv("CC", f"env {shutil.which('cc') or shutil.which('gcc')}")
+    monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")
+    assert stats_native.prepare(wait=True)
+    assert (tmp_path / "figures.so").exists()
+    x = torch.randn(5000)
+    check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8)

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import threading
@@ -145,7 +146,7 @@ def _build(path: Optional[Path]) -> None:
         partial = path.with_suffix(f".{os.getpid()}.partial.so")
         source.write_text(_SOURCE)
         try:
-            done = subprocess.run([_compiler(), *_FLAGS, "-o", str(partial), str(source)], capture_output=True,
+            done = subprocess.run([*_compiler(), *_FLAGS, "-o", str(partial), str(source)], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError((done.stderr.strip().splitlines() or ["no message"])[-1])
@@ -184,8 +185,12 @@ def _refuse(exc: BaseException) -> None:
                        "used", type(exc).__name__, exc)
 
 
-def _compiler() -> Optional[str]:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> Optional[list[str]]:
+    """The C compiler's command: `$CC` (which may hold a wrapper, "ccache gcc"), else the first of cc, gcc, clang."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
 
 
 def _library() -> Optional[Path]:
@@ -197,5 +202,5 @@ def _library() -> Optional[Path]:
     compiler = _compiler()
     if compiler is None:
         return None
-    recipe = "\n".join([_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), hardware("cpu")])
+    recipe = "\n".join([_SOURCE, " ".join(_FLAGS), " ".join(compiler), platform.machine(), hardware("cpu")])
     return Path(cache_dir()) / "trainmon" / f"figures-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.so"

@@ -5,13 +5,14 @@ Run with `trainmon demo` (embedded config) or `python scripts/train_demo.py --co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import subprocess
 import tempfile
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -160,16 +161,9 @@ def run(args: argparse.Namespace) -> int:
     inject_step = int(args.steps * INJECT_AT) if args.inject else None
     if inject_step is not None:
         print(f"injecting +Inf into {INJECT_MODULE}'s output at step {inject_step}")
-    if args.config is not None:
-        losses, output, watch = train(args.steps, args.config, grad_acc_steps=args.grad_acc_steps,
+    with _config_file(args.config) as config_path:
+        losses, output, watch = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps,
                                       inject_step=inject_step)
-    else:  # the embedded config, in a file that lives as long as the run
-        with tempfile.TemporaryDirectory(prefix="trainmon_demo_") as folder:
-            config_path = os.path.join(folder, "config.json")
-            with open(config_path, "w") as handle:
-                json.dump(DEMO_CONFIG, handle)
-            losses, output, watch = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps,
-                                          inject_step=inject_step)
     print(f"\ntrained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
           f"{'' if math.isfinite(losses[-1]) else ' (non-finite!)'}")
     run_dir = os.path.dirname(output)
@@ -185,6 +179,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"  2. trainmon nan-analyze {run_dir}      # where a NaN/Inf first appeared")
     print(f"  3. trainmon show {run_dir} --family grad_reduced --steps {len(losses) - 1}      # the figures as a table")
     return 0
+
+
+@contextlib.contextmanager
+def _config_file(path: Optional[str]) -> Iterator[str]:
+    """`path`, or the embedded config in a file that lives as long as the run."""
+    if path is not None:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="trainmon_demo_") as folder:
+        path = os.path.join(folder, "config.json")
+        with open(path, "w") as handle:
+            json.dump(DEMO_CONFIG, handle)
+        yield path
 
 
 def _wait_for(watch, logdir: str) -> None:

@@ -185,9 +185,6 @@ def _meta(values, dev: torch.device) -> torch.Tensor:
 
 
 # ---- the engine -------------------------------------------------------------------------------------
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str]) -> torch.Tensor:
     """float64 ``[len(tensors), N_FIELDS]`` records on the tensors' (shared) device; see module docstring.
 
@@ -211,7 +208,7 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     rowmap: list[int] = []                            # per input: its unique index
     for t in tensors:                                 # about 0.5 µs per tensor: a flush holds hundreds
         # fake/meta/subclass: no storage to compare
-        ptr = t.data_ptr() if type(t) in _PLAIN and not t.is_meta else id(t)
+        ptr = t.data_ptr() if type(t) in stats_fused.PLAIN_TENSORS and not t.is_meta else id(t)
         key = (ptr, t.dtype, t.shape, t.stride())
         row = seen.get(key)
         if row is None:

@@ -70,6 +70,9 @@ _INF = math.inf
 _NANS = schema.INDEX["nans"]
 _MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
 
+# Tensors whose memory the engine's compiled and native kernels may read: fake and subclass tensors have their
+# own dispatch, which those kernels would bypass.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 enabled = True                                  # benchmarks and tests compare against the other kernels
 cpu_wide = False                                # see _faster
 
@@ -344,8 +347,7 @@ def taken(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "
         return []
     if _get_current_dispatch_mode() is not None:
         return []                                   # the compiled code would bypass the mode
-    # fake and subclass tensors have their own dispatch, which the compiled code would bypass too
-    wanted = [i for i, t in enumerate(tensors) if type(t) in (torch.Tensor, torch.nn.Parameter)
+    wanted = [i for i, t in enumerate(tensors) if type(t) in PLAIN_TENSORS
               and (kernel != "record" or _faster(t, device))]
     ready = {dtype for dtype in {tensors[i].dtype for i in wanted} if prepare(device, [dtype], kernel=kernel)}
     return [i for i in wanted if tensors[i].dtype in ready]

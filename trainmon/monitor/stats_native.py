@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from trainmon.monitor.stats_fused import PLAIN_TENSORS, hardware
+
 logger = logging.getLogger("trainmon")
 
 BLOCK = 4096                                        # elements per partial: the one-pass kernel's row
@@ -74,7 +76,6 @@ FIGURES(figures_float64, double, fabs)
 _FLAGS = ["-O3", "-march=native", "-ffinite-math-only", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.float64)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 enabled = True                                      # tests of the other kernels turn it off
 _state = {"state": None}                            # None | "building" | "ready" | "failed"
@@ -98,7 +99,7 @@ def usable(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the library may read `tensors` now: it is ready, they are plain tensors (a subclass has its own
     dispatch), and no compile traces and no dispatch mode watches the call (the library would bypass both)."""
     return (ready() and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(t) in _PLAIN for t in tensors))
+            and all(type(t) in PLAIN_TENSORS for t in tensors))
 
 
 def unavailable() -> bool:
@@ -195,9 +196,7 @@ def _compiler() -> Optional[list[str]]:
 
 def _library() -> Optional[Path]:
     """Where the library lives, or None without a C compiler."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    from trainmon.monitor.stats_fused import hardware
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # imports inductor: at the first request only
 
     compiler = _compiler()
     if compiler is None:

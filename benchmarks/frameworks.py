@@ -3,7 +3,8 @@
 Each job is `scripts/train_megatron.py` or `scripts/train_deepspeed.py` on 2 processes (torchrun on
 127.0.0.1, gloo, CPU, OMP_NUM_THREADS=1), at a size where the unmonitored step takes 300 ms or more on
 a 2-core machine. The tiers are those of `overhead.py` (same configs, same ops); `all` adds the remaining
-families (update ratio, momentum/grad direction, collectives) and the sentinel.
+families (update ratio, momentum/grad direction, collectives) and the sentinel; `full-forward` and
+`full-backward` are the full tier with `forward_only` or `backward_only`.
 
 Inside each job rank 0 times every `optimizer.step()`-delimited step (`--timings`); the figure is the
 median over the steps after warm-up, pooled over the repeats. Tiers run interleaved: each repeat runs
@@ -43,7 +44,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 TIERS = {**BASE_TIERS,
          "all": {**BASE_TIERS["full"], "ur_distribution": True, "mg_direction": True,
-                 "cc_distribution": {"enable": True, "cc_pre_hook": True}, "sentinel": True}}
+                 "cc_distribution": {"enable": True, "cc_pre_hook": True}, "sentinel": True},
+         # the full tier's activations one way only: what recording them and recording their grads each cost
+         "full-forward": {**BASE_TIERS["full"], "forward_only": True},
+         "full-backward": {**BASE_TIERS["full"], "backward_only": True}}
 DEFAULT_TIERS = ["none", "sentinel", "wg", "wg+xy", "full"]
 
 # Sizes: the unmonitored step takes 300 ms or more on the 2-core benchmark machine (see the README).

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -580,6 +581,40 @@ def test_input_grad_of_a_module_that_modifies_its_input_in_place(output_dir, wri
     for step in range(3):
         row = grads[(grads.step == step) & (grads.name == "relu.input")].iloc[0]
         assert row["norm"] == pytest.approx(float(expected[step].norm()), rel=1e-5) and row["norm"] > 0
+
+
+def _tensors_alive_after_a_step(model, optimizer, grad_acc_steps: int) -> tuple[int, int]:
+    """(made, alive): the module outputs and their grads one step makes, and how many of them are still alive
+    once the step is over (its optimizer step taken, its grads zeroed, its losses dropped)."""
+    from torch.utils._pytree import tree_flatten
+
+    refs = []
+
+    def watch(module, args, output):
+        for leaf in tree_flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                refs.append(weakref.ref(leaf))
+                if leaf.requires_grad:
+                    leaf.register_hook(lambda grad: refs.append(weakref.ref(grad)))
+
+    handles = [m.register_forward_hook(watch) for m in model.modules()]
+    run_steps(model, optimizer, 1, grad_acc_steps)
+    for handle in handles:
+        handle.remove()
+    return len(refs), sum(ref() is not None for ref in refs)
+
+
+@pytest.mark.parametrize("batch_mb", [32, 1, 0])
+def test_held_activations_do_not_outlive_their_step(output_dir, write_config, batch_mb):
+    """Activations and their grads held for a batched reduction are let go when it runs, by the step's end at
+    the latest: once a step is over, none of its module outputs or their grads is alive, as without the monitor."""
+    plain = make_model()
+    made, alive = _tensors_alive_after_a_step(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), 2)
+    assert made > 0 and alive == 0
+    monitor, model, optimizer, _ = train(write_config, steps=2, grad_acc_steps=2, **FULL, stats_batch_mb=batch_mb)
+    made, alive = _tensors_alive_after_a_step(model, optimizer, 2)
+    monitor.stop()
+    assert made > 0 and alive == 0, (made, alive)
 
 
 def _survivors_of_a_forward(model, optimizer) -> int:

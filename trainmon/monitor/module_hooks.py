@@ -64,36 +64,31 @@ class WatchedModule:
 
 
 @dataclass(slots=True)
-class _TapTarget:
-    """Where one module call's input grads are recorded; `name` is set when its forward returns."""
+class _Call:
+    """One recorded module call, from its forward pre-hook on: where its records go in the call order, and where
+    its input grads are recorded (their `micro` and `suffixes` set when its inputs are tapped, `name` when its
+    forward returns)."""
 
     watched: WatchedModule
-    micro: int
-    suffixes: tuple  # leaf-name suffix per tapped input ("" or "_<i>")
+    input_index: int  # call index of its input records, taken when the call started
+    micro: int = 0
+    suffixes: tuple = ()  # leaf-name suffix per tapped input ("" or "_<i>")
     name: Optional[str] = None
 
 
-@dataclass(slots=True)
-class _OpenCall:
-    """One recorded module call between its forward pre-hook and its forward hook."""
-
-    input_index: int  # call index of its input records, taken when the call started
-    tap: Optional[_TapTarget] = None
-
-
 class _InputTap(torch.autograd.Function):
-    """Identity on a module call's inputs; its backward hands their grads to the target's input grad recorder."""
+    """Identity on a module call's inputs; its backward hands their grads to the call's input grad recorder."""
 
     @staticmethod
-    def forward(ctx, target: _TapTarget, *tensors):
-        ctx.target = target
+    def forward(ctx, call: _Call, *tensors):
+        ctx.call = call
         # Views of the inputs would make autograd reject in-place ops on them; detached aliases do not.
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        target = ctx.target
-        target.watched.grad_recorders[0](target, grads)
+        call = ctx.call
+        call.watched.grad_recorders[0](call, grads)
         return (None,) + grads
 
 
@@ -107,6 +102,14 @@ def _tapped_inputs(inputs: list, selector) -> tuple[list[int], tuple[str, ...]]:
             tapped.append(i)
             seen.add(id(t))
     return tapped, tuple(suffixes[id(inputs[i])] for i in tapped)
+
+
+def _tap(call: _Call, tensors: list) -> tuple:
+    """Aliases of `tensors` through one `_InputTap` of `call`, each knowing the tensor it stands for."""
+    aliases = _InputTap.apply(call, *tensors)
+    for alias, tensor in zip(aliases, tensors):
+        alias._trainmon_root = _root(tensor)
+    return aliases
 
 
 def _root(leaf):
@@ -178,26 +181,31 @@ class ActivationHooks(Hooks):
             if collector is None:
                 watched.open_calls.append(None)
                 return None
-            call = _OpenCall(collector.next_call_index())
+            call = _Call(watched, collector.next_call_index())
             watched.open_calls.append(call)
             if self.backward and state.training_forward and torch.is_grad_enabled():
-                call.tap = _TapTarget(watched, state.forward_micro(watched.vpp_stage), ())
-                return self._tap_inputs(call.tap, args, kwargs)
+                call.micro = state.forward_micro(watched.vpp_stage)
+                return self._tap_inputs(call, args, kwargs)
             return None
 
         return pre_hook
 
-    def _tap_inputs(self, target: _TapTarget, args: tuple, kwargs: dict) -> Optional[tuple]:
+    @staticmethod
+    def _tap_inputs(call: _Call, args: tuple, kwargs: dict) -> Optional[tuple]:
         """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
+        if not kwargs and len(args) == 1 and call.watched.input_grad_sel is None:  # most calls: one tensor
+            tensor = args[0]
+            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_floating_point()):
+                return None
+            call.suffixes = ("",)
+            return _tap(call, [tensor]), kwargs
         places = input_places(args, kwargs)
         inputs = values_at(places, args, kwargs)
-        tapped, target.suffixes = _tapped_inputs(inputs, target.watched.input_grad_sel)
+        tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel)
         if not tapped:
             return None
-        aliases = _InputTap.apply(target, *(inputs[i] for i in tapped))
         args, kwargs = list(args), dict(kwargs)
-        for i, alias in zip(tapped, aliases):
-            alias._trainmon_root = _root(inputs[i])
+        for i, alias in zip(tapped, _tap(call, [inputs[i] for i in tapped])):
             positional, key = places[i]
             (args if positional else kwargs)[key] = alias
         return tuple(args), kwargs
@@ -210,7 +218,7 @@ class ActivationHooks(Hooks):
             if call is None:
                 return
             if in_backward():  # activation checkpointing runs the forward again
-                self._hook_recomputed(watched, call.tap, output)
+                self._hook_recomputed(watched, call, output)
                 return  # its activations were recorded when it first ran
             training = state.training_forward
             collector = state.collector if training else state.eval_collector
@@ -220,8 +228,7 @@ class ActivationHooks(Hooks):
             # Records and grad taps select the same leaves unless their `targets` selectors differ.
             output_leaves = floating_leaves(output, watched.output_sel, prefix) if self.forward else None
             if training and self.backward and torch.is_grad_enabled():
-                if call.tap is not None:
-                    call.tap.name = name
+                call.name = name
                 shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
                 self._hook_output_grads(watched, micro, output_leaves if shared else
                                         floating_leaves(output, watched.output_grad_sel, prefix))
@@ -234,7 +241,7 @@ class ActivationHooks(Hooks):
 
         return forward_hook
 
-    def _hook_recomputed(self, watched: WatchedModule, target: Optional[_TapTarget], output) -> None:
+    def _hook_recomputed(self, watched: WatchedModule, call: _Call, output) -> None:
         """Grad hooks on a call run again by activation checkpointing, named as when it first ran.
 
         A first run without grad (reentrant checkpointing) left its call in `unrecomputed`: the grads
@@ -248,8 +255,7 @@ class ActivationHooks(Hooks):
                 break
         else:
             return
-        if target is not None:
-            target.name, target.micro = name, micro
+        call.name, call.micro = name, micro  # its input grads, if tapped, are recorded under the first run's name
         self._hook_output_grads(watched, micro, floating_leaves(output, watched.output_grad_sel, f"{name}.output"))
 
     @staticmethod
@@ -268,11 +274,11 @@ class ActivationHooks(Hooks):
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
         self._record_grads(watched, micro, [(leaf_name, grad)])
 
-    def _record_input_grads(self, target: _TapTarget, grads) -> None:
-        if target.name is not None:
-            self._record_grads(target.watched, target.micro,
-                               [(f"{target.name}.input{suffix}", grad)
-                                for suffix, grad in zip(target.suffixes, grads) if grad is not None])
+    def _record_input_grads(self, call: _Call, grads) -> None:
+        if call.name is not None:
+            self._record_grads(call.watched, call.micro,
+                               [(f"{call.name}.input{suffix}", grad)
+                                for suffix, grad in zip(call.suffixes, grads) if grad is not None])
 
     def _record_grads(self, watched: WatchedModule, micro: int, named_grads: list) -> None:
         if not self.state.collecting or not named_grads:

@@ -101,7 +101,8 @@ def run(job: str, tier: str, formats: list[str], order: list[str], steps: int, w
         with open(config, "w") as f:
             json.dump(tier_config(tier, formats, tiers=TIERS), f)
         out = os.path.join(tmp, "parts.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MONITOR_OUTPUT_DIR": os.path.join(tmp, "monitor_output"),
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+               "MONITOR_OUTPUT_DIR": os.path.join(tmp, "monitor_output"),
                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, SCRIPTS, os.environ.get("PYTHONPATH")) if p)}
         env.pop("DYNAMIC_MONITOR", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",

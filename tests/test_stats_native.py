@@ -76,6 +76,29 @@ def test_the_engine_reads_cpu_fp32_and_fp64_through_it_in_one_call_per_dtype(mon
     assert sorted(calls, key=str) == [(torch.float32, 5), (torch.float64, 1)]
 
 
+def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(monkeypatch):
+    """Non-contiguous views are copied side by side into a reused scratch buffer; those that do not fit in one
+    fill are read in further calls, and every record still equals torch's."""
+    from trainmon.monitor.stats import CHUNK_ELEMS
+
+    calls = []
+
+    def figures(tensors, lam, run=stats_native.figures):
+        calls.append(len(tensors))
+        return run(tensors, lam)
+    monkeypatch.setattr(stats_native, "figures", figures)
+    g = torch.Generator().manual_seed(5)
+    cap = CHUNK_ELEMS["cpu"]
+    # five views of 0.4 of the scratch each: fills of two, two and one
+    views = [torch.randn(2, int(0.4 * cap), generator=g)[:, ::2] for _ in range(5)]
+    views[3] = sprinkle(views[3].contiguous()).t().contiguous().t()   # a NaN/Inf one: the exact kernels read it
+    tensors = [torch.randn(300, generator=g), *views]
+    rec = tensor_records(tensors, 1e-3, ALL)
+    for row, t in zip(rec, tensors):
+        check(row, t, 1e-3)
+    assert calls == [3, 2, 1]
+
+
 def test_without_a_c_compiler_the_other_kernels_serve_with_one_message(fresh_state, monkeypatch, caplog):
     monkeypatch.setattr(stats_native, "_compiler", lambda: None)
     with caplog.at_level(logging.WARNING, logger="trainmon"):

@@ -414,7 +414,8 @@ def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, wa
     min and max (when computed) stay inside the limit has no saturated element: only the others are
     counted, so the usual case costs no pass at all."""
     if dev.type == "cpu" and want[6] and want[7]:
-        limits = torch.tensor([sat.sat_limit(t.dtype) for t in uniq], dtype=torch.float64)
+        limit_of = {dtype: sat.sat_limit(dtype) for dtype in {t.dtype for t in uniq}}
+        limits = torch.tensor([limit_of[t.dtype] for t in uniq], dtype=torch.float64)
         reach = (rec.select(1, 7) >= limits) | (rec.select(1, 6) <= -limits)
         rows = reach.nonzero().flatten().tolist()
         if rows:

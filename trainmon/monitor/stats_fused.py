@@ -347,18 +347,19 @@ def taken(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "
         return []
     if _get_current_dispatch_mode() is not None:
         return []                                   # the compiled code would bypass the mode
-    wanted = [i for i, t in enumerate(tensors) if type(t) in PLAIN_TENSORS
-              and (kernel != "record" or _faster(t, device))]
-    ready = {dtype for dtype in {tensors[i].dtype for i in wanted} if prepare(device, [dtype], kernel=kernel)}
-    return [i for i in wanted if tensors[i].dtype in ready]
+    plain = [i for i, t in enumerate(tensors) if type(t) in PLAIN_TENSORS]
+    # decided per dtype, not per tensor: a flush holds hundreds of tensors of one or two dtypes
+    ready = {dtype for dtype in {tensors[i].dtype for i in plain}
+             if (kernel != "record" or _faster(dtype, device)) and prepare(device, [dtype], kernel=kernel)}
+    return [i for i in plain if tensors[i].dtype in ready]
 
 
-def _faster(t: torch.Tensor, device: torch.device) -> bool:
+def _faster(dtype: torch.dtype, device: torch.device) -> bool:
     """Where the one-pass record kernel was measured faster (benchmarks/stats_kernels.py --per-element):
     everywhere on accelerators; on CPU for 16-bit tensors. CPU fp32/fp64 tensors take stats_cpu's
     assume-finite path, whose own one-pass kernel computes half the figures (`cpu_wide` sends them here,
     for tests of this kernel)."""
-    return device.type != "cpu" or cpu_wide or t.dtype not in (torch.float32, torch.float64)
+    return device.type != "cpu" or cpu_wide or dtype not in (torch.float32, torch.float64)
 
 
 def _flat_segments(t: torch.Tensor, cap: int):

@@ -213,9 +213,10 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
         row = seen.get(key)
         if row is None:
             row = seen[key] = len(uniq)
-            uniq.append(t.detach() if t.requires_grad else t)
+            uniq.append(t)
         rowmap.append(row)
-    rec = _records_by_kernel(uniq, dev, eps, want, fields, sat)
+    with torch.no_grad():  # records are never differentiated: no graph from tensors that require grad, no detach each
+        rec = _records_by_kernel(uniq, dev, eps, want, fields, sat)
     if len(uniq) == len(tensors):
         return rec
     return rec.index_select(0, _meta(rowmap, dev))

@@ -29,12 +29,11 @@ import json
 import os
 import runpy
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from frameworks import JOBS, NPROC, ROOT, SCRIPTS, TIERS, free_port, tier_config
+from frameworks import JOBS, SCRIPTS, TIERS, tier_config, torchrun
 
 VARIANTS = {
     "base": "nothing off",
@@ -101,17 +100,9 @@ def run(job: str, tier: str, formats: list[str], order: list[str], steps: int, w
         with open(config, "w") as f:
             json.dump(tier_config(tier, formats, tiers=TIERS), f)
         out = os.path.join(tmp, "parts.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "MONITOR_OUTPUT_DIR": os.path.join(tmp, "monitor_output"),
-               "PYTHONPATH": os.pathsep.join(p for p in (ROOT, SCRIPTS, os.environ.get("PYTHONPATH")) if p)}
-        env.pop("DYNAMIC_MONITOR", None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", os.path.abspath(__file__), "--child", out, "--variants", ",".join(order),
-               "--warmup", str(warmup), "--", os.path.join(SCRIPTS, script), *job_args, "--steps", str(warmup + steps),
-               "--config", config]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{job} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+        torchrun([os.path.abspath(__file__), "--child", out, "--variants", ",".join(order), "--warmup", str(warmup),
+                  "--", os.path.join(SCRIPTS, script), *job_args, "--steps", str(warmup + steps), "--config", config],
+                 os.path.join(tmp, "monitor_output"), job)
         with open(out) as f:
             return json.load(f)
 

@@ -74,6 +74,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(argv: list[str], out_dir: str, what: str) -> None:
+    """Runs `argv` (a script and its arguments) in NPROC processes under torchrun on 127.0.0.1, as the jobs run:
+    one thread each, DeepSpeed on the CPU, trainmon's output in `out_dir`. Raises with the output's end if
+    `what` fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MONITOR_OUTPUT_DIR": out_dir,
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, SCRIPTS, os.environ.get("PYTHONPATH")) if p)}
+    env.pop("DYNAMIC_MONITOR", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *argv]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+
+
 def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict) -> dict:
     """One torchrun job; returns rank 0's step times, the hooked calls per rank and the bytes written."""
     script, job_args = JOBS[job]
@@ -85,16 +99,9 @@ def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict) ->
             with open(config_arg, "w") as f:
                 json.dump(config, f)
         out_dir = os.path.join(tmp, "monitor_output")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MONITOR_OUTPUT_DIR": out_dir,
-               "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-        env.pop("DYNAMIC_MONITOR", None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", os.path.join(SCRIPTS, script), *job_args, "--steps", str(steps),
-               "--config", config_arg, "--timings", os.path.join(tmp, "timings")]
         start = time.perf_counter()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{job} {tier} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+        torchrun([os.path.join(SCRIPTS, script), *job_args, "--steps", str(steps), "--config", config_arg,
+                  "--timings", os.path.join(tmp, "timings")], out_dir, f"{job} {tier}")
         ranks = []
         for rank in range(NPROC):
             with open(os.path.join(tmp, f"timings.rank{rank}.json")) as f:

@@ -104,14 +104,6 @@ def _tapped_inputs(inputs: list, selector) -> tuple[list[int], tuple[str, ...]]:
     return tapped, tuple(suffixes[id(inputs[i])] for i in tapped)
 
 
-def _tap(call: _Call, tensors: list) -> tuple:
-    """Aliases of `tensors` through one `_InputTap` of `call`, each knowing the tensor it stands for."""
-    aliases = _InputTap.apply(call, *tensors)
-    for alias, tensor in zip(aliases, tensors):
-        alias._trainmon_root = _root(tensor)
-    return aliases
-
-
 def _root(leaf):
     """The tensor an input tap's alias stands for (through nested taps), or `leaf` itself.
 
@@ -193,19 +185,15 @@ class ActivationHooks(Hooks):
     @staticmethod
     def _tap_inputs(call: _Call, args: tuple, kwargs: dict) -> Optional[tuple]:
         """(args, kwargs) with the selected floating inputs that require grad passed through one `_InputTap`."""
-        if not kwargs and len(args) == 1 and call.watched.input_grad_sel is None:  # most calls: one tensor
-            tensor = args[0]
-            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_floating_point()):
-                return None
-            call.suffixes = ("",)
-            return _tap(call, [tensor]), kwargs
         places = input_places(args, kwargs)
         inputs = values_at(places, args, kwargs)
         tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel)
         if not tapped:
             return None
+        aliases = _InputTap.apply(call, *(inputs[i] for i in tapped))
         args, kwargs = list(args), dict(kwargs)
-        for i, alias in zip(tapped, _tap(call, [inputs[i] for i in tapped])):
+        for i, alias in zip(tapped, aliases):
+            alias._trainmon_root = _root(inputs[i])
             positional, key = places[i]
             (args if positional else kwargs)[key] = alias
         return tuple(args), kwargs

@@ -326,31 +326,24 @@ def _assume_finite_native(tensors: Sequence[torch.Tensor], want: tuple, lam: flo
     """
     figures = np.empty((len(tensors), 5))
     whole = [i for i, t in enumerate(tensors) if t.is_contiguous()]
-    fills = _packed_copies(tensors, [i for i, t in enumerate(tensors) if not t.is_contiguous()], scratch)
-    rows, copies = next(fills, ([], []))
-    figures[whole + rows] = stats_native.figures([tensors[i] for i in whole] + copies, lam)
-    for rows, copies in fills:
-        figures[rows] = stats_native.figures(copies, lam)
+    fills = _batches(tensors, [i for i, t in enumerate(tensors) if not t.is_contiguous()], scratch.numel()) or [[]]
+    figures[whole + fills[0]] = stats_native.figures([tensors[i] for i in whole] + _copied(tensors, fills[0], scratch),
+                                                     lam)
+    for fill in fills[1:]:
+        figures[fill] = stats_native.figures(_copied(tensors, fill, scratch), lam)
     count = np.fromiter((t.numel() for t in tensors), dtype=np.float64, count=len(tensors))
     return _packed_records(count, figures, want)
 
 
-def _packed_copies(tensors: Sequence[torch.Tensor], indices: list[int], scratch: torch.Tensor):
-    """Yields (indices, contiguous copies) of `tensors[i]` for `i` in `indices`, the copies side by side in
-    `scratch` (each tensor fits it), as many per fill as fit; a fill is overwritten by the next."""
-    rows, copies, used = [], [], 0
-    for i in indices:
-        n = tensors[i].numel()
-        if used + n > scratch.numel():
-            yield rows, copies
-            rows, copies, used = [], [], 0
-        copy = scratch[used:used + n]
+def _copied(tensors: Sequence[torch.Tensor], fill: list[int], scratch: torch.Tensor) -> list[torch.Tensor]:
+    """Contiguous copies of `tensors[i]` for `i` in `fill`, side by side in `scratch` (they fit it together)."""
+    copies, used = [], 0
+    for i in fill:
+        copy = scratch.narrow(0, used, tensors[i].numel())
         copy.view(tensors[i].shape).copy_(tensors[i])
-        rows.append(i)
         copies.append(copy)
-        used += n
-    if rows:
-        yield rows, copies
+        used += tensors[i].numel()
+    return copies
 
 
 def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tuple, lam: float) -> np.ndarray:

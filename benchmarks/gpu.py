@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import sqlite3
@@ -58,7 +59,7 @@ def _sync_watch(torch, device, found: list):
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = str(message)
-        if "synchroniz" not in text.lower():
+        if "called a synchronizing" not in text:  # not the mode's own notice that it is a prototype
             return shown(message, category, filename, lineno, file, line)
         stack = traceback.extract_stack()[:-1]
         ours = [f for f in stack if f"{os.sep}trainmon{os.sep}" in f.filename]
@@ -83,12 +84,14 @@ def run_child(spec: dict) -> dict:
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
     from trainmon.monitor import stats_fused
 
+    faulthandler.dump_traceback_later(max(spec["timeout"] * 0.8, spec["timeout"] - 10))  # a hang shows where
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
     accel = _device_module(torch, device)
-    model = TinyGPT(vocab=spec["vocab"], hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
-                    seq=spec["seq"]).to(device=device, dtype=dtype)
+    with device:  # initialised where it trains: a GPU-sized model's init on the host takes tens of seconds
+        model = TinyGPT(vocab=spec["vocab"], hidden=spec["hidden"], layers=spec["layers"], heads=spec["heads"],
+                        seq=spec["seq"]).to(dtype=dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run_model = model
     if spec["mode"] == "compiled":
@@ -180,22 +183,43 @@ def main() -> int:
         for tier in (args.tiers if mode == "eager" else args.compiled_tiers).split(","):
             spec = {"mode": mode, "tier": tier, "device": device, "dtype": args.dtype, "layers": args.layers,
                     "hidden": args.hidden, "heads": args.heads, "seq": args.seq, "batch": args.batch,
-                    "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup}
-            try:
-                child = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                                       text=True, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                results.append({**spec, "error": f"over {args.timeout} s"})
-                continue
-            if child.returncode:
-                results.append({**spec, "error": child.stderr.strip().splitlines()[-1:] or ["exit %d" % child.returncode]})
-                continue
-            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+                    "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout}
+            results.append(_run_process(spec, args.timeout))
+            _progress(results[-1])
+            if args.out:  # after each process: a device's lease can end before the last
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     _print_table(results)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
     return 0
+
+
+def _run_process(spec: dict, timeout: int) -> dict:
+    """One (mode, tier) in a process of its own; a failure keeps the end of its output (with faulthandler's
+    stacks of every thread, where it crashed or hung)."""
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    try:
+        child = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
+                               text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        return {**spec, "error": f"over {timeout} s", "stderr": _tail(exc.stderr)}
+    if child.returncode:
+        return {**spec, "error": f"exit {child.returncode}", "stderr": _tail(child.stderr)}
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _tail(stderr, lines: int = 60) -> list[str]:
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    return (stderr or "").strip().splitlines()[-lines:]
+
+
+def _progress(result: dict) -> None:
+    if "error" in result:
+        print(f"{result['mode']} {result['tier']}: failed: {result['error']}", *result["stderr"], sep="\n    ",
+              flush=True)
+        return
+    print(f"{result['mode']} {result['tier']}: {result['step_s'] * 1e3:.1f} ms per step, {result['kernels']} kernels, "
+          f"{len(result['syncs_training'])} host syncs, {result['records']} records", flush=True)
 
 
 def _print_table(results: list[dict]) -> None:

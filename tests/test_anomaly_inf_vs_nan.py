@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_anomaly_online import STATS, Clock, nan_analyze_json
-from training import make_model, run_steps
+from training import DEVICES, make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.cli import main as cli_main
 
@@ -44,10 +44,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_inf_told_from_nan_with_one_call_index(output_dir, write_config, capsys, caplog, case):
+def test_inf_told_from_nan_with_one_call_index(output_dir, write_config, capsys, caplog, case, device):
     fault, op, value, is_nan, overflow_label = CASES[case]
-    model = make_model()
+    model = make_model(device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     clock = Clock(model, 1)
     dict(model.named_modules())[MODULE].register_forward_hook(

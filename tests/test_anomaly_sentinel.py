@@ -1,11 +1,14 @@
 """The NaN sentinel: no host sync in its hooks, one host transfer per step, numerics untouched, buffer growth."""
+import math
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_anomaly_online import SENTINEL_ONLY
 from test_trainer_mon import OpCounter
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.monitor import collector
+from trainmon.monitor import collector, sentinel
 
 
 def sentinel_run(write_config, steps, counter=None, grad_acc_steps=2, **config):
@@ -95,3 +98,57 @@ def _returning_a_childs_output(model) -> set:
     for handle in handles:
         handle.remove()
     return repeated
+
+
+class _StackedDtypes(TorchDispatchMode):
+    """The set of input dtypes of every stack and cat that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.stack, torch.ops.aten.cat):
+            self.calls.append({t.dtype for t in args[0]})
+        return func(*args, **(kwargs or {}))
+
+
+def test_probes_of_mixed_dtypes_are_stacked_one_dtype_at_a_time_in_their_order():
+    values = [torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(1e300, dtype=torch.float64),
+              torch.tensor(-2.0), torch.tensor(math.nan, dtype=torch.bfloat16), torch.tensor(-math.inf),
+              torch.tensor(-1e-300, dtype=torch.float64), torch.tensor(7.0, dtype=torch.bfloat16)]
+    with _StackedDtypes() as seen:
+        got = sentinel.stacked(values)
+    assert seen.calls and all(len(dtypes) == 1 for dtypes in seen.calls)
+    want = torch.stack(values)
+    assert got.dtype == want.dtype == torch.float64  # fp64's extremes stay exact
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_bf16_models_probes_are_stacked_by_dtype_and_name_the_fault(output_dir, write_config, monkeypatch):
+    """A bf16 model with the accelerators' probe, (min, max) in bf16 beside the weights' fp32 norms: every
+    stack of the step takes one dtype (on CUDA a mixed one costs a kernel per probe), and the probes are
+    the tensors' own figures, a NaN named where it was put."""
+    monkeypatch.setattr(sentinel, "probe", lambda tensor: torch.aminmax(tensor.detach()))
+    model = make_model().to(torch.bfloat16)
+    seen = {}
+    target = model.get_submodule("layers.1.mlp.0")
+    target.register_forward_hook(lambda m, args, out: seen.setdefault(len(seen), out.detach().clone()))
+    target.register_forward_hook(lambda m, args, out: out * math.nan if len(seen) == 3 else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(**SENTINEL_ONLY))
+    monitor.set_monitor(model, optimizer=optimizer)
+    batches = []
+    monitor._api.write = batches.append
+    with _StackedDtypes() as stacks:
+        run_steps(model, optimizer, 3)
+    monitor.stop()
+    assert stacks.calls and all(len(dtypes) == 1 for dtypes in stacks.calls)
+    probes = [{(k.family, k.name): tuple(v) for k, v in zip(b.flag_keys, b.flags)} for b in batches]
+    assert {(k.family, str(k.dtype)) for k in batches[0].flag_keys} >= {("actv", "torch.bfloat16")}
+    low, high = torch.aminmax(seen[0])
+    assert probes[0][("actv", "layers.1.mlp.0.output")] == (float(low), float(high))
+    assert all(math.isfinite(x) for pair in probes[1].values() for x in pair)
+    assert all(math.isnan(x) for x in probes[2][("actv", "layers.1.mlp.0.output")])
+    first = (monitor.output_dir / "anomalies.jsonl").read_text().splitlines()[0]
+    assert '"module": "layers.1.mlp.0"' in first and '"step": 2' in first

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from training import batches, make_model
+from training import DEVICES, batches, make_model
 from trainmon import TrainerMon
 from trainmon.cli import main as cli_main
 from trainmon.demo import lm_loss
@@ -44,7 +44,7 @@ def compiled(model, mode: str, backend: str = "aot_eager"):
 
 def train(model, optimizer, fault=None, steps=STEPS):
     """GA micro-batches per step; `fault(step, micro)` runs before each forward. Returns the losses."""
-    data, losses = batches(), []
+    data, losses = batches(device=next(model.parameters()).device), []
     for step in range(steps):
         for micro in range(GA):
             if fault is not None:
@@ -58,18 +58,18 @@ def train(model, optimizer, fault=None, steps=STEPS):
     return losses
 
 
-def monitored_run(write_config, config: dict | None, mode: str | None, backend="aot_eager", fault=None):
+def monitored_run(write_config, config: dict | None, mode: str | None, backend="aot_eager", device="cpu"):
     """(losses, graph breaks, graphs, monitor) of a 4-block run; mode None is eager."""
     torch._dynamo.reset()
     counters.clear()
-    model = make_model(layers=4)
+    model = make_model(layers=4, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run_model = model if mode is None else compiled(model, mode, backend)
     monitor = None
     if config is not None:
         monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **config))
         monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
-    losses = train(run_model, optimizer, fault)
+    losses = train(run_model, optimizer)
     if monitor is not None:
         monitor.stop()
     return losses, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], monitor
@@ -126,14 +126,15 @@ def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, m
             assert getattr(got, op) == pytest.approx(getattr(want, op), rel=1e-4, abs=1e-6), (key, op)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["default", "blocks"])
-def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode):
+def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode, device):
     """Inductor reuses the memory of a dead intermediate for later kernels without bumping a version counter:
     the tensors a compiled graph lends trainmon's hooks are read before the hooks return, never later and never
     taken for an earlier call's tensor because they are the same object. Step 0 only: inductor's numerics
     differ from eager's in the last bits, which Adam's first update amplifies."""
-    *_, eager = monitored_run(write_config, ALL, None)
-    *_, comp = monitored_run(write_config, ALL, mode, backend="inductor")
+    *_, eager = monitored_run(write_config, ALL, None, device=device)
+    *_, comp = monitored_run(write_config, ALL, mode, backend="inductor", device=device)
     eager_records, compiled_records = _records(eager), _records(comp)
     step_0 = [key for key in compiled_records if key[2] == 0 and key[0] in ("actv", "actv_grad", "grad_unreduced")]
     assert {key[0] for key in step_0} == {"actv", "actv_grad", "grad_unreduced"}
@@ -175,15 +176,16 @@ def weight_inf_fault(model, module: str, at: tuple[int, int]):
 
 
 # inductor with the sentinel alone and with every tier: its C++ compile is slow here
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,backend,config", [
     ("default", "inductor", {"sentinel": True}), ("blocks", "inductor", ALL),
     ("blocks", "aot_eager", {"sentinel": True}), ("blocks", "aot_eager", ALL),
     ("fullgraph", "aot_eager", {"sentinel": True}), ("fullgraph", "aot_eager", ALL)],
     ids=["inductor-sentinel", "inductor-blocks-all", "blocks-sentinel", "blocks-all", "fullgraph-sentinel", "fullgraph-all"])
 def test_an_inf_in_one_blocks_mlp_is_named_exactly_under_compile(output_dir, write_config, capsys, caplog, mode,
-                                                                 backend, config):
+                                                                 backend, config, device):
     torch._dynamo.reset()
-    model = make_model(layers=4)
+    model = make_model(layers=4, device=device)
     fault = weight_inf_fault(model, "layers.1.mlp.0", (1, 1))
     run_model = compiled(model, mode, backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

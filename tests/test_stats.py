@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from training import DEVICES
 from trainmon.monitor import stats, stats_native
 from trainmon.core.derive import derive_ops, derive_rows
 from trainmon.monitor.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, merge_records, tensor_records
@@ -17,7 +18,6 @@ NAN, INF = math.nan, math.inf
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 COUNT_FIELDS = ("count", "nans", "infs", "zeros", "min", "max", "sat", "pinfs")   # must match exactly
 # On a machine with a GPU (DEVELOPERS.md, "On a GPU") the engine's record tests run there too.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def reference(x: torch.Tensor, eps: float) -> dict:

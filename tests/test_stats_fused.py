@@ -1,6 +1,7 @@
 """Tests of the one-pass statistic kernel (trainmon.monitor.stats_fused) against direct torch computations."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_stats import ALL, DEVICES, FIELDS, OpLog, cases, check, reference, sprinkle
+from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
+from training import DEVICES
 from trainmon.monitor import stats_fused, stats_native
 from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
 from trainmon.monitor.stats_cpu import ONE_PASS_MIN
@@ -332,6 +334,32 @@ def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch,
     assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
     x = sprinkle(torch.randn(9000).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
+
+
+CRASH = "import os, signal, warnings; warnings.warn('deprecated'); os.kill(os.getpid(), signal.SIGSEGV)"
+ERROR = "import warnings; warnings.warn('deprecated'); raise ValueError('no CUDA toolkit')"
+
+
+@pytest.mark.parametrize("code,told", [(CRASH, "the compile process was ended by SIGSEGV"),
+                                       (ERROR, "the compile process exited with status 1: ValueError: no CUDA toolkit")],
+                         ids=["crash", "error"])
+def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(tmp_path, monkeypatch, caplog,
+                                                                                code, told):
+    """The compile's child ends by a signal after a warning (its last line of output a warning's source line),
+    or with an error: the kernel is refused with a message naming the signal or the error, no package or
+    partial file is left, and the records come from the other kernels."""
+    for name in ("_state", "_threads", "_runners"):
+        monkeypatch.setattr(stats_fused, name, {})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(stats_fused, "_child_command", lambda *args: [sys.executable, "-c", code])
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        assert not stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    assert caplog.text.count("one-pass statistic kernel is not available") == 1
+    assert f"RuntimeError: {told}" in caplog.text
+    assert [p.name for p in (tmp_path / "trainmon").iterdir()] == \
+        [stats_fused._package(("record", "cpu", torch.bfloat16)).name + ".lock"]
+    x = sprinkle(torch.randn(9000).bfloat16())
+    check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
 
 
 @pytest.mark.slow  # compiles in a child process

@@ -14,6 +14,8 @@ writer thread.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import weakref
 from typing import Callable, Optional
@@ -30,6 +32,7 @@ from trainmon.monitor.grad_watch import watch_grad
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
+from trainmon.monitor.stats import _meta
 from trainmon.monitor.tensor_memo import TensorMemo
 from trainmon.monitor.tensor_select import floating_leaves, input_values, local_shard
 
@@ -70,6 +73,25 @@ def verdict(family: str, low: float, high: float) -> Optional[str]:
     return BOTH_INF if neg and pos else NEG_INF if neg else POS_INF if pos else None
 
 
+def stacked(values: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack(values)`, stacked one dtype at a time: a CUDA stack of mixed dtypes copies its inputs one
+    kernel each (a bf16 model's activation probes beside the fp32 norms: about a thousand launches per step),
+    where a stack of one dtype copies a batch of inputs per kernel. The groups are cast to the promoted dtype
+    and put back in the order of `values`."""
+    dtypes = {value.dtype for value in values}
+    if len(dtypes) == 1:
+        return torch.stack(values)
+    groups: dict[torch.dtype, list[int]] = {dtype: [] for dtype in dtypes}
+    for i, value in enumerate(values):
+        groups[value.dtype].append(i)
+    dtype = functools.reduce(torch.promote_types, groups)
+    parts = [torch.stack([values[i] for i in members]).to(dtype) for members in groups.values()]
+    position = [0] * len(values)
+    for at, i in enumerate(itertools.chain.from_iterable(groups.values())):
+        position[i] = at
+    return torch.cat(parts).index_select(0, _meta(position, parts[0].device))
+
+
 class _Probes:
     """One step's probes: two device scalars per key, stacked into one tensor when the step's probes are read.
 
@@ -92,10 +114,10 @@ class _Probes:
 
     def filled(self) -> Optional[torch.Tensor]:
         """The probes written this step, [keys, 2] in key order on the device, or None. Not cast to fp32: an
-        fp64 tensor's finite extremes may exceed its range (the stack promotes mixed dtypes exactly)."""
+        fp64 tensor's finite extremes may exceed its range (`stacked` promotes mixed dtypes exactly)."""
         if not self._values:
             return None
-        return torch.stack(self._values).view(-1, 2)
+        return stacked(self._values).view(-1, 2)
 
     def reset(self) -> None:
         self.keys = []

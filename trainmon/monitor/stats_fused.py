@@ -23,7 +23,10 @@ Compile cost never lands on the training thread: the first request for a (kernel
 its compile in a child process (a thread of this one would let tracing's save and restore of the RNG state
 rewind the training loop's random draws): torch.export for every `[rows, width]` shape, then AOTInductor
 into a package in inductor's cache directory, which the other ranks of the node wait for rather than compile
-again, and which later runs find and load without compiling. Calls take
+again, and which later runs find and load without compiling. The child loads and runs the package on a sample
+before it is published, so that a package which fails or crashes there never reaches a training process;
+its own exit skips the interpreter's teardown, whose crashes (an accelerator runtime's) would say nothing
+about the package. Calls take
 the engine's other kernels until the training thread has loaded the package, at its first statistics after
 the compile. A package already on disk is loaded at the first request instead, so that every record of a
 run comes from the same kernel whenever a background thread happens to finish: reruns and ranks then agree
@@ -43,6 +46,8 @@ import logging
 import math
 import os
 import platform
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -116,13 +121,14 @@ _constants: dict = {}                           # (value, dtype, device) -> the 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def _run(kernel: str, x: torch.Tensor, *consts: float) -> torch.Tensor:
+def _run(kernel: str, x: torch.Tensor, *consts: float, package: Optional[Path] = None) -> torch.Tensor:
     """A loaded kernel on `x`, a contiguous `[rows, width]` tensor: the compiled code reads x's memory as
-    rows of that shape whatever its strides, so other strides are refused here, not misread."""
+    rows of that shape whatever its strides, so other strides are refused here, not misread. `package`: load
+    that file rather than the kernel's published package (the compile's own check)."""
     if not x.is_contiguous():
         raise ValueError("a one-pass kernel takes contiguous rows only")
     device, dtype = x.device, x.dtype
-    runner = _runners.get((kernel, device, dtype)) or _runner(kernel, device, dtype)
+    runner = _runners.get((kernel, device, dtype)) or _runner(kernel, device, dtype, package)
     acc = _accumulation(dtype)
     return runner.run([x, *[_constant(c, acc, device) for c in consts]])[0]
 
@@ -139,13 +145,13 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.T
     return _constants[key]
 
 
-def _runner(kernel: str, device: torch.device, dtype: torch.dtype):
+def _runner(kernel: str, device: torch.device, dtype: torch.dtype, package: Optional[Path] = None):
     """The kernel's compiled package loaded for `device` (once per device: a package runs on the device index
     it was loaded for)."""
     from torch._inductor import aoti_load_package
 
     index = -1 if device.index is None else device.index
-    loaded = aoti_load_package(str(_package((kernel, device.type, dtype))), run_single_threaded=True,
+    loaded = aoti_load_package(str(package or _package((kernel, device.type, dtype))), run_single_threaded=True,
                                device_index=index)
     _runners[(kernel, device, dtype)] = loaded.loader
     return loaded.loader
@@ -195,9 +201,10 @@ class _Exported(torch.nn.Module):
 
 
 def _compile(key: tuple, path: Path) -> None:
-    """Exports a kernel for every `[rows, width]` shape and compiles it with AOTInductor into `path` (the
-    child process of `_warm`). Its calls then cost a few µs of host time, where a `torch.compile`d function
-    costs about 25 µs of Dynamo's and AOTAutograd's wrappers per call."""
+    """Exports a kernel for every `[rows, width]` shape, compiles it with AOTInductor into `path` and checks
+    it: loaded and run on a sample (the child process of `_warm`, so that a package that fails or crashes
+    there never reaches the training process). Its calls then cost a few µs of host time, where a
+    `torch.compile`d function costs about 25 µs of Dynamo's and AOTAutograd's wrappers per call."""
     from torch._inductor import aoti_compile_and_package
 
     kernel, device, dtype = key
@@ -206,9 +213,8 @@ def _compile(key: tuple, path: Path) -> None:
     args = (sample, *(_constant(c, _accumulation(dtype), device) for c in consts))
     shape = {0: torch.export.Dim("rows", min=1), 1: torch.export.Dim("width", min=1)}
     program = torch.export.export(_Exported(fn), args, dynamic_shapes=(shape, (None,) * len(consts)))
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-    aoti_compile_and_package(program, package_path=str(partial))
-    os.replace(partial, path)                       # whole or absent, for every process that looks
+    aoti_compile_and_package(program, package_path=str(path))
+    _load((kernel, device, dtype), path)
 
 
 def finite_rows(flat: torch.Tensor, lam: float) -> Optional[list[torch.Tensor]]:
@@ -237,11 +243,11 @@ def _retire(kernel: str, device: torch.device, dtypes: Sequence[torch.dtype], ex
                    type(exc).__name__, exc)
 
 
-def _load(key: tuple) -> None:
+def _load(key: tuple, package: Optional[Path] = None) -> None:
     """Loads a compiled kernel into this process and checks it on a sample."""
     kernel, device, dtype = key
     _, rows, consts, expected = _KERNELS[kernel]
-    out = _run(kernel, torch.tensor(rows, dtype=dtype, device=device), *consts)
+    out = _run(kernel, torch.tensor(rows, dtype=dtype, device=device), *consts, package=package)
     torch.testing.assert_close(out[0, :3].double().cpu(), torch.tensor(expected, dtype=torch.float64))
 
 
@@ -263,16 +269,40 @@ def _warm(key: tuple) -> None:
         path = _package(key)
         with _only_compiler(path):
             if not path.exists():
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT,
-                                                                                 os.environ.get("PYTHONPATH")])))
-                child = subprocess.run([sys.executable, "-m", __name__, kernel, device_type,
-                                        str(dtype).split(".")[1], str(path)],
-                                       env=env, capture_output=True, text=True, timeout=1800)
-                if child.returncode != 0:
-                    raise RuntimeError((child.stderr.strip().splitlines() or ["no message"])[-1])
+                _compile_in_child(key, path)
         _state[key] = "warm"
     except Exception as exc:                        # no compiler, no Triton, an unsupported build
         _refuse(key, exc)
+
+
+def _compile_in_child(key: tuple, path: Path) -> None:
+    """Compiles and checks the kernel in a child process into a file of its own, published at `path` once the
+    child has exited cleanly: whole or absent, for every process that looks."""
+    kernel, device_type, dtype = key
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+    try:
+        child = subprocess.run(_child_command(kernel, device_type, str(dtype).split(".")[1], partial),
+                               env=env, capture_output=True, text=True, timeout=1800)
+        if child.returncode != 0:
+            raise RuntimeError(_child_failure(child))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _child_command(kernel: str, device_type: str, dtype: str, path: Path) -> list[str]:
+    return [sys.executable, "-m", __name__, kernel, device_type, dtype, str(path)]
+
+
+def _child_failure(child: subprocess.CompletedProcess) -> str:
+    """What ended a compile process that failed: its signal or exit status, and its last error line (its very
+    last line may be a warning's source line, or nothing, when a signal ended it)."""
+    code = child.returncode
+    how = (f"the compile process was ended by {signal.Signals(-code).name}" if code < 0 and
+           -code in signal.valid_signals() else f"the compile process exited with status {code}")
+    errors = [line for line in child.stderr.splitlines() if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    return f"{how}: {errors[-1]}" if errors else how
 
 
 @contextlib.contextmanager
@@ -479,3 +509,6 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
 
 if __name__ == "__main__":                          # the child process of `_warm`
     _compile((sys.argv[1], torch.device(sys.argv[2]), getattr(torch, sys.argv[3])), Path(sys.argv[4]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # checked: an accelerator runtime's teardown has nothing left to do for the package

@@ -116,8 +116,10 @@ def run_child(spec: dict) -> dict:
 
     for i in range(spec["warmup"]):
         step(i)
+    # the statistic kernels compiled by now, as in any longer run; a compile slower than half the process's
+    # time is left running, and the result says which kernels served
     settle_start = time.perf_counter()
-    stats_fused.settle()  # the statistic kernels compiled by now, as in any longer run
+    stat_kernels = stats_fused.settle(timeout=spec["timeout"] / 2)
     settle_s = time.perf_counter() - settle_start
     accel.synchronize()
     if device.type != "cpu":
@@ -137,7 +139,7 @@ def run_child(spec: dict) -> dict:
     peak = accel.max_memory_allocated() if device.type != "cpu" else 0
     if monitor is not None:
         monitor.stop()
-    return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "kernels": kernels, "peak_bytes": peak,
+    return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": stat_kernels, "kernels": kernels, "peak_bytes": peak,
             "syncs_training": [s for s in syncs if s[0] == "MainThread"],
             "syncs_other_threads": len([s for s in syncs if s[0] != "MainThread"]),
             "records": _records_written(out_dir)}
@@ -223,7 +225,8 @@ def _progress(result: dict) -> None:
         return
     print(f"{result['mode']} {result['tier']}: {result['step_s'] * 1e3:.1f} ms per step, {result['kernels']} kernels, "
           f"{len(result['syncs_training'])} host syncs, {result['records']} records; "
-          f"{result['settle_s']:.1f} s waiting for the statistic kernels' compile", flush=True)
+          f"{result['settle_s']:.1f} s waiting for the statistic kernels' compile "
+          f"({', '.join(f'{k} {v}' for k, v in result['stat_kernels'].items()) or 'none asked for'})", flush=True)
 
 
 def _print_table(results: list[dict]) -> None:

@@ -362,6 +362,25 @@ def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(
     check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
 
 
+def test_settle_waits_no_longer_than_told_and_says_which_kernels_serve(tmp_path, monkeypatch, fresh_process):
+    """A compile that outlasts `settle`'s timeout is left running and reported "warming"; once its package
+    lands, `settle` loads it and reports it "ready"."""
+    fcntl = pytest.importorskip("fcntl")
+    key = ("record", "cpu", torch.bfloat16)
+    compiled = stats_fused._package(key)            # by this module's fixture, in the default cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    package = stats_fused._package(key)
+    package.parent.mkdir()
+    with open(package.with_name(package.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)            # another rank is compiling
+        assert not stats_fused.prepare(CPU, [torch.bfloat16])
+        start = time.monotonic()
+        assert stats_fused.settle(timeout=0.3) == {"record/cpu/bfloat16": "warming"}
+        assert 0.3 <= time.monotonic() - start < 5
+        shutil.copyfile(compiled, package)
+    assert stats_fused.settle() == {"record/cpu/bfloat16": "ready"}
+
+
 @pytest.mark.slow  # compiles in a child process
 def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
     """A machine without a working C++ compiler: the compile fails once, in the background, with one

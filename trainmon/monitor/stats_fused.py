@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -357,11 +358,20 @@ def _on_disk(key: tuple) -> bool:
         return False
 
 
-def settle() -> None:
-    """Waits for every kernel compile started so far and loads its kernel: the steady state a long run
-    reaches within seconds, for benchmarks of a few steps."""
-    for kernel, device_type, dtype in list(_state):
-        prepare(device_type, [dtype], wait=True, kernel=kernel)
+def settle(timeout: Optional[float] = None) -> dict:
+    """Waits for every kernel compile started so far (for `timeout` seconds in all, if given) and loads its
+    kernel: the steady state a long run reaches within seconds, for benchmarks of a few steps. Returns each
+    kernel's state, `{"record/cuda/bfloat16": "ready", ...}`: a compile still running is "warming"."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for key in list(_state):
+        thread = _threads.get(key)
+        if thread is not None:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread is None or not thread.is_alive():
+            kernel, device_type, dtype = key
+            prepare(device_type, [dtype], wait=True, kernel=kernel)
+    return {f"{kernel}/{device_type}/{str(dtype).split('.')[1]}": state
+            for (kernel, device_type, dtype), state in _state.items()}
 
 
 def usable(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "record") -> bool:

@@ -1,6 +1,7 @@
 """Tests of the one-pass statistic kernel (trainmon.monitor.stats_fused) against direct torch computations."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -316,9 +317,10 @@ def test_a_damaged_package_is_refused_once_and_removed(tmp_path, monkeypatch, ca
     check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
 
 
-def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch, fresh_process):
-    """While one process compiles a package (it holds the lock beside it), another that needs the same kernel
-    waits, then loads that package instead of compiling its own."""
+@contextlib.contextmanager
+def another_rank_compiling(tmp_path, monkeypatch):
+    """A fresh cache where another rank is compiling the bf16 record kernel (it holds the lock beside the
+    package) until the block ends; yields the landing of that rank's package (this module's fixture's)."""
     fcntl = pytest.importorskip("fcntl")
     key = ("record", "cpu", torch.bfloat16)
     compiled = stats_fused._package(key)            # by this module's fixture, in the default cache
@@ -326,11 +328,18 @@ def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch,
     package = stats_fused._package(key)
     package.parent.mkdir()
     with open(package.with_name(package.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)            # another rank is compiling
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield lambda: shutil.copyfile(compiled, package)
+
+
+def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch, fresh_process):
+    """While one process compiles a package (it holds the lock beside it), another that needs the same kernel
+    waits, then loads that package instead of compiling its own."""
+    with another_rank_compiling(tmp_path, monkeypatch) as land:
         assert not stats_fused.prepare(CPU, [torch.bfloat16])
         time.sleep(0.5)
-        assert stats_fused._state[key] == "warming"
-        shutil.copyfile(compiled, package)          # its package lands; its lock goes with the file's close
+        assert stats_fused._state[("record", "cpu", torch.bfloat16)] == "warming"
+        land()                                      # its package lands; its lock goes with the block's end
     assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
     x = sprinkle(torch.randn(9000).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
@@ -365,19 +374,12 @@ def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(
 def test_settle_waits_no_longer_than_told_and_says_which_kernels_serve(tmp_path, monkeypatch, fresh_process):
     """A compile that outlasts `settle`'s timeout is left running and reported "warming"; once its package
     lands, `settle` loads it and reports it "ready"."""
-    fcntl = pytest.importorskip("fcntl")
-    key = ("record", "cpu", torch.bfloat16)
-    compiled = stats_fused._package(key)            # by this module's fixture, in the default cache
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    package = stats_fused._package(key)
-    package.parent.mkdir()
-    with open(package.with_name(package.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)            # another rank is compiling
+    with another_rank_compiling(tmp_path, monkeypatch) as land:
         assert not stats_fused.prepare(CPU, [torch.bfloat16])
         start = time.monotonic()
         assert stats_fused.settle(timeout=0.3) == {"record/cpu/bfloat16": "warming"}
         assert 0.3 <= time.monotonic() - start < 5
-        shutil.copyfile(compiled, package)
+        land()
     assert stats_fused.settle() == {"record/cpu/bfloat16": "ready"}
 
 

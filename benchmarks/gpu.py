@@ -139,7 +139,8 @@ def run_child(spec: dict) -> dict:
     peak = accel.max_memory_allocated() if device.type != "cpu" else 0
     if monitor is not None:
         monitor.stop()
-    return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": stat_kernels, "kernels": kernels, "peak_bytes": peak,
+    return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": stat_kernels,
+            "kernels": kernels, "peak_bytes": peak,
             "syncs_training": [s for s in syncs if s[0] == "MainThread"],
             "syncs_other_threads": len([s for s in syncs if s[0] != "MainThread"]),
             "records": _records_written(out_dir)}

@@ -349,9 +349,9 @@ CRASH = "import os, signal, warnings; warnings.warn('deprecated'); os.kill(os.ge
 ERROR = "import warnings; warnings.warn('deprecated'); raise ValueError('no CUDA toolkit')"
 
 
-@pytest.mark.parametrize("code,told", [(CRASH, "the compile process was ended by SIGSEGV"),
-                                       (ERROR, "the compile process exited with status 1: ValueError: no CUDA toolkit")],
-                         ids=["crash", "error"])
+@pytest.mark.parametrize("code,told", [
+    (CRASH, "the compile process was ended by SIGSEGV"),
+    (ERROR, "the compile process exited with status 1: ValueError: no CUDA toolkit")], ids=["crash", "error"])
 def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(tmp_path, monkeypatch, caplog,
                                                                                 code, told):
     """The compile's child ends by a signal after a warning (its last line of output a warning's source line),

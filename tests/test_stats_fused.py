@@ -384,6 +384,25 @@ def test_settle_waits_no_longer_than_told_and_says_which_kernels_serve(tmp_path,
 
 
 @pytest.mark.slow  # compiles in a child process
+def test_the_accelerators_artifact_gives_the_records_of_every_shape(tmp_path, monkeypatch):
+    """The accelerators' format, inductor's standalone artifact, compiled here for the CPU: compiled in the
+    child, published, loaded by the training thread, and its records those of torch, from a batch of one row
+    to a tensor of many rows with a partial last one."""
+    for name in ("_state", "_threads", "_runners"):
+        monkeypatch.setattr(stats_fused, name, {})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(stats_fused, "_suffix", lambda place: stats_fused._ARTIFACT)
+    assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    assert [p.suffix for p in (tmp_path / "trainmon").iterdir() if not p.name.endswith(".lock")] == [".bin"]
+    cs = cases(torch.bfloat16)
+    cs["rows"] = sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW + 5).bfloat16())
+    one_row = {"one": torch.randn(5).bfloat16()}
+    for tensors in (cs, one_row):
+        for row, x in zip(fused(list(tensors.values()), 1e-3), tensors.values()):
+            check(row, x, 1e-3)
+
+
+@pytest.mark.slow  # compiles in a child process
 def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
     """A machine without a working C++ compiler: the compile fails once, in the background, with one
     message, and the records are still right."""

@@ -19,21 +19,23 @@ stats_cpu's assume-finite path, whose own one-pass kernel (`_finite_row_figures`
 computes five figures per row and leaves the NaN and Inf counts to the exact kernels, which run only where
 a figure came out non-finite.
 
-Compile cost never lands on the training thread: the first request for a (kernel, device type, dtype) starts
-its compile in a child process (a thread of this one would let tracing's save and restore of the RNG state
-rewind the training loop's random draws): torch.export for every `[rows, width]` shape, then AOTInductor
-into a package in inductor's cache directory, which the other ranks of the node wait for rather than compile
-again, and which later runs find and load without compiling. The child loads and runs the package on a sample
-before it is published, so that a package which fails or crashes there never reaches a training process;
+Compile cost never lands on the training thread: the first request for a (kernel, place, dtype) starts its
+compile in a child process (a thread of this one would let tracing's save and restore of the RNG state rewind
+the training loop's random draws), for every `[rows, width]` shape. On CPU: torch.export, then AOTInductor
+into a package (C++). On an accelerator: inductor's standalone artifact (Triton kernels and their Python
+wrapper), one per device index, since its code launches on the device it was compiled for; AOTInductor's C++
+wrapper around the same kernels would need the accelerator's toolkit, which a machine with torch's wheels
+alone lacks. Either lands in inductor's cache directory, where the other ranks of the node wait for it rather
+than compile again, and later runs find and load it without compiling. The child loads and runs it on a
+sample before it is published, so that one which fails or crashes there never reaches a training process;
 its own exit skips the interpreter's teardown, whose crashes (an accelerator runtime's) would say nothing
-about the package. Calls take
-the engine's other kernels until the training thread has loaded the package, at its first statistics after
-the compile. A package already on disk is loaded at the first request instead, so that every record of a
-run comes from the same kernel whenever a background thread happens to finish: reruns and ranks then agree
-to the last bit. A loaded kernel costs a few µs of host time per call (a `torch.compile`d function costs about
-25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it
-is given nothing else. A compile that fails (no C++ compiler, an old torch; on GPUs no Triton, or no CUDA
-toolkit for AOTInductor's C++ wrapper) leaves the other kernels in place for good, with one message.
+about the kernel. Calls take the engine's other kernels until the training thread has loaded it, at its
+first statistics after the compile. One already on disk is loaded at the first request instead, so that every
+record of a run comes from the same kernel whenever a background thread happens to finish: reruns and ranks
+then agree to the last bit. A loaded AOTInductor package costs a few µs of host time per call (a
+`torch.compile`d function costs about 25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads
+its input as contiguous rows, so it is given nothing else. A compile that fails (no C++ compiler, an old
+torch; on an accelerator, no Triton) leaves the other kernels in place for good, with one message.
 Inside a Dynamo trace, or under a dispatch mode, the kernel is not used: it would bypass both.
 """
 from __future__ import annotations
@@ -112,8 +114,8 @@ def _finite_row_figures(x: torch.Tensor, lam: float) -> torch.Tensor:
 # kernel name -> (function, the check of a load: its rows, its constants, the first 3 figures of row 0)
 _KERNELS = {"record": (_row_figures, [[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], (1e-8, 1.0), [2.0, 0.0, 1.0]),
             "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,), [2.0, 14.0, -2.0])}
-# (kernel, device type, dtype) -> "warming" (compiling in a child process) | "warm" (its package on disk)
-# | "ready" | "failed"
+# (kernel, place, dtype) -> "warming" (compiling in a child process) | "warm" (its package on disk)
+# | "ready" | "failed"; place: see `_place`
 _state: dict = {}
 _threads: dict = {}
 _lock = threading.Lock()
@@ -131,7 +133,7 @@ def _run(kernel: str, x: torch.Tensor, *consts: float, package: Optional[Path] =
     device, dtype = x.device, x.dtype
     runner = _runners.get((kernel, device, dtype)) or _runner(kernel, device, dtype, package)
     acc = _accumulation(dtype)
-    return runner.run([x, *[_constant(c, acc, device) for c in consts]])[0]
+    return runner([x, *[_constant(c, acc, device) for c in consts]])
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -147,15 +149,28 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def _runner(kernel: str, device: torch.device, dtype: torch.dtype, package: Optional[Path] = None):
-    """The kernel's compiled package loaded for `device` (once per device: a package runs on the device index
-    it was loaded for)."""
-    from torch._inductor import aoti_load_package
+    """The kernel's compiled package loaded for `device`, as a function of the list of its inputs."""
+    path = str(package or _package((kernel, _place(device), dtype)))
+    if path.endswith(_AOT_PACKAGE):
+        from torch._inductor import aoti_load_package
 
-    index = -1 if device.index is None else device.index
-    loaded = aoti_load_package(str(package or _package((kernel, device.type, dtype))), run_single_threaded=True,
-                               device_index=index)
-    _runners[(kernel, device, dtype)] = loaded.loader
-    return loaded.loader
+        loader = aoti_load_package(path, run_single_threaded=True).loader
+        runner = lambda inputs: loader.run(inputs)[0]  # noqa: E731
+    else:
+        artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+        runner = lambda inputs: artifact(*inputs)[0]  # noqa: E731
+    _runners[(kernel, device, dtype)] = runner
+    return runner
+
+
+def _place(device) -> str:
+    """Where a kernel runs, as its keys and file names say: "cpu", or an accelerator with its index (the code
+    compiled for an accelerator launches on the device it was compiled for)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
+    index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+    return f"{device.type}:{index}"
 
 
 def _package(key: tuple) -> Path:
@@ -163,31 +178,41 @@ def _package(key: tuple) -> Path:
     anything the compiled code depends on (the kernel's source, torch, the hardware it was compiled for)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    kernel, device_type, dtype = key
-    return (Path(cache_dir()) / "trainmon" /
-            f"{kernel}-{device_type}-{str(dtype).split('.')[1]}-{_fingerprint(kernel, device_type)}.pt2")
+    kernel, place, dtype = key
+    return (Path(cache_dir()) / "trainmon" / f"{kernel}-{place.replace(':', '')}-{str(dtype).split('.')[1]}-"
+            f"{_fingerprint(kernel, place)}{_suffix(place)}")
+
+
+_AOT_PACKAGE, _ARTIFACT = ".pt2", ".bin"
+
+
+def _suffix(place: str) -> str:
+    """The compiled kernel's format, named by its file's suffix: an AOTInductor package on CPU, inductor's
+    standalone artifact on an accelerator (see the module doc)."""
+    return _AOT_PACKAGE if place == "cpu" else _ARTIFACT
 
 
 @functools.lru_cache(maxsize=None)
-def _fingerprint(kernel: str, device_type: str) -> str:
+def _fingerprint(kernel: str, place: str) -> str:
     """What a kernel's compiled code depends on besides its dtype, hashed (read from disk once per process)."""
     recipe = "\n".join([inspect.getsource(_KERNELS[kernel][0]), str(ROW), ",".join(schema.FIELDS),
-                        torch.__version__, platform.machine(), hardware(device_type)])
+                        torch.__version__, platform.machine(), hardware(place)])
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
-def hardware(device_type: str) -> str:
+def hardware(device) -> str:
     """The instruction sets a CPU kernel was compiled for, or the accelerator's model."""
-    if device_type == "cpu":
+    device = torch.device(device)
+    if device.type == "cpu":
         try:
             with open("/proc/cpuinfo") as f:
                 return next((line for line in f if line.startswith(("flags", "Features"))), "")
         except OSError:
             return platform.processor()
     try:
-        return torch.get_device_module(device_type).get_device_name()
+        return torch.get_device_module(device.type).get_device_name(device)
     except Exception:                               # a backend without that query: its type only
-        return device_type
+        return device.type
 
 
 class _Exported(torch.nn.Module):
@@ -202,19 +227,30 @@ class _Exported(torch.nn.Module):
 
 
 def _compile(key: tuple, path: Path) -> None:
-    """Exports a kernel for every `[rows, width]` shape, compiles it with AOTInductor into `path` and checks
-    it: loaded and run on a sample (the child process of `_warm`, so that a package that fails or crashes
-    there never reaches the training process). Its calls then cost a few µs of host time, where a
-    `torch.compile`d function costs about 25 µs of Dynamo's and AOTAutograd's wrappers per call."""
-    from torch._inductor import aoti_compile_and_package
+    """Compiles a kernel for every `[rows, width]` shape into `path` and checks it: loaded and run on a sample
+    (the child process of `_warm`, so that a package that fails or crashes there never reaches the training
+    process). Its calls then cost a few µs of host time, where a `torch.compile`d function costs about 25 µs
+    of Dynamo's and AOTAutograd's wrappers per call.
 
+    On CPU, an AOTInductor package (C++). On an accelerator, inductor's standalone artifact (Triton kernels
+    and their Python wrapper): AOTInductor's C++ wrapper around them needs the accelerator's toolkit to
+    compile, which a machine with torch's wheels alone lacks."""
     kernel, device, dtype = key
     fn, rows, consts, _ = _KERNELS[kernel]
     sample = torch.tensor(rows, dtype=dtype, device=device)
     args = (sample, *(_constant(c, _accumulation(dtype), device) for c in consts))
-    shape = {0: torch.export.Dim("rows", min=1), 1: torch.export.Dim("width", min=1)}
-    program = torch.export.export(_Exported(fn), args, dynamic_shapes=(shape, (None,) * len(consts)))
-    aoti_compile_and_package(program, package_path=str(path))
+    if path.suffix == _AOT_PACKAGE:
+        from torch._inductor import aoti_compile_and_package
+
+        shape = {0: torch.export.Dim("rows", min=1), 1: torch.export.Dim("width", min=1)}
+        program = torch.export.export(_Exported(fn), args, dynamic_shapes=(shape, (None,) * len(consts)))
+        aoti_compile_and_package(program, package_path=str(path))
+    else:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        graph = make_fx(fn, tracing_mode="symbolic")(*args)   # rows and width symbolic
+        torch._inductor.standalone_compile(graph, list(args), dynamic_shapes="from_graph").save(
+            path=str(path), format="binary")
     _load((kernel, device, dtype), path)
 
 
@@ -238,7 +274,7 @@ def finite_rows(flat: torch.Tensor, lam: float) -> Optional[list[torch.Tensor]]:
 def _retire(kernel: str, device: torch.device, dtypes: Sequence[torch.dtype], exc: BaseException) -> None:
     """A kernel that failed while running is not used again for `dtypes`; one message says so."""
     for dtype in dtypes:
-        _state[(kernel, device.type, dtype)] = "failed"
+        _state[(kernel, _place(device), dtype)] = "failed"
     logger.warning("trainmon: the one-pass statistic kernel failed for %s on %s (%s kernel; %s: %s); the "
                    "multi-pass kernels are used from now on", list(dtypes), device.type, kernel,
                    type(exc).__name__, exc)
@@ -255,16 +291,15 @@ def _load(key: tuple, package: Optional[Path] = None) -> None:
 def _refuse(key: tuple, exc: BaseException) -> None:
     _state[key] = "failed"
     if threading.main_thread().is_alive():          # else the interpreter is exiting: nothing to say
-        kernel, device_type, dtype = key
+        kernel, place, dtype = key
         logger.warning("trainmon: the one-pass statistic kernel is not available for %s on %s (%s kernel; %s: %s); "
-                       "the multi-pass kernels are used", dtype, device_type, kernel, type(exc).__name__, exc)
+                       "the multi-pass kernels are used", dtype, place, kernel, type(exc).__name__, exc)
 
 
 def _warm(key: tuple) -> None:
     """Compiles a kernel into its package in a child process, unless an earlier run left it on disk. Not in
     a thread of this one: tracing saves the random number generators' state and restores it after, which
     would rewind the draws the training loop made meanwhile (dropout masks, sampling)."""
-    kernel, device_type, dtype = key
     try:
         import torch._inductor.package  # noqa: F401  (imports of the load to come, here and not in a hook)
         path = _package(key)
@@ -279,11 +314,11 @@ def _warm(key: tuple) -> None:
 def _compile_in_child(key: tuple, path: Path) -> None:
     """Compiles and checks the kernel in a child process into a file of its own, published at `path` once the
     child has exited cleanly: whole or absent, for every process that looks."""
-    kernel, device_type, dtype = key
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    kernel, place, dtype = key
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial{path.suffix}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     try:
-        child = subprocess.run(_child_command(kernel, device_type, str(dtype).split(".")[1], partial),
+        child = subprocess.run(_child_command(kernel, place, str(dtype).split(".")[1], partial),
                                env=env, capture_output=True, text=True, timeout=1800)
         if child.returncode != 0:
             raise RuntimeError(_child_failure(child))
@@ -292,8 +327,8 @@ def _compile_in_child(key: tuple, path: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
-def _child_command(kernel: str, device_type: str, dtype: str, path: Path) -> list[str]:
-    return [sys.executable, "-m", __name__, kernel, device_type, dtype, str(path)]
+def _child_command(kernel: str, place: str, dtype: str, path: Path) -> list[str]:
+    return [sys.executable, "-m", __name__, kernel, place, dtype, str(path)]
 
 
 def _child_failure(child: subprocess.CompletedProcess) -> str:
@@ -327,7 +362,7 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     first statistics after the compile. A package on disk already is loaded by the first request from the
     main thread. A load costs about 1 s for a process's first package, mostly torch's imports, and 3-4 ms
     for the next."""
-    keys = [(kernel, torch.device(device).type, dtype) for dtype in dtypes]
+    keys = [(kernel, _place(device), dtype) for dtype in dtypes]
     for key in keys:
         with _lock:
             if key not in _state and _on_disk(key):
@@ -368,10 +403,9 @@ def settle(timeout: Optional[float] = None) -> dict:
         if thread is not None:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if thread is None or not thread.is_alive():
-            kernel, device_type, dtype = key
-            prepare(device_type, [dtype], wait=True, kernel=kernel)
-    return {f"{kernel}/{device_type}/{str(dtype).split('.')[1]}": state
-            for (kernel, device_type, dtype), state in _state.items()}
+            kernel, place, dtype = key
+            prepare(place, [dtype], wait=True, kernel=kernel)
+    return {f"{kernel}/{place}/{str(dtype).split('.')[1]}": state for (kernel, place, dtype), state in _state.items()}
 
 
 def usable(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "record") -> bool:

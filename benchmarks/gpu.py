@@ -83,7 +83,7 @@ def run_child(spec: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
-    from trainmon.monitor import stats_fused
+    from trainmon.monitor import stat_kernels
 
     faulthandler.dump_traceback_later(max(spec["timeout"] * 0.8, spec["timeout"] - 10))  # a hang shows where
     torch.manual_seed(0)
@@ -119,7 +119,7 @@ def run_child(spec: dict) -> dict:
     # the statistic kernels compiled by now, as in any longer run; a compile slower than half the process's
     # time is left running, and the result says which kernels served
     settle_start = time.perf_counter()
-    stat_kernels = stats_fused.settle(timeout=spec["timeout"] / 2)
+    kernels_served = stat_kernels.settle(timeout=spec["timeout"] / 2)
     settle_s = time.perf_counter() - settle_start
     accel.synchronize()
     if device.type != "cpu":
@@ -139,7 +139,7 @@ def run_child(spec: dict) -> dict:
     peak = accel.max_memory_allocated() if device.type != "cpu" else 0
     if monitor is not None:
         monitor.stop()
-    return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": stat_kernels,
+    return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": kernels_served,
             "kernels": kernels, "peak_bytes": peak,
             "syncs_training": [s for s in syncs if s[0] == "MainThread"],
             "syncs_other_threads": len([s for s in syncs if s[0] != "MainThread"]),

@@ -71,7 +71,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.monitor import stats, stats_fused, stats_native  # noqa: E402
+from trainmon.monitor import stat_kernels, stats, stats_fused, stats_native  # noqa: E402
 
 EPS = 1e-8
 INF = math.inf
@@ -334,8 +334,8 @@ def per_element(rounds):
     one call (172 tensors, 89 distinct views)."""
     fields = stats.fields_for_ops(DESIGN_OPS)
     dtypes = (torch.float32, torch.bfloat16)
-    stats_fused.prepare("cpu", dtypes, wait=True)
-    stats_fused.prepare("cpu", [torch.float32], wait=True, kernel="finite")
+    stat_kernels.prepare("cpu", dtypes, wait=True)
+    stat_kernels.prepare("cpu", [torch.float32], wait=True, kernel="finite")
     stats_native.prepare(wait=True)
 
     def records(enabled, cpu_wide=False, native=False):
@@ -380,7 +380,7 @@ def one_pass_sizes():
     from trainmon.monitor import stats_cpu
 
     fields, shipped = stats.fields_for_ops(DESIGN_OPS), stats_cpu.ONE_PASS_MIN
-    stats_fused.prepare("cpu", [F32], wait=True, kernel="finite")
+    stat_kernels.prepare("cpu", [F32], wait=True, kernel="finite")
     print("\n== CPU fp32, µs per tensor (median of 200 calls, in the cache): multi-pass | one-pass kernel")
     print(f"  {'elements':>9s} {'20 per call':>21s} {'1 per call':>21s}")
     try:
@@ -403,8 +403,8 @@ def gather_sizes():
     from trainmon.monitor import stats_cpu
 
     fields, shipped, shipped_max = stats.fields_for_ops(DESIGN_OPS), stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX
-    stats_fused.prepare("cpu", [torch.bfloat16], wait=True)
-    stats_fused.prepare("cpu", [F32], wait=True, kernel="finite")
+    stat_kernels.prepare("cpu", [torch.bfloat16], wait=True)
+    stat_kernels.prepare("cpu", [F32], wait=True, kernel="finite")
     print("\n== CPU bf16, µs per tensor, 20 per call (median of 100 calls): shared batches | own calls")
     try:
         for n in (4096, 16384, 65536):
@@ -429,11 +429,11 @@ def gather_sizes():
 def call_cost():
     """Host time of one call of the assume-finite kernel on a [2, 4096] fp32 tensor: through the loaded
     package's runner (shipped), the eager ops, and a torch.compile'd function (the earlier path)."""
-    stats_fused.prepare("cpu", [F32], wait=True, kernel="finite")
-    x = torch.randn(2, stats_fused.ROW)
-    compiled = torch.compile(stats_fused._finite_row_figures, dynamic=True, fullgraph=True)
-    paths = {"package runner (stats_fused._run)": lambda: stats_fused._run("finite", x, 1e-8),
-             "eager ops": lambda: stats_fused._finite_row_figures(x, 1e-8),
+    stat_kernels.prepare("cpu", [F32], wait=True, kernel="finite")
+    x = torch.randn(2, stat_kernels.ROW)
+    compiled = torch.compile(stat_kernels._finite_row_figures, dynamic=True, fullgraph=True)
+    paths = {"package runner (stat_kernels.run)": lambda: stat_kernels.run("finite", x, 1e-8),
+             "eager ops": lambda: stat_kernels._finite_row_figures(x, 1e-8),
              "torch.compile'd function": lambda: compiled(x, 1e-8)}
     print("\n== µs per call, [2, 4096] fp32, median of 3,000 calls")
     for name, fn in paths.items():

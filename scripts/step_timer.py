@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from trainmon.monitor import stats_fused
+from trainmon.monitor import stat_kernels
 
 
 class GcClock:
@@ -62,7 +62,7 @@ class StepTimer:
         if len(self.times) == 1:
             # The monitor's statistic kernels compile in the background during a run's first seconds: the
             # steps timed here are those of a longer run, with the kernels in place.
-            stats_fused.settle()
+            stat_kernels.settle()
             now = (time.perf_counter(), time.process_time())
         self._last = now
 

@@ -1,4 +1,5 @@
-"""Tests of the one-pass statistic kernel (trainmon.monitor.stats_fused) against direct torch computations."""
+"""Tests of the one-pass statistic kernels (trainmon.monitor.stats_fused and stat_kernels) against direct torch
+computations."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,7 @@ import torch
 
 from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
 from training import DEVICES
-from trainmon.monitor import stats_fused, stats_native
+from trainmon.monitor import stat_kernels, stats_fused, stats_native
 from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
 from trainmon.monitor.stats_cpu import ONE_PASS_MIN
 
@@ -28,10 +29,10 @@ WIDE = [torch.float32, torch.float64]
 def compiled():
     """One compile per kernel and dtype for the whole module; every call of these tests takes the one-pass
     record kernel, CPU fp32 and fp64 included (`cpu_wide`), unless a test says otherwise."""
-    stats_fused.prepare(CPU, DTYPES)                 # both kernels compile at once
-    stats_fused.prepare(CPU, WIDE, kernel="finite")
-    assert stats_fused.prepare(CPU, DTYPES, wait=True)
-    assert stats_fused.prepare(CPU, WIDE, wait=True, kernel="finite")
+    stat_kernels.prepare(CPU, DTYPES)                 # both kernels compile at once
+    stat_kernels.prepare(CPU, WIDE, kernel="finite")
+    assert stat_kernels.prepare(CPU, DTYPES, wait=True)
+    assert stat_kernels.prepare(CPU, WIDE, wait=True, kernel="finite")
     stats_fused.cpu_wide = True
     yield
     stats_fused.cpu_wide = False
@@ -58,14 +59,14 @@ def no_compile(monkeypatch):
     """A compile in a child process fails the test (through the kernel's state, where it runs in a thread)."""
     def no_child(*args, **kwargs):
         raise AssertionError("a kernel was compiled again")
-    monkeypatch.setattr(stats_fused.subprocess, "run", no_child)
+    monkeypatch.setattr(stat_kernels.subprocess, "run", no_child)
 
 
 @pytest.fixture
 def fresh_process(monkeypatch, no_compile):
     """This process as a later run's starts: no kernel known or loaded, and no compile allowed."""
     for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stats_fused, name, {})
+        monkeypatch.setattr(stat_kernels, name, {})
 
 
 def fused(tensors, eps, fields=ALL, device=CPU):
@@ -79,7 +80,7 @@ def fused(tensors, eps, fields=ALL, device=CPU):
 def test_fused_records_match_torch(dtype, eps, device):
     device = torch.device(device)
     if device != CPU:                 # a GPU's kernel (Triton): compiled once, by the first such test
-        assert stats_fused.prepare(device, DTYPES, wait=True)
+        assert stat_kernels.prepare(device, DTYPES, wait=True)
     cs = cases(dtype, device)         # NaN, ±Inf, empty, scalar, non-contiguous, expanded, subnormal
     rec = fused(list(cs.values()), eps, device=device)
     for row, x in zip(rec, cs.values()):
@@ -135,7 +136,7 @@ def test_one_package_serves_every_call_without_tracing_or_compiling(no_compile):
     no Dynamo trace and no compile in a child process, and every record equals torch's."""
     from torch._dynamo.utils import counters
 
-    before, state = dict(counters["stats"]), dict(stats_fused._state)
+    before, state = dict(counters["stats"]), dict(stat_kernels._state)
     w = torch.randn(300, 500, requires_grad=True)
     inputs = [[torch.randn(n).to(dtype)] for n in (1, 2, 3, 4096, 8192, 50_000) for dtype in DTYPES]
     inputs += [[w], [w.t()], [torch.randn(2, 3, 4)[:, 1]], [torch.randn(10_001)[1:]],
@@ -147,17 +148,17 @@ def test_one_package_serves_every_call_without_tracing_or_compiling(no_compile):
         ts = [w * 2, torch.randn(5000).bfloat16()]
         for row, t in zip(fused(ts, 1e-8), ts):
             check(row, t, 1e-8)
-    assert dict(counters["stats"]) == before and stats_fused._state == state
+    assert dict(counters["stats"]) == before and stat_kernels._state == state
 
 
 def test_a_kernel_never_reads_strided_rows():
     """The compiled code reads its input's memory as contiguous rows: a strided view is refused, not misread."""
     rows = torch.randn(4096, 3, generator=torch.Generator().manual_seed(1)).t()
     with pytest.raises(ValueError, match="contiguous"):
-        stats_fused._run("finite", rows, 1e-8)
+        stat_kernels.run("finite", rows, 1e-8)
     # the same figures up to fp32 summation order
-    torch.testing.assert_close(stats_fused._run("finite", rows.contiguous(), 1e-8),
-                               stats_fused._finite_row_figures(rows, 1e-8), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(stat_kernels.run("finite", rows.contiguous(), 1e-8),
+                               stat_kernels._finite_row_figures(rows, 1e-8), rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 1), (5, 4096)])
@@ -166,18 +167,18 @@ def test_kernels_take_every_shape(shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     x.view(-1)[0] = float("nan") if x.numel() > 1 else 1.5
     # the same figures as the eager ops, up to fp32 summation order
-    torch.testing.assert_close(stats_fused._run("record", x.bfloat16(), 1e-8, 2.0),
-                               stats_fused._row_figures(x.bfloat16(), 1e-8, 2.0), equal_nan=True, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(stat_kernels.run("record", x.bfloat16(), 1e-8, 2.0),
+                               stat_kernels._row_figures(x.bfloat16(), 1e-8, 2.0), equal_nan=True, rtol=1e-5, atol=1e-3)
     finite = x.nan_to_num()
-    torch.testing.assert_close(stats_fused._run("finite", finite, 1e-8), stats_fused._finite_row_figures(finite, 1e-8),
+    torch.testing.assert_close(stat_kernels.run("finite", finite, 1e-8), stat_kernels._finite_row_figures(finite, 1e-8),
                                rtol=1e-5, atol=1e-3)
 
 
 def test_a_package_on_disk_is_loaded_not_compiled_again(fresh_process):
     """A later process finds the compiled package and loads it at the first request, so every record of the
     run comes from the one-pass kernel; no child process runs, and no background thread."""
-    assert stats_fused.prepare(CPU, [torch.bfloat16])
-    assert stats_fused._threads == {}
+    assert stat_kernels.prepare(CPU, [torch.bfloat16])
+    assert stat_kernels._threads == {}
     x = sprinkle(torch.randn(9000).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
 
@@ -224,10 +225,10 @@ def test_cpu_call_shares_its_tensors_between_the_kernels(assume_finite_kernel, m
     in the caller's order."""
     batches = []
 
-    def run(kernel, x, *consts, real=stats_fused._run):
+    def run(kernel, x, *consts, real=stat_kernels.run):
         batches.append((kernel, x.dtype, x.shape[0]))
         return real(kernel, x, *consts)
-    monkeypatch.setattr(stats_fused, "_run", run)
+    monkeypatch.setattr(stat_kernels, "run", run)
     g = torch.Generator().manual_seed(9)
     big, row = stats_fused.GATHER_BELOW, stats_fused.ROW
     bf16 = [torch.randn(300, 100, generator=g).bfloat16().t(), sprinkle(torch.randn(5000, generator=g).bfloat16()),
@@ -251,10 +252,10 @@ def test_whole_row_tensors_share_the_assume_finite_kernels_calls(assume_finite_k
     place. Every record equals torch's, in the caller's order, those holding a NaN or an Inf included."""
     calls = []
 
-    def run(kernel, x, *consts, real=stats_fused._run):
+    def run(kernel, x, *consts, real=stat_kernels.run):
         calls.append(x.shape[0])
         return real(kernel, x, *consts)
-    monkeypatch.setattr(stats_fused, "_run", run)
+    monkeypatch.setattr(stat_kernels, "run", run)
     g = torch.Generator().manual_seed(11)
     row, per_call = stats_fused.ROW, CHUNK_ELEMS["cpu"] // stats_fused.ROW
     tensors = []
@@ -277,20 +278,20 @@ def test_failing_kernels_are_retired_and_the_records_stay_right(monkeypatch, cap
     """Both generated kernels raising at run time: each is retired for its dtype with one message, and every
     record still equals torch's."""
     monkeypatch.setattr(stats_fused, "cpu_wide", False)
-    monkeypatch.setattr(stats_fused, "_state", dict(stats_fused._state))
+    monkeypatch.setattr(stat_kernels, "_state", dict(stat_kernels._state))
     monkeypatch.setattr(stats_native, "enabled", False)
 
     def run(kernel, x, *consts):
         raise RuntimeError(f"{kernel} kernel broke")
-    monkeypatch.setattr(stats_fused, "_run", run)
+    monkeypatch.setattr(stat_kernels, "run", run)
     g = torch.Generator().manual_seed(4)
     tensors = [sprinkle(torch.randn(ONE_PASS_MIN + 5, generator=g)), torch.randn(ONE_PASS_MIN, generator=g),
                sprinkle(torch.randn(5000, generator=g).bfloat16())]
     for _ in range(2):
         for row, t in zip(tensor_records(tensors, 1e-3, ALL), tensors):
             check(row, t, 1e-3)
-    assert stats_fused._state[("finite", "cpu", torch.float32)] == "failed"
-    assert stats_fused._state[("record", "cpu", torch.bfloat16)] == "failed"
+    assert stat_kernels._state[("finite", "cpu", torch.float32)] == "failed"
+    assert stat_kernels._state[("record", "cpu", torch.bfloat16)] == "failed"
     assert caplog.text.count("finite kernel broke") == 1 and caplog.text.count("record kernel broke") == 1
 
 
@@ -306,12 +307,12 @@ def test_a_damaged_package_is_refused_once_and_removed(tmp_path, monkeypatch, ca
     """A package that cannot be loaded (here: cut short) leaves the multi-pass kernels serving, with one
     message, and is deleted, so that the next run compiles it again."""
     key = ("record", "cpu", torch.bfloat16)
-    compiled = stats_fused._package(key)
+    compiled = stat_kernels._package(key)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    package = stats_fused._package(key)
+    package = stat_kernels._package(key)
     package.parent.mkdir()
     package.write_bytes(compiled.read_bytes()[:5000])
-    assert not stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    assert not stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
     assert not package.exists() and caplog.text.count("one-pass statistic kernel is not available") == 1
     x = sprinkle(torch.randn(9000).bfloat16())
     check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
@@ -323,9 +324,9 @@ def another_rank_compiling(tmp_path, monkeypatch):
     package) until the block ends; yields the landing of that rank's package (this module's fixture's)."""
     fcntl = pytest.importorskip("fcntl")
     key = ("record", "cpu", torch.bfloat16)
-    compiled = stats_fused._package(key)            # by this module's fixture, in the default cache
+    compiled = stat_kernels._package(key)            # by this module's fixture, in the default cache
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    package = stats_fused._package(key)
+    package = stat_kernels._package(key)
     package.parent.mkdir()
     with open(package.with_name(package.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -336,11 +337,11 @@ def test_ranks_that_start_together_compile_a_package_once(tmp_path, monkeypatch,
     """While one process compiles a package (it holds the lock beside it), another that needs the same kernel
     waits, then loads that package instead of compiling its own."""
     with another_rank_compiling(tmp_path, monkeypatch) as land:
-        assert not stats_fused.prepare(CPU, [torch.bfloat16])
+        assert not stat_kernels.prepare(CPU, [torch.bfloat16])
         time.sleep(0.5)
-        assert stats_fused._state[("record", "cpu", torch.bfloat16)] == "warming"
+        assert stat_kernels._state[("record", "cpu", torch.bfloat16)] == "warming"
         land()                                      # its package lands; its lock goes with the block's end
-    assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    assert stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
     x = sprinkle(torch.randn(9000).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
 
@@ -358,15 +359,15 @@ def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(
     or with an error: the kernel is refused with a message naming the signal or the error, no package or
     partial file is left, and the records come from the other kernels."""
     for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stats_fused, name, {})
+        monkeypatch.setattr(stat_kernels, name, {})
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(stats_fused, "_child_command", lambda *args: [sys.executable, "-c", code])
+    monkeypatch.setattr(stat_kernels, "_child_command", lambda *args: [sys.executable, "-c", code])
     with caplog.at_level(logging.WARNING, logger="trainmon"):
-        assert not stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+        assert not stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
     assert caplog.text.count("one-pass statistic kernel is not available") == 1
     assert f"RuntimeError: {told}" in caplog.text
     assert [p.name for p in (tmp_path / "trainmon").iterdir()] == \
-        [stats_fused._package(("record", "cpu", torch.bfloat16)).name + ".lock"]
+        [stat_kernels._package(("record", "cpu", torch.bfloat16)).name + ".lock"]
     x = sprinkle(torch.randn(9000).bfloat16())
     check(tensor_records([x], 1e-3, ALL)[0], x, 1e-3)
 
@@ -375,12 +376,12 @@ def test_settle_waits_no_longer_than_told_and_says_which_kernels_serve(tmp_path,
     """A compile that outlasts `settle`'s timeout is left running and reported "warming"; once its package
     lands, `settle` loads it and reports it "ready"."""
     with another_rank_compiling(tmp_path, monkeypatch) as land:
-        assert not stats_fused.prepare(CPU, [torch.bfloat16])
+        assert not stat_kernels.prepare(CPU, [torch.bfloat16])
         start = time.monotonic()
-        assert stats_fused.settle(timeout=0.3) == {"record/cpu/bfloat16": "warming"}
+        assert stat_kernels.settle(timeout=0.3) == {"record/cpu/bfloat16": "warming"}
         assert 0.3 <= time.monotonic() - start < 5
         land()
-    assert stats_fused.settle() == {"record/cpu/bfloat16": "ready"}
+    assert stat_kernels.settle() == {"record/cpu/bfloat16": "ready"}
 
 
 @pytest.mark.slow  # compiles in a child process
@@ -389,10 +390,10 @@ def test_the_accelerators_artifact_gives_the_records_of_every_shape(tmp_path, mo
     child, published, loaded by the training thread, and its records those of torch, from a batch of one row
     to a tensor of many rows with a partial last one."""
     for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stats_fused, name, {})
+        monkeypatch.setattr(stat_kernels, name, {})
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(stats_fused, "_suffix", lambda place: stats_fused._ARTIFACT)
-    assert stats_fused.prepare(CPU, [torch.bfloat16], wait=True)
+    monkeypatch.setattr(stat_kernels, "_suffix", lambda place: stat_kernels._ARTIFACT)
+    assert stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
     assert [p.suffix for p in (tmp_path / "trainmon").iterdir() if not p.name.endswith(".lock")] == [".bin"]
     cs = cases(torch.bfloat16)
     cs["rows"] = sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW + 5).bfloat16())
@@ -407,9 +408,9 @@ def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
     """A machine without a working C++ compiler: the compile fails once, in the background, with one
     message, and the records are still right."""
     code = ("import torch, math\n"
-            "from trainmon.monitor import stats, stats_fused\n"
+            "from trainmon.monitor import stat_kernels, stats\n"
             "x = torch.tensor([1.0, math.nan, -math.inf, 0.0]).bfloat16()\n"
-            "assert not stats_fused.prepare('cpu', [torch.bfloat16], wait=True)\n"
+            "assert not stat_kernels.prepare('cpu', [torch.bfloat16], wait=True)\n"
             "rec = stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))[0].tolist()\n"
             "print(rec[:4])\n")
     env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
@@ -442,15 +443,15 @@ def test_compiling_never_disturbs_the_training_loops_random_draws(tmp_path):
     the RNG state around a compile, which must not rewind those draws. (An empty cache: a package on disk
     would be loaded at the first request, with no compile.)"""
     code = ("import time, torch\n"
-            "from trainmon.monitor import stats, stats_fused\n"
+            "from trainmon.monitor import stat_kernels, stats, stats_fused\n"
             "x = torch.randn(5000).bfloat16()\n"
             "torch.manual_seed(0)\n"
             "draws, deadline = [], time.time() + 280\n"
-            "while stats_fused._state.get(('record', 'cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
+            "while stat_kernels._state.get(('record', 'cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
             "    stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
             "    draws.append(torch.rand(64))\n"
             "    time.sleep(0.02)\n"
-            "assert stats_fused.usable([x], torch.device('cpu')), stats_fused._state\n"
+            "assert stats_fused.usable([x], torch.device('cpu')), stat_kernels._state\n"
             "stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
             "draws.append(torch.rand(64))\n"
             "torch.manual_seed(0)\n"

@@ -21,7 +21,7 @@ Exact finite-only figures, branch-free (sentinels that can never win):
      <= 128), decoded with integer ops once per call.  Without "zeros": ntn(x, codes) - a instead.
 No ``.item()``, no device->host copy, no Python branch on values: only shapes/dtypes steer the code.
 Where it is compiled and measured faster, one generated kernel reads each element once and fills every field
-(stats_fused.py: Triton on accelerators, C++ on CPU); the kernels here serve until it is compiled, where
+(stats_fused.py and stat_kernels.py: Triton on accelerators, C++ on CPU); the kernels here serve until it is compiled, where
 it cannot be, and where they are faster.
 CPU tensors take a cheaper route (stats_cpu.py): there reading a value waits for no device, so the
 figures that hold for all-finite tensors come first (one generated pass for large fp32/fp64 tensors), and

@@ -5,8 +5,8 @@ the figures that are exact when every element is finite (sum, sumsq, min, max an
 |x| >= eps), reads whether they came out finite, and runs the exact kernels only on the tensors holding a
 NaN or an Inf (or whose fp32 sums overflowed). The figures of every fp32/fp64 tensor of a call come from
 one native call that reads each tensor once where it lies (`stats_native`). Where that kernel cannot be
-built (no C compiler), a large tensor's figures come from one read of its elements (stats_fused's "finite"
-kernel, half the work of the full record kernel); smaller ones, and every tensor while either kernel is
+built (no C compiler), a large tensor's figures come from one read of its elements (the "finite" kernel of
+stat_kernels, half the work of the full record kernel); smaller ones, and every tensor while either kernel is
 being built, take 4 to 6 passes (sum, dot, aminmax, the count), against 12 for the branch-free exact
 kernels. On accelerators the record kernel or the branch-free kernels run instead: there, this look would be
 a host synchronisation inside a hook.
@@ -20,7 +20,7 @@ import torch
 
 from trainmon.core.schema import N_FIELDS
 from trainmon.monitor import stats_fused, stats_native
-from trainmon.monitor.stats_fused import ROW
+from trainmon.monitor.stat_kernels import ROW
 
 _CPU = torch.device("cpu")
 

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from trainmon.monitor.stats_fused import PLAIN_TENSORS, hardware
+from trainmon.monitor.stat_kernels import hardware
+from trainmon.monitor.stats_fused import PLAIN_TENSORS
 
 logger = logging.getLogger("trainmon")
 

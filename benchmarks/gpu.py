@@ -173,10 +173,16 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per (mode, tier) process")
     parser.add_argument("--out", help="also write every result as JSON here")
+    parser.add_argument("--output-bytes", action="store_true",
+                        help="only print the bytes of the model's module outputs per step (on the meta device): "
+                             "what a probe of every output reads, and about as much again for their grads")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
+        return 0
+    if args.output_bytes:
+        _print_output_bytes(args)
         return 0
     import torch
 
@@ -228,6 +234,27 @@ def _progress(result: dict) -> None:
           f"{len(result['syncs_training'])} host syncs, {result['records']} records; "
           f"{result['settle_s']:.1f} s waiting for the statistic kernels' compile "
           f"({', '.join(f'{k} {v}' for k, v in result['stat_kernels'].items()) or 'none asked for'})", flush=True)
+
+
+def _print_output_bytes(args) -> None:
+    import torch
+
+    from trainmon.demo import TinyGPT
+
+    with torch.device("meta"):
+        model = TinyGPT(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                        seq=args.seq).to(dtype=getattr(torch, args.dtype))
+    outputs = {}  # by id: a container returning its child's output is counted once, as the sentinel reads it
+
+    def count(module, inputs, output):
+        if isinstance(output, torch.Tensor):
+            outputs[id(output)] = output  # kept, so that no id is reused (meta tensors hold no memory)
+
+    for module in model.modules():
+        module.register_forward_hook(count)
+    model(torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta"))
+    total = sum(t.numel() * t.element_size() for t in outputs.values())
+    print(f"{len(outputs)} distinct module outputs per step, {total / 2**30:.2f} GiB")
 
 
 def _print_table(results: list[dict]) -> None:

@@ -6,6 +6,7 @@
     python benchmarks/stats_kernels.py --one-pass-sizes  # CPU fp32: µs per tensor, passes vs assume-finite kernel
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
+    python benchmarks/stats_kernels.py --ops-per-tensor  # launches per tensor on an accelerator: multi-pass vs one-pass
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
 "x norm" is the median over rounds of candidate time / one torch._foreach_norm(ord=2, dtype=fp32) pass
@@ -69,6 +70,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon.monitor import stat_kernels, stats, stats_fused, stats_native  # noqa: E402
@@ -426,6 +428,54 @@ def gather_sizes():
         stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX = shipped, shipped_max
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops that launch work (views excluded): on an accelerator, one kernel launch each."""
+
+    VIEWS = {"view", "_unsafe_view", "narrow", "select", "slice", "unbind", "detach", "alias", "as_strided",
+             "expand", "t", "unsqueeze", "squeeze", "_reshape_alias", "lift_fresh"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += func.overloadpacket.__name__ not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_tensor(count: int = 20):
+    """The launches per bf16 tensor of an accelerator's record paths, counted on the CPU: the multi-pass
+    kernels (stats._exact_records, the sat and +Inf columns; in the accelerators' chunks) and the one-pass
+    path (stats_fused.records: its ops plus its compiled-kernel calls)."""
+    dev, accel_chunk = torch.device("cpu"), stats._DEFAULT_CHUNK
+    want = tuple(f in ALL for f in stats.FIELDS[:8])
+    stat_kernels.prepare("cpu", [torch.bfloat16], wait=True)
+    print(f"== launches per bf16 tensor on an accelerator's paths, {count} tensors a call "
+          f"(accelerators' chunk: {accel_chunk} elements)")
+    for size in (1 << 14, 1 << 20, 1 << 24):
+        tensors = [torch.randn(size).bfloat16() for _ in range(count)]
+        shipped_chunk, stats.CHUNK_ELEMS["cpu"] = stats.CHUNK_ELEMS["cpu"], accel_chunk
+        try:
+            with _OpCount() as multi:
+                rec = stats._exact_records(tensors, dev, EPS, want)
+                stats._sat_counts(tensors, dev, stats.FieldSet())
+                for u in range(count):  # an accelerator counts +Inf in every tensor (no host read of infs)
+                    torch.stack([(c == INF).sum() for c in stats._chunks(tensors[u], accel_chunk)]).sum()
+        finally:
+            stats.CHUNK_ELEMS["cpu"] = shipped_chunk
+        calls, real_run = [], stat_kernels.run
+        stat_kernels.run = lambda *a, **k: calls.append(1) or real_run(*a, **k)
+        try:
+            with _OpCount() as one:
+                stats_fused.records(tensors, dev, stats._consts, stats._sat_lambda, EPS,
+                                    stats.FieldSet().sat_limit, accel_chunk)
+        finally:
+            stat_kernels.run = real_run
+        print(f"  {size:>10,} elements: multi-pass {multi.ops / count:5.1f}   one-pass "
+              f"{(one.ops + len(calls)) / count:5.1f} ({len(calls)} kernel calls in the call)")
+        del rec
+
+
 def call_cost():
     """Host time of one call of the assume-finite kernel on a [2, 4096] fp32 tensor: through the loaded
     package's runner (shipped), the eager ops, and a torch.compile'd function (the earlier path)."""
@@ -448,6 +498,7 @@ def main():
     ap.add_argument("--one-pass-sizes", action="store_true")
     ap.add_argument("--call-cost", action="store_true")
     ap.add_argument("--gather-sizes", action="store_true")
+    ap.add_argument("--ops-per-tensor", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 11
@@ -462,6 +513,9 @@ def main():
         return
     if args.gather_sizes:
         gather_sizes()
+        return
+    if args.ops_per_tensor:
+        ops_per_tensor()
         return
     design = stats.fields_for_ops(DESIGN_OPS)
     for dtype in (torch.float32, torch.bfloat16):

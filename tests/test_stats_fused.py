@@ -63,10 +63,21 @@ def no_compile(monkeypatch):
 
 
 @pytest.fixture
-def fresh_process(monkeypatch, no_compile):
-    """This process as a later run's starts: no kernel known or loaded, and no compile allowed."""
+def unknown_kernels(monkeypatch):
+    """This process as a run's starts: no kernel known or loaded."""
     for name in ("_state", "_threads", "_runners"):
         monkeypatch.setattr(stat_kernels, name, {})
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch, unknown_kernels):
+    """This process as a first run's starts: no kernel known, loaded or on disk."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+
+@pytest.fixture
+def fresh_process(unknown_kernels, no_compile):
+    """This process as a later run's starts: no kernel known or loaded, and no compile allowed."""
 
 
 def fused(tensors, eps, fields=ALL, device=CPU):
@@ -354,13 +365,10 @@ ERROR = "import warnings; warnings.warn('deprecated'); raise ValueError('no CUDA
     (CRASH, "the compile process was ended by SIGSEGV"),
     (ERROR, "the compile process exited with status 1: ValueError: no CUDA toolkit")], ids=["crash", "error"])
 def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(tmp_path, monkeypatch, caplog,
-                                                                                code, told):
+                                                                                fresh_cache, code, told):
     """The compile's child ends by a signal after a warning (its last line of output a warning's source line),
     or with an error: the kernel is refused with a message naming the signal or the error, no package or
     partial file is left, and the records come from the other kernels."""
-    for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stat_kernels, name, {})
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(stat_kernels, "_child_command", lambda *args: [sys.executable, "-c", code])
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         assert not stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
@@ -385,13 +393,10 @@ def test_settle_waits_no_longer_than_told_and_says_which_kernels_serve(tmp_path,
 
 
 @pytest.mark.slow  # compiles in a child process
-def test_the_accelerators_artifact_gives_the_records_of_every_shape(tmp_path, monkeypatch):
+def test_the_accelerators_artifact_gives_the_records_of_every_shape(tmp_path, monkeypatch, fresh_cache):
     """The accelerators' format, inductor's standalone artifact, compiled here for the CPU: compiled in the
     child, published, loaded by the training thread, and its records those of torch, from a batch of one row
     to a tensor of many rows with a partial last one."""
-    for name in ("_state", "_threads", "_runners"):
-        monkeypatch.setattr(stat_kernels, name, {})
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(stat_kernels, "_suffix", lambda place: stat_kernels._ARTIFACT)
     assert stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
     assert [p.suffix for p in (tmp_path / "trainmon").iterdir() if not p.name.endswith(".lock")] == [".bin"]

@@ -6,6 +6,7 @@ step) and reports:
 - the median step time after warm-up (the benchmark's loop ends each step with a device synchronize,
   outside the monitor) and its ratio against `none` of the same mode;
 - device kernels launched per step (torch.profiler over one step after warm-up) and the extra against `none`;
+  their summed time (against the step time: how busy the device was) and the kernels that took most of it;
 - peak allocated device memory, and the extra against `none`;
 - host synchronisations the training thread made during the monitored steps, under
   `torch.cuda.set_sync_debug_mode("warn")`, with the trainmon frame that made each: the design allows none
@@ -135,15 +136,28 @@ def run_child(spec: dict) -> dict:
     with profile(activities=activities) as prof:
         step(0)
         accel.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type.name in ("CUDA", "PrivateUse1"))
+    kernels = [e for e in prof.events() if e.device_type.name in ("CUDA", "PrivateUse1")]
     peak = accel.max_memory_allocated() if device.type != "cpu" else 0
     if monitor is not None:
         monitor.stop()
     return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": kernels_served,
-            "kernels": kernels, "peak_bytes": peak,
+            "kernels": len(kernels), **_kernel_time(kernels), "peak_bytes": peak,
             "syncs_training": [s for s in syncs if s[0] == "MainThread"],
             "syncs_other_threads": len([s for s in syncs if s[0] != "MainThread"]),
             "records": _records_written(out_dir)}
+
+
+def _kernel_time(kernels: list, top: int = 8) -> dict:
+    """The step's kernel time on the device (its sum: against the step time, how busy the device was), and
+    the kernels that took most of it, by name: where a tier's time goes."""
+    by_name: dict = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us() / 1e3
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernel_ms": sum(ms for _, ms in by_name.values()),
+            "top_kernels": [[name, count, round(ms, 3)] for name, (count, ms) in ranked]}
 
 
 def _records_written(out_dir: str) -> int:
@@ -230,10 +244,13 @@ def _progress(result: dict) -> None:
         print(f"{result['mode']} {result['tier']}: failed: {result['error']}", *result["stderr"], sep="\n    ",
               flush=True)
         return
-    print(f"{result['mode']} {result['tier']}: {result['step_s'] * 1e3:.1f} ms per step, {result['kernels']} kernels, "
+    print(f"{result['mode']} {result['tier']}: {result['step_s'] * 1e3:.1f} ms per step, {result['kernels']} kernels "
+          f"taking {result['kernel_ms']:.1f} ms, "
           f"{len(result['syncs_training'])} host syncs, {result['records']} records; "
           f"{result['settle_s']:.1f} s waiting for the statistic kernels' compile "
           f"({', '.join(f'{k} {v}' for k, v in result['stat_kernels'].items()) or 'none asked for'})", flush=True)
+    for name, count, ms in result["top_kernels"]:
+        print(f"    {ms:8.2f} ms {count:5d}× {name}")
 
 
 def _print_output_bytes(args) -> None:

@@ -208,6 +208,21 @@ def test_merge_identities_and_shapes():
     assert merge_records(a).tolist() == a[1].tolist()
     with pytest.raises(ValueError):
         merge_records(torch.zeros(3, 7))
+    with pytest.raises(ValueError, match="dim 1"):
+        merge_records(a, dim=1)                      # the fields' own dimension
+
+
+def test_merge_over_an_inner_dimension_merges_each_group():
+    g = torch.Generator().manual_seed(5)
+    xs = [sprinkle(torch.randn(60, generator=g), seed=i) for i in range(3)]
+    pieces = torch.stack([tensor_records(list(x.chunk(4)), 1e-3, ALL) for x in xs])    # [3, 4, N_FIELDS]
+    merged = merge_records(pieces, dim=1)
+    assert merged.shape == (3, N_FIELDS)
+    for i in range(3):
+        assert torch.equal(merged[i], merge_records(pieces[i]))
+    assert torch.equal(merge_records(pieces.transpose(0, 1), dim=-3), merged)
+    empty = merge_records(torch.zeros(2, 0, N_FIELDS), dim=1)
+    assert empty.tolist() == [[0, 0, 0, 0, 0, 0, INF, -INF, 0, 0]] * 2
 
 
 # ---- derive -------------------------------------------------------------------------------------------

@@ -126,6 +126,23 @@ def test_fused_many_small_tensors_of_mixed_dtypes_in_one_call():
         check(row, x, 1e-8)
 
 
+@pytest.mark.parametrize("spread", [2, 32])
+def test_row_partials_spread_over_partial_records_combine_exactly(monkeypatch, spread):
+    """The accelerators' combine (a tensor's row partials added into `spread` partial records, merged after),
+    taken here on the CPU: long tensors of thousands of rows, their last partial rows, small tensors, mixed
+    dtypes, NaN, ±Inf and empty ones."""
+    spreads = []
+    monkeypatch.setattr(stats_fused, "_spread", lambda device: spreads.append(spread) or spread)
+    g = torch.Generator().manual_seed(4)
+    ts = [sprinkle((torch.randn(n, generator=g) * 3).to(dtype), seed=n)
+          for n, dtype in ((3 * 10 ** 6, torch.bfloat16), (5 * stats_fused.ROW + 3, torch.float16),
+                           (10 ** 6, torch.float32), (300, torch.bfloat16), (31 * stats_fused.ROW, torch.float64))]
+    ts += [torch.zeros(0), torch.tensor(-float("inf")).half(), torch.full((9000,), float("nan"))]
+    for row, x in zip(fused(ts, 1e-3), ts):
+        check(row, x, 1e-3)
+    assert spreads == [spread]
+
+
 @pytest.mark.parametrize("ops", [["norm"], ["zeros"], ["min", "max"], ["mean", "nans"]])
 def test_fused_fills_only_requested_fields(ops):
     fields = fields_for_ops(ops)

@@ -177,7 +177,7 @@ class StepCollector:
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])
         if kept:
-            index = torch.tensor([slots[i] for i in kept], device=rows.device)
+            index = stats._meta([slots[i] for i in kept], rows.device)
             self._add([keys[i] for i in kept], rows.index_select(0, index))
 
     def _end_trial(self) -> None:

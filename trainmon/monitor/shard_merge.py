@@ -24,18 +24,7 @@ from trainmon.monitor.state import HookState
 
 def identity_record(device, dtype=torch.float64) -> torch.Tensor:
     """The record of no elements: merging it with any record leaves that record unchanged."""
-    return torch.tensor(schema.IDENTITY, dtype=dtype, device=device)
-
-
-def merge_gathered(gathered: torch.Tensor) -> torch.Tensor:
-    """[ranks, n, N_FIELDS] → [n, N_FIELDS]: the schema's merge rules over the first dimension, for all n
-    at once."""
-    merged = gathered.sum(dim=0)
-    for column in schema.MIN_COLUMNS:
-        merged[:, column] = gathered[:, :, column].amin(dim=0)
-    for column in schema.MAX_COLUMNS:
-        merged[:, column] = gathered[:, :, column].amax(dim=0)
-    return merged
+    return stats._meta(schema.IDENTITY, torch.device(device), dtype)
 
 
 def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], device) -> torch.Tensor:
@@ -45,7 +34,7 @@ def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], de
     rows = identity_record(device).expand(len(pieces), -1).clone()
     if present:
         local = stats.tensor_records([pieces[i] for i in present], collector.eps, collector.fields)
-        rows[torch.tensor(present, device=device)] = local.to(device=device, dtype=rows.dtype)
+        rows[stats._meta(present, torch.device(device))] = local.to(device=device, dtype=rows.dtype)
     return rows
 
 
@@ -131,7 +120,7 @@ class _Merge:
             gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
             with not_monitored():  # trainmon's own collective is not part of the training's communication
                 _all_gather_single(gathered, rows, group)
-            rows = merge_gathered(gathered.view(ranks, *rows.shape))
+            rows = stats.merge_records(gathered.view(ranks, *rows.shape))
         return rows
 
 

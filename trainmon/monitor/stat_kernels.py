@@ -88,9 +88,14 @@ def _finite_row_figures(x: torch.Tensor, lam: float) -> torch.Tensor:
     return torch.stack([x.sum(1), (x * x).sum(1), x.amin(1), x.amax(1), (x.abs() > lam).to(x.dtype).sum(1)], 1)
 
 
-# kernel name -> (function, the check of a load: its rows, its constants, the first 3 figures of row 0)
-_KERNELS = {"record": (_row_figures, [[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], (1e-8, 1.0), [2.0, 0.0, 1.0]),
-            "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,), [2.0, 14.0, -2.0])}
+# kernel name -> (function, the rows of its compile's example and of the check of a load, its constants there)
+_KERNELS = {"record": (_row_figures, [[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], (1e-8, 1.0)),
+            "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,))}
+
+# The rows of a kernel's compile example, each of ROW elements. Inductor sizes the generated code's blocks by
+# the example's shape, whatever shapes the code takes: from a 2x3 example, its Triton kernel read 4 columns of
+# 2 rows at a time and bf16 at about 0.1 TB/s on an H100.
+_EXAMPLE_ROWS = 1024
 
 
 # (kernel, place, dtype) -> "warming" (compiling in a child process) | "warm" (its package on disk)
@@ -171,10 +176,19 @@ def _suffix(place: str) -> str:
     return _AOT_PACKAGE if place == "cpu" else _ARTIFACT
 
 
+def _sample(kernel: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """A kernel's compile example and load check: its check rows zero-padded to ROW elements and repeated to
+    _EXAMPLE_ROWS rows, the shape of its calls on a large tensor."""
+    rows = torch.tensor(_KERNELS[kernel][1], dtype=dtype, device=device)
+    padded = torch.nn.functional.pad(rows, (0, ROW - rows.shape[1]))
+    return padded.repeat(_EXAMPLE_ROWS // rows.shape[0], 1)
+
+
 @functools.lru_cache(maxsize=None)
 def _fingerprint(kernel: str, place: str) -> str:
     """What a kernel's compiled code depends on besides its dtype, hashed (read from disk once per process)."""
-    recipe = "\n".join([inspect.getsource(_KERNELS[kernel][0]), str(ROW), ",".join(schema.FIELDS),
+    recipe = "\n".join([inspect.getsource(_KERNELS[kernel][0]), inspect.getsource(_compile), str(ROW),
+                        str(_EXAMPLE_ROWS), ",".join(schema.FIELDS),
                         torch.__version__, platform.machine(), hardware(place)])
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
@@ -215,9 +229,8 @@ def _compile(key: tuple, path: Path) -> None:
     and their Python wrapper): AOTInductor's C++ wrapper around them needs the accelerator's toolkit to
     compile, which a machine with torch's wheels alone lacks."""
     kernel, device, dtype = key
-    fn, rows, consts, _ = _KERNELS[kernel]
-    sample = torch.tensor(rows, dtype=dtype, device=device)
-    args = (sample, *(_constant(c, _accumulation(dtype), device) for c in consts))
+    fn, _, consts = _KERNELS[kernel]
+    args = (_sample(kernel, dtype, device), *(_constant(c, _accumulation(dtype), device) for c in consts))
     if path.suffix == _AOT_PACKAGE:
         from torch._inductor import aoti_compile_and_package
 
@@ -243,11 +256,13 @@ def retire(kernel: str, device: torch.device, dtypes: Sequence[torch.dtype], exc
 
 
 def _load(key: tuple, package: Optional[Path] = None) -> None:
-    """Loads a compiled kernel into this process and checks it on a sample."""
+    """Loads a compiled kernel into this process and checks it on a sample against the uncompiled function."""
     kernel, device, dtype = key
-    _, rows, consts, expected = _KERNELS[kernel]
-    out = run(kernel, torch.tensor(rows, dtype=dtype, device=device), *consts, package=package)
-    torch.testing.assert_close(out[0, :3].double().cpu(), torch.tensor(expected, dtype=torch.float64))
+    fn, _, consts = _KERNELS[kernel]
+    sample = _sample(kernel, dtype, device)[:2]
+    out = run(kernel, sample, *consts, package=package)
+    expected = fn(sample, *(_constant(c, _accumulation(dtype), sample.device) for c in consts))
+    torch.testing.assert_close(out, expected, equal_nan=True)
 
 
 def _refuse(key: tuple, exc: BaseException) -> None:

@@ -177,10 +177,10 @@ def _workspace(device: torch.device, dtype: torch.dtype, cap: int):
     return ws
 
 
-def _meta(values, dev: torch.device) -> torch.Tensor:
-    """Small host-known int64 metadata on ``dev``: pinned + non_blocking on accelerators, so no stream
-    synchronisation (a pageable host->device copy would block)."""
-    t = torch.tensor(values, dtype=torch.int64, device=dev if dev.type in ("cpu", "meta") else "cpu")
+def _meta(values, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Small host-known metadata on ``dev``: pinned + non_blocking on accelerators, so no stream
+    synchronisation (a pageable host->device copy, which `torch.tensor(values, device=...)` makes, blocks)."""
+    t = torch.tensor(values, dtype=dtype, device=dev if dev.type in ("cpu", "meta") else "cpu")
     return t if t.device == dev else t.pin_memory().to(dev, non_blocking=True)
 
 
@@ -437,17 +437,18 @@ def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device) 
     rec.select(1, _PINFS).index_copy_(0, _meta(rows, dev), torch.stack(counts).to(torch.float64))
 
 
-def merge_records(records: torch.Tensor) -> torch.Tensor:
-    """``[k, N_FIELDS]`` -> ``[N_FIELDS]`` by the schema's merge rules (counts and sums add, min of mins,
-    max of maxes).  Any device, no sync."""
-    if records.dim() != 2 or records.shape[1] != N_FIELDS:
-        raise ValueError(f"merge_records expects [k, {N_FIELDS}], got {tuple(records.shape)}")
+def merge_records(records: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Records merged over `dim` by the schema's merge rules (counts and sums add, min of mins, max of maxes):
+    ``[k, N_FIELDS]`` -> ``[N_FIELDS]``, or any ``[..., N_FIELDS]`` without `dim`. Any device, no sync."""
+    if records.dim() < 2 or records.shape[-1] != N_FIELDS or not -records.dim() <= dim < records.dim() - 1:
+        raise ValueError(f"merge_records expects records [..., {N_FIELDS}] merged over a dimension before the "
+                         f"last, got {tuple(records.shape)} and dim {dim}")
+    dim %= records.dim()
     r = records.to(torch.float64)
-    if r.shape[0] == 0:
-        return torch.tensor(schema.IDENTITY, dtype=torch.float64, device=r.device)
-    out = torch.empty(N_FIELDS, dtype=torch.float64, device=r.device)
-    for columns, reduce in ((schema.SUM_COLUMNS, torch.sum), (schema.MIN_COLUMNS, torch.amin),
-                            (schema.MAX_COLUMNS, torch.amax)):
-        index = torch.tensor(columns, device=r.device)
-        out.index_copy_(0, index, reduce(r.index_select(1, index), 0))
+    out = r.sum(dim)                                # the min and max columns are replaced below
+    if r.shape[dim] == 0:
+        return out.copy_(_meta(schema.IDENTITY, r.device, torch.float64))
+    for columns, reduce in ((schema.MIN_COLUMNS, torch.amin), (schema.MAX_COLUMNS, torch.amax)):
+        for column in columns:
+            out.select(-1, column).copy_(reduce(r.select(-1, column), dim))
     return out

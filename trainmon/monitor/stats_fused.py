@@ -29,6 +29,8 @@ from trainmon.monitor.stat_kernels import ROW
 # than the host work of a call of their own (CPU bf16: 10.6 against 15.5 µs per tensor of 4 K elements, the
 # same from 64 K on; benchmarks/stats_kernels.py --gather-sizes).
 GATHER_BELOW = 1 << 17
+# Partial records per tensor in an accelerator's combine of row partials (see _combine and _spread).
+_SPREAD = 32
 _INF = math.inf
 _NANS = schema.INDEX["nans"]
 _MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
@@ -182,10 +184,10 @@ def _batch_rows(workspace: torch.Tensor, group: list, total: int, lam: float, sa
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
     """Row partials -> one record per tensor (counts and sums add, min of mins, max of maxes)."""
-    from trainmon.monitor.stats import _meta       # small host-known metadata without a sync
+    from trainmon.monitor.stats import _meta, merge_records
 
     if not partials:                                # only empty tensors
-        return torch.tensor(schema.IDENTITY, dtype=torch.float64, device=device).repeat(n, 1)
+        return _meta(schema.IDENTITY, device, torch.float64).repeat(n, 1)
     rows = torch.cat(partials) if len(partials) > 1 else partials[0]
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
     # Python list; output_size keeps repeat_interleave from reading the counts back
@@ -194,9 +196,22 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
     index = torch.repeat_interleave(meta.narrow(0, 0, blocks), meta.narrow(0, blocks, blocks),
                                     output_size=rows.shape[0])
     padding = meta.narrow(0, 2 * blocks, n)
+    # An accelerator adds a tensor's rows with atomics, which its thousands of rows would all aim at one
+    # record's fields: they are spread over _SPREAD partial records per tensor first, combined after.
+    spread = _spread(device)
+    if spread > 1:
+        index = index * spread + torch.arange(rows.shape[0], device=device) % spread
     # every column is added (the min and max columns are replaced below)
-    rec = torch.zeros(n, schema.N_FIELDS, dtype=torch.float64, device=device).index_add_(0, index, rows)
+    rec = torch.zeros(n * spread, schema.N_FIELDS, dtype=torch.float64, device=device).index_add_(0, index, rows)
     for column, start, reduce in ((_MIN, _INF, "amin"), (_MAX, -_INF, "amax")):
         rec.select(1, column).fill_(start).scatter_reduce_(0, index, rows.select(1, column), reduce)
+    if spread > 1:
+        rec = merge_records(rec.view(n, spread, schema.N_FIELDS), dim=1)
     rec.select(1, _NANS).sub_(padding)
     return rec
+
+
+def _spread(device: torch.device) -> int:
+    """Partial records per tensor in the combine: one on CPU, whose adds are plain loops."""
+    return 1 if device.type == "cpu" else _SPREAD
+

@@ -17,6 +17,7 @@ Modes: `eager`; `compiled` (torch.compile, inductor); `graphs` (torch.compile wi
 which captures CUDA graphs: the monitor must run and say once what it cannot see there).
 
     python benchmarks/gpu.py --out $OUT/gpu.json                       # every check: over 10 min on an H100
+    python benchmarks/gpu.py --kernels                                 # the statistic kernels alone
     python benchmarks/gpu.py --device cpu --layers 2 --hidden 128 --seq 64 --batch 4 --steps 4 --warmup 2 \\
         --modes eager,compiled --dtype float32                         # the script itself, on a CPU
 
@@ -136,7 +137,9 @@ def run_child(spec: dict) -> dict:
     with profile(activities=activities) as prof:
         step(0)
         accel.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name in ("CUDA", "PrivateUse1")]
+    # device events less the user annotations on the device's timeline (the optimizer step's span, say)
+    kernels = [e for e in prof.events() if e.device_type.name in ("CUDA", "PrivateUse1")
+               and not getattr(e, "is_user_annotation", False)]
     peak = accel.max_memory_allocated() if device.type != "cpu" else 0
     if monitor is not None:
         monitor.stop()
@@ -190,6 +193,9 @@ def main() -> int:
     parser.add_argument("--output-bytes", action="store_true",
                         help="only print the bytes of the model's module outputs per step (on the meta device): "
                              "what a probe of every output reads, and about as much again for their grads")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only compile the statistic kernels for the device (fp32, bf16, fp16, fp64: the "
+                             "tests then load them) and time their reads against one _foreach_norm pass")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -204,6 +210,9 @@ def main() -> int:
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") else "")
           + f", {args.dtype}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}")
+    if args.kernels:
+        _print_kernels(torch.device(device))
+        return 0
     results = []
     for mode in args.modes.split(","):
         for tier in (args.tiers if mode == "eager" else args.compiled_tiers).split(","):
@@ -251,6 +260,44 @@ def _progress(result: dict) -> None:
           f"({', '.join(f'{k} {v}' for k, v in result['stat_kernels'].items()) or 'none asked for'})", flush=True)
     for name, count, ms in result["top_kernels"]:
         print(f"    {ms:8.2f} ms {count:5d}× {name}")
+
+
+def _print_kernels(device) -> None:
+    """Compile time of the record kernel per dtype, then the read rate of one records call over bf16 tensors
+    of a few sizes, next to one _foreach_norm pass over the same tensors (the floor) and a per-tensor aminmax
+    (the sentinel's probe); medians of 10 calls after 3."""
+    import torch
+
+    from trainmon.monitor import stat_kernels, stats
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    start = time.perf_counter()
+    stat_kernels.prepare(device, dtypes, wait=True)
+    print(f"record kernels compiled or loaded in {time.perf_counter() - start:.1f} s: "
+          f"{stat_kernels.settle(timeout=0)}", flush=True)
+    accel = _device_module(torch, device)
+    fields = stats.fields_for_ops(["norm", "min", "max", "mean", "zeros", "nans", "infs"])
+
+    def median_ms(fn) -> float:
+        times = []
+        for i in range(13):
+            accel.synchronize()
+            begin = time.perf_counter()
+            fn()
+            accel.synchronize()
+            if i >= 3:
+                times.append((time.perf_counter() - begin) * 1e3)
+        return statistics.median(times)
+
+    print("| bf16 tensors | GB | records | _foreach_norm | aminmax each |")
+    print("| --- | --- | --- | --- | --- |")
+    for count, numel in ((16, 1 << 24), (64, 1 << 20), (1000, 1 << 14)):
+        ts = [torch.randn(numel, device=device, dtype=torch.bfloat16) for _ in range(count)]
+        gb = count * numel * 2 / 1e9
+        rate = lambda ms: f"{ms:.2f} ms, {gb / ms * 1e3:.0f} GB/s"  # noqa: E731
+        print(f"| {count} x {numel:,} | {gb:.2f} | {rate(median_ms(lambda: stats.tensor_records(ts, 1e-8, fields)))} "
+              f"| {rate(median_ms(lambda: torch._foreach_norm(ts)))} "
+              f"| {rate(median_ms(lambda: [torch.aminmax(t) for t in ts]))} |", flush=True)
 
 
 def _print_output_bytes(args) -> None:

@@ -7,7 +7,7 @@ step) and reports:
   outside the monitor) and its ratio against `none` of the same mode;
 - device kernels launched per step (torch.profiler over one step after warm-up) and the extra against `none`;
   their summed time (against the step time: how busy the device was) and the kernels that took most of it;
-- peak allocated device memory, and the extra against `none`;
+- peak allocated device memory, and the extra against `none`; the bytes autograd holds for a step's backward;
 - host synchronisations the training thread made during the monitored steps, under
   `torch.cuda.set_sync_debug_mode("warn")`, with the trainmon frame that made each: the design allows none
   (the writer thread's wait for a step's copy is by design, and counted apart);
@@ -133,6 +133,7 @@ def run_child(spec: dict) -> dict:
             step(i)
         accel.synchronize()
         times.append(time.perf_counter() - start)
+    saved = _saved_bytes(torch, lambda: step(0))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step(0)
@@ -144,10 +145,25 @@ def run_child(spec: dict) -> dict:
     if monitor is not None:
         monitor.stop()
     return {**spec, "step_s": statistics.median(times), "settle_s": settle_s, "stat_kernels": kernels_served,
-            "kernels": len(kernels), **_kernel_time(kernels), "peak_bytes": peak,
+            "kernels": len(kernels), **_kernel_time(kernels), "peak_bytes": peak, "saved_bytes": saved,
             "syncs_training": [s for s in syncs if s[0] == "MainThread"],
             "syncs_other_threads": len([s for s in syncs if s[0] != "MainThread"]),
             "records": _records_written(out_dir)}
+
+
+def _saved_bytes(torch, step) -> int:
+    """The bytes autograd holds for the backward of one step: the distinct storages packed by its saved-tensor
+    hooks (a compiled region's saved tensors included), at the size of each storage."""
+    storages: dict = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return sum(storages.values())
 
 
 def _kernel_time(kernels: list, top: int = 8) -> dict:
@@ -254,7 +270,7 @@ def _progress(result: dict) -> None:
               flush=True)
         return
     print(f"{result['mode']} {result['tier']}: {result['step_s'] * 1e3:.1f} ms per step, {result['kernels']} kernels "
-          f"taking {result['kernel_ms']:.1f} ms, "
+          f"taking {result['kernel_ms']:.1f} ms, {result['saved_bytes'] / 2**20:.0f} MB saved for backward, "
           f"{len(result['syncs_training'])} host syncs, {result['records']} records; "
           f"{result['settle_s']:.1f} s waiting for the statistic kernels' compile "
           f"({', '.join(f'{k} {v}' for k, v in result['stat_kernels'].items()) or 'none asked for'})", flush=True)

@@ -133,7 +133,7 @@ def _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap) -> torch.Ten
                 whole = flat.numel() // ROW * ROW
                 if whole:
                     rows = stat_kernels.run("record", flat[:whole].view(-1, ROW), lam, sat_lam)
-                    partials.append(rows.to(torch.float64))
+                    partials.append(rows)
                     owners.append((u, whole // ROW))
                 if whole < flat.numel():            # a copied chunk's tail is cloned, not kept alive
                     gathered.append((u, flat[whole:] if t.is_contiguous() else flat[whole:].clone()))
@@ -179,7 +179,7 @@ def _batch_rows(workspace: torch.Tensor, group: list, total: int, lam: float, sa
     for t, rows in group:
         flat.narrow(0, at, t.numel()).view(t.shape).copy_(t)
         at += rows * ROW
-    return stat_kernels.run("record", batch, lam, sat_lam).to(torch.float64)
+    return stat_kernels.run("record", batch, lam, sat_lam)
 
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
@@ -188,7 +188,8 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
 
     if not partials:                                # only empty tensors
         return _meta(schema.IDENTITY, device, torch.float64).repeat(n, 1)
-    rows = torch.cat(partials) if len(partials) > 1 else partials[0]
+    # widened once, after the cat: one kernel for every call's partials (each in its kernel's dtype)
+    rows = (torch.cat(partials) if len(partials) > 1 else partials[0]).to(torch.float64)
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
     # Python list; output_size keeps repeat_interleave from reading the counts back
     blocks = len(owners)
@@ -200,7 +201,7 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
     # record's fields: they are spread over _SPREAD partial records per tensor first, combined after.
     spread = _spread(device)
     if spread > 1:
-        index = index * spread + torch.arange(rows.shape[0], device=device) % spread
+        index = torch.add(_cycle(device, rows.shape[0], spread), index, alpha=spread)
     # every column is added (the min and max columns are replaced below)
     rec = torch.zeros(n * spread, schema.N_FIELDS, dtype=torch.float64, device=device).index_add_(0, index, rows)
     for column, start, reduce in ((_MIN, _INF, "amin"), (_MAX, -_INF, "amax")):
@@ -209,6 +210,19 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
         rec = merge_records(rec.view(n, spread, schema.N_FIELDS), dim=1)
     rec.select(1, _NANS).sub_(padding)
     return rec
+
+
+_cycles: dict = {}                              # (device, spread) -> 0, 1, ..., spread - 1, 0, 1, ...
+
+
+def _cycle(device: torch.device, length: int, spread: int) -> torch.Tensor:
+    """The first `length` of `0 .. spread - 1` repeated, on `device`: kept and grown as needed, so that a
+    combine spends no kernels on it."""
+    cycle = _cycles.get((device, spread))
+    if cycle is None or cycle.numel() < length:
+        size = max(length, 2 * cycle.numel() if cycle is not None else 1 << 16)
+        cycle = _cycles[(device, spread)] = torch.arange(size, device=device) % spread
+    return cycle[:length]
 
 
 def _spread(device: torch.device) -> int:

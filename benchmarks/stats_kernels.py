@@ -463,14 +463,18 @@ def ops_per_tensor(count: int = 20):
                     torch.stack([(c == INF).sum() for c in stats._chunks(tensors[u], accel_chunk)]).sum()
         finally:
             stats.CHUNK_ELEMS["cpu"] = shipped_chunk
-        calls, real_run = [], stat_kernels.run
+        calls, real_run, real_spread = [], stat_kernels.run, stats_fused._spread
         stat_kernels.run = lambda *a, **k: calls.append(1) or real_run(*a, **k)
+        stats_fused._spread = lambda device: stats_fused._SPREAD    # the accelerators' combine
         try:
+            stats_fused.records(tensors[:1], dev, stats._consts, stats._sat_lambda, EPS,  # its kept cycle made
+                                stats.FieldSet().sat_limit, accel_chunk)
+            calls.clear()
             with _OpCount() as one:
                 stats_fused.records(tensors, dev, stats._consts, stats._sat_lambda, EPS,
                                     stats.FieldSet().sat_limit, accel_chunk)
         finally:
-            stat_kernels.run = real_run
+            stat_kernels.run, stats_fused._spread = real_run, real_spread
         print(f"  {size:>10,} elements: multi-pass {multi.ops / count:5.1f}   one-pass "
               f"{(one.ops + len(calls)) / count:5.1f} ({len(calls)} kernel calls in the call)")
         del rec
@@ -515,7 +519,8 @@ def main():
         gather_sizes()
         return
     if args.ops_per_tensor:
-        ops_per_tensor()
+        ops_per_tensor(20)
+        ops_per_tensor(1)
         return
     design = stats.fields_for_ops(DESIGN_OPS)
     for dtype in (torch.float32, torch.bfloat16):

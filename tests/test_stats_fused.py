@@ -126,6 +126,16 @@ def test_fused_many_small_tensors_of_mixed_dtypes_in_one_call():
         check(row, x, 1e-8)
 
 
+@pytest.mark.parametrize("numel", [7, 3 * stats_fused.ROW, 3 * stats_fused.ROW + 5, 2 ** 20])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_call_of_one_tensor_gives_its_record(dtype, numel):
+    """A flush of one activation: its rows reduced as they are (whole rows only, or a padded batch), or
+    combined by owner (whole rows and a last partial row)."""
+    x = sprinkle((torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(dtype), seed=numel)
+    check(fused([x], 1e-3)[0], x, 1e-3)
+    check(fused([x[1:]], 1e-3)[0], x[1:], 1e-3)
+
+
 @pytest.mark.parametrize("spread", [2, 32])
 def test_row_partials_spread_over_partial_records_combine_exactly(monkeypatch, spread):
     """The accelerators' combine (a tensor's row partials added into `spread` partial records, merged after),

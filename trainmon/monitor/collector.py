@@ -177,8 +177,10 @@ class StepCollector:
         if len(kept) < len(keys):
             self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])
         if kept:
-            index = stats._meta([slots[i] for i in kept], rows.device)
-            self._add([keys[i] for i in kept], rows.index_select(0, index))
+            picked = [slots[i] for i in kept]
+            if picked != list(range(len(pending))):     # else every row in its key's order, as they are
+                rows = rows.index_select(0, stats._meta(picked, rows.device))
+            self._add([keys[i] for i in kept], rows)
 
     def _end_trial(self) -> None:
         """Sorts the names first seen since the last batch into those reduced at once and the deferrable."""

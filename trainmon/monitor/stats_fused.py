@@ -190,6 +190,11 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
         return _meta(schema.IDENTITY, device, torch.float64).repeat(n, 1)
     # widened once, after the cat: one kernel for every call's partials (each in its kernel's dtype)
     rows = (torch.cat(partials) if len(partials) > 1 else partials[0]).to(torch.float64)
+    if n == 1 and len(owners) == 1:                 # one tensor's rows (a flush of one activation): reduced
+        rec = merge_records(rows).unsqueeze(0)      # as they are, with no index and no atomics
+        if pads[0]:
+            rec.select(1, _NANS).sub_(pads[0])
+        return rec
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
     # Python list; output_size keeps repeat_interleave from reading the counts back
     blocks = len(owners)

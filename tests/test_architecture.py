@@ -92,3 +92,38 @@ def test_the_check_sees_lazy_and_relative_imports():
     text = "def f():\n    from trainmon.watch import spawn\nfrom ..read import layout\nfrom . import schema\n"
     assert sorted(name for _, name in _imports(probe, text)) == ["trainmon.core", "trainmon.read",
                                                                    "trainmon.watch"]
+
+
+# Where a host list may become a device tensor directly: the engine's pinned, non-blocking copy of small
+# metadata, and the kernels' thresholds and compile samples (once per run).
+HOST_TO_DEVICE = {("monitor/stats.py", "_meta"), ("monitor/stat_kernels.py", "_constant"),
+                  ("monitor/stat_kernels.py", "_sample")}
+
+
+def _tensors_made_on_a_device(source: str):
+    """(function, line) of each `torch.tensor(...)` / `torch.as_tensor(...)` given a `device=`."""
+    tree = ast.parse(source)
+    owner = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                owner[id(sub)] = node.name          # the innermost function wins: ast.walk goes outside in
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.tensor", "torch.as_tensor")
+                and any(k.arg == "device" for k in node.keywords)):
+            yield owner.get(id(node)), node.lineno
+
+
+def test_host_values_reach_a_device_only_through_a_copy_that_does_not_block():
+    """`torch.tensor(values, device=...)` copies from pageable host memory, which blocks the training thread
+    on an accelerator until the copy is done (found on a GPU: a host sync per flush of the activations)."""
+    found = [f"{path.relative_to(ROOT)}:{line} in {function}()"
+             for path in _sources() for function, line in _tensors_made_on_a_device(path.read_text())
+             if (str(path.relative_to(ROOT)), function) not in HOST_TO_DEVICE]
+    assert not found, ("host values copied to a device with a blocking copy; use stats._meta (pinned, non-blocking):"
+                       "\n" + "\n".join(found))
+
+
+def test_the_device_copy_check_sees_a_blocking_copy():
+    source = "def flush(rows, slots):\n    return torch.tensor(slots, device=rows.device)\n"
+    assert list(_tensors_made_on_a_device(source)) == [("flush", 2)]

@@ -89,6 +89,34 @@ def test_no_host_sync_in_hooks_and_one_transfer_per_step(output_dir, write_confi
         assert monitored.get(forbidden, 0) == plain.get(forbidden, 0), forbidden
 
 
+def test_the_adam_update_copies_no_step_to_the_moments_device():
+    """A step kept on the host beside moments on another device (torch's Adam on an accelerator) is read as a
+    number, where a copy to the device would wait; a step on the moments' device is used there. Both give the
+    bias-corrected update and ratio."""
+    from trainmon.monitor.adapters.base import AdamPiece
+    from trainmon.monitor.optimizer_hooks import _adam_update_and_ratio
+
+    g = torch.Generator().manual_seed(0)
+    m, v = torch.randn(50, generator=g), torch.rand(50, generator=g)
+    betas, eps = (0.9, 0.999), 1e-8
+    m_hat, v_hat = m / (1 - 0.9 ** 3), v / (1 - 0.999 ** 3)
+    for step in (torch.tensor(3.0), 3):             # a tensor step's correction is computed in fp32: 1 - 0.999^3
+        update, ratio = _adam_update_and_ratio(AdamPiece(m, v, step, betas, eps))   # keeps 4-5 digits
+        torch.testing.assert_close(update, m_hat / (v_hat.sqrt() + eps), rtol=1e-4, atol=0)
+        torch.testing.assert_close(ratio, m_hat / v_hat.sqrt(), rtol=1e-4, atol=0)
+    host_step, copied = torch.tensor(3.0), []
+
+    class StepCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_to_copy" and args[0] is host_step:
+                copied.append((kwargs or {}).get("device"))
+            return func(*args, **(kwargs or {}))
+
+    with StepCopies():                              # moments on another device than the host's step
+        update, _ = _adam_update_and_ratio(AdamPiece(m.to("meta"), v.to("meta"), host_step, betas, eps))
+    assert update.device.type == "meta" and not copied, copied
+
+
 def _hook_census(model, optimizer):
     counts = []
     for module in model.modules():

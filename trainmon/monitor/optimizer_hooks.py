@@ -253,13 +253,18 @@ def _then(closure: Callable, callback: Callable[[], None]) -> Callable:
 def _adam_update_and_ratio(piece: AdamPiece):
     """Bias-corrected m̂/(√v̂+ε) and m̂/√v̂ of one piece.
 
-    The bias correction is computed from the state's step tensor on its own device, so no value is
-    read on the host.
+    A step on the moments' device (capturable or fused Adam) is used there, where reading it would wait for
+    the device; one on the host (torch's Adam keeps a CPU step beside accelerator moments) is read as a number,
+    where copying it to the device would wait for the copy.
     """
     beta1, beta2 = piece.betas
     m, v, step = piece.exp_avg, piece.exp_avg_sq, piece.step
-    step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-    step = step.to(device=m.device, dtype=torch.float32)
-    m_hat = m / (1 - torch.pow(beta1, step))
-    v_hat_sqrt = torch.sqrt(v / (1 - torch.pow(beta2, step)))
+    if isinstance(step, torch.Tensor) and step.device == m.device:
+        step = step.to(dtype=torch.float32)
+        m_hat = m / (1 - torch.pow(beta1, step))
+        v_hat_sqrt = torch.sqrt(v / (1 - torch.pow(beta2, step)))
+    else:
+        step = float(step)
+        m_hat = m / (1 - beta1 ** step)
+        v_hat_sqrt = torch.sqrt(v / (1 - beta2 ** step))
     return m_hat / (v_hat_sqrt + piece.eps), m_hat / v_hat_sqrt

@@ -41,10 +41,14 @@ import time
 import traceback
 import warnings
 
-from overhead import attach_monitor, tier_config
+from overhead import TIERS as OVERHEAD_TIERS, attach_monitor, tier_config
 
 MODES = ("eager", "compiled", "graphs")
-TIERS = ("none", "sentinel", "wg", "wg+xy", "full")
+# "all": every per-step collection at once (the full tier, Adam's update and ratio, the grads' sign agreement,
+# the sentinel), for the host-sync check of what the tiers leave out
+GPU_TIERS = {**OVERHEAD_TIERS, "all": {**OVERHEAD_TIERS["full"], "ur_distribution": True, "mg_direction": True,
+                                       "sentinel": True}}
+TIERS = ("none", "sentinel", "wg", "wg+xy", "full", "all")
 
 
 def _device_module(torch, device):
@@ -103,7 +107,7 @@ def run_child(spec: dict) -> dict:
         run_model = torch.compile(model, mode="reduce-overhead")
     out_dir = tempfile.mkdtemp(prefix="trainmon_gpu_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    monitor = attach_monitor(tier_config(spec["tier"], ["db"]), out_dir, run_model, optimizer)
+    monitor = attach_monitor(tier_config(spec["tier"], ["db"], tiers=GPU_TIERS), out_dir, run_model, optimizer)
     gen = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in synthetic_batch(gen, spec["batch"], spec["seq"], spec["vocab"]))
                for _ in range(4)]

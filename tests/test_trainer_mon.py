@@ -55,7 +55,8 @@ def _count_ops(write_config, monitored: bool, steps: int):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = None
     if monitored:
-        monitor = TrainerMon(write_config(**FULL))
+        # every per-step collection: the full tier, Adam's update and ratio, sign agreement, the sentinel
+        monitor = TrainerMon(write_config(**FULL, ur_distribution=True, mg_direction=True, sentinel=True))
         monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=2)
     from trainmon.demo import lm_loss
     from training import batches

@@ -343,20 +343,20 @@ def _print_output_bytes(args) -> None:
 
 def _print_table(results: list[dict]) -> None:
     base = {r["mode"]: r for r in results if r["tier"] == "none" and "error" not in r}
-    print("| mode | tier | step | × none | kernels/step | extra | peak MB | extra MB | host syncs (training) "
-          "| other threads | records |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | tier | step | × none | kernels/step | kernel time | extra | peak MB | extra MB | saved MB "
+          "| host syncs (training) | other threads | records |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
-            print(f"| {r['mode']} | {r['tier']} | failed: {r['error']} | | | | | | | | |")
+            print(f"| {r['mode']} | {r['tier']} | failed: {r['error']} | | | | | | | | | | |")
             continue
         b = base.get(r["mode"])
         ratio = f"{r['step_s'] / b['step_s']:.3f}" if b else "-"
         extra_k = r["kernels"] - b["kernels"] if b else "-"
         extra_mb = f"{(r['peak_bytes'] - b['peak_bytes']) / 2**20:.0f}" if b else "-"
-        print(f"| {r['mode']} | {r['tier']} | {r['step_s'] * 1e3:.1f} ms | {ratio} | {r['kernels']} | {extra_k} | "
-              f"{r['peak_bytes'] / 2**20:.0f} | {extra_mb} | {len(r['syncs_training'])} | {r['syncs_other_threads']} "
-              f"| {r['records']} |")
+        print(f"| {r['mode']} | {r['tier']} | {r['step_s'] * 1e3:.1f} ms | {ratio} | {r['kernels']} | "
+              f"{r['kernel_ms']:.1f} ms | {extra_k} | {r['peak_bytes'] / 2**20:.0f} | {extra_mb} | "
+              f"{r['saved_bytes'] / 2**20:.0f} | {len(r['syncs_training'])} | {r['syncs_other_threads']} | {r['records']} |")
     for r in results:
         for thread, where, message in r.get("syncs_training", [])[:5]:
             print(f"host sync, {r['mode']} {r['tier']}: {where}: {message}")

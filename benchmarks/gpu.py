@@ -284,11 +284,12 @@ def _progress(result: dict) -> None:
 
 def _print_kernels(device) -> None:
     """Compile time of the record kernel per dtype, then the read rate of one records call over bf16 tensors
-    of a few sizes, next to one _foreach_norm pass over the same tensors (the floor) and a per-tensor aminmax
-    (the sentinel's probe); medians of 10 calls after 3."""
+    of a few sizes, through the one-pass kernel and through the multi-pass kernels, next to one _foreach_norm
+    pass over the same tensors (the floor) and a per-tensor aminmax (the sentinel's probe); medians of 10 calls
+    after 3."""
     import torch
 
-    from trainmon.monitor import stat_kernels, stats
+    from trainmon.monitor import stat_kernels, stats, stats_fused
 
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     start = time.perf_counter()
@@ -309,14 +310,21 @@ def _print_kernels(device) -> None:
                 times.append((time.perf_counter() - begin) * 1e3)
         return statistics.median(times)
 
-    print("| bf16 tensors | GB | records | _foreach_norm | aminmax each |")
-    print("| --- | --- | --- | --- | --- |")
+    def multi_pass(ts):
+        stats_fused.enabled = False
+        try:
+            return stats.tensor_records(ts, 1e-8, fields)
+        finally:
+            stats_fused.enabled = True
+
+    print("| bf16 tensors | GB | records (one pass) | records (multi-pass) | _foreach_norm | aminmax each |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for count, numel in ((16, 1 << 24), (64, 1 << 20), (1000, 1 << 14)):
         ts = [torch.randn(numel, device=device, dtype=torch.bfloat16) for _ in range(count)]
         gb = count * numel * 2 / 1e9
         rate = lambda ms: f"{ms:.2f} ms, {gb / ms * 1e3:.0f} GB/s"  # noqa: E731
         print(f"| {count} x {numel:,} | {gb:.2f} | {rate(median_ms(lambda: stats.tensor_records(ts, 1e-8, fields)))} "
-              f"| {rate(median_ms(lambda: torch._foreach_norm(ts)))} "
+              f"| {rate(median_ms(lambda: multi_pass(ts)))} | {rate(median_ms(lambda: torch._foreach_norm(ts)))} "
               f"| {rate(median_ms(lambda: [torch.aminmax(t) for t in ts]))} |", flush=True)
 
 

@@ -241,3 +241,39 @@ def test_stop_removes_the_hooks_and_their_tokens_entries(output_dir, write_confi
     monitor.stop()
     assert not in_graph._hooks
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def _bytes_held_for_backward(write_config, config: dict | None) -> int:
+    """The bytes of the distinct storages autograd holds for the backward of a bf16 model's compiled forward
+    (min-cut partitioner, no code generation), monitored with `config` or not."""
+    torch._dynamo.reset()
+    model = make_model(hidden=64).to(torch.bfloat16)
+    run_model = torch.compile(model, backend="aot_eager_decomp_partition")
+    monitor = None
+    if config is not None:
+        monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **config))
+        monitor.set_monitor(run_model, optimizer=torch.optim.AdamW(model.parameters()))
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens, labels = next(batches())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = lm_loss(run_model, tokens, labels)
+    loss.backward()
+    if monitor is not None:
+        monitor.stop()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("tier", ["sentinel", "activations"])
+def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(output_dir, write_config, monkeypatch,
+                                                                             tier):
+    """trainmon's op in the graph made AOTAutograd's partitioner save fp32 products of LayerNorm and GELU that it
+    recomputes from their bf16 inputs unmonitored (see in_graph); the setting it turns off for that is back after."""
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)   # partitioned in this test
+    setting = torch._functorch.config.ban_recompute_used_far_apart
+    assert _bytes_held_for_backward(write_config, TIERS[tier]) == _bytes_held_for_backward(write_config, None)
+    assert torch._functorch.config.ban_recompute_used_far_apart == setting

@@ -1,6 +1,7 @@
 """The NaN sentinel: no host sync in its hooks, one host transfer per step, numerics untouched, buffer growth."""
 import math
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -152,3 +153,20 @@ def test_a_bf16_models_probes_are_stacked_by_dtype_and_name_the_fault(output_dir
     assert all(math.isnan(x) for x in probes[2][("actv", "layers.1.mlp.0.output")])
     first = (monitor.output_dir / "anomalies.jsonl").read_text().splitlines()[0]
     assert '"module": "layers.1.mlp.0"' in first and '"step": 2' in first
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_cpu_probe_tells_every_fault_whatever_its_sum_does(dtype):
+    """On CPU a finite sum stands for (min, max); a sum that overflows from finite values (fp32's range, here
+    for bf16 and fp32) hands the tensor to aminmax, which finds them finite."""
+    big = torch.finfo(dtype).max
+    cases = {None: torch.tensor([1.0, -2.0, 3.0]), sentinel.NAN: torch.tensor([1.0, math.nan, 3.0]),
+             sentinel.POS_INF: torch.tensor([1.0, math.inf]), sentinel.NEG_INF: torch.tensor([-math.inf, 1.0]),
+             sentinel.BOTH_INF: torch.tensor([-math.inf, math.inf])}
+    for found, values in cases.items():
+        low, high = sentinel.probe(values.to(dtype))
+        assert sentinel.verdict("actv", float(low), float(high)) == found, (dtype, values)
+    low, high = sentinel.probe(torch.full((4,), big, dtype=dtype))     # finite; for bf16 and fp32 its sum is not
+    assert sentinel.verdict("actv", float(low), float(high)) is None
+    if dtype != torch.float16:                                          # fp16 is summed in fp32
+        assert (float(low), float(high)) == (float(big), float(big))

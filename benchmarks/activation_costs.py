@@ -8,7 +8,7 @@ each with one part turned off:
 | --- | --- |
 | base | nothing |
 | no input taps | the identity autograd node on each module call's inputs (so no input grads either) |
-| taps without records | the input grads' records; the taps still run |
+| taps without records | the records of the grads the taps see (of inputs, and of outputs that are inputs); the taps still run |
 | no output-grad hooks | the pre-hooks on the nodes that made module outputs (so no output grads either) |
 | output-grad hooks without records | the output grads' records; the hooks still run |
 | no forward records | the records of module inputs and outputs |

@@ -4,6 +4,7 @@ import gc
 import json
 import logging
 import os
+import sqlite3
 import time
 import weakref
 
@@ -494,6 +495,71 @@ def test_keyword_inputs_are_recorded_with_their_grads(output_dir, write_config):
     assert actv["gate.input_1"] == pytest.approx(float(2 * h.norm()), rel=1e-6)
     assert grads["gate.input_0"] == pytest.approx(float(positional.grad.norm()), rel=1e-6)
     assert grads["gate.input_1"] == pytest.approx(float(keyword.grad.norm()), rel=1e-6)
+
+
+class _PassFirst(torch.nn.Module):
+    """Returns its first input as it came, and the second scaled."""
+
+    def forward(self, x, y):
+        return x, y * 2
+
+
+class _PassingModel(torch.nn.Module):
+    """Modules that return their input as it came: an Identity, a dropout with p = 0, and one of two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.keep, self.drop, self.pair = torch.nn.Identity(), torch.nn.Dropout(0.0), _PassFirst()
+
+    def forward(self, x):
+        h = self.drop(self.keep(self.proj(x)))
+        a, b = self.pair(h, h * 3)
+        return self.out(a) + b + h
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_modules_returning_their_input_have_the_records_and_grads_of_torch(output_dir, write_config):
+    """A module returning its input as it came (Megatron's IdentityOp, dropout with p = 0) has an output record
+    equal to its input's, and the output and input grads torch's full backward hooks see, in that order."""
+    model = _PassingModel()
+    reference_model = copy.deepcopy(model)
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17, format=["csv", "db"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.set_monitor(model, optimizer=optimizer)
+    x = torch.randn(4, 8)
+    model(x).pow(2).sum().backward()
+    optimizer.step()
+    monitor.stop()
+    actv = read_family(monitor.output_dir, "actv").set_index("name")
+    grads = read_family(monitor.output_dir, "actv_grad").set_index("name")
+
+    reference, outputs = {}, {}
+    for name, module in reference_model.named_modules():
+        def backward_hook(module, grad_input, grad_output, name=name):
+            for io, leaves in (("input", grad_input), ("output", grad_output)):
+                for i, grad in enumerate(leaves):
+                    if grad is not None:
+                        reference[f"{name}.{io}" + ("" if len(leaves) == 1 else f"_{i}")] = grad.clone()
+        module.register_full_backward_hook(backward_hook)
+        module.register_forward_hook(lambda module, args, output, name=name: outputs.setdefault(name, output))
+    reference_model(x).pow(2).sum().backward()
+
+    h = outputs["proj"].detach()
+    for name in ["keep.output", "drop.output", "pair.output_0"]:
+        assert actv.norm[name] == actv.norm["proj.output"] == pytest.approx(float(h.double().norm()), rel=1e-6)
+        assert actv["min"][name] == float(h.min()) and actv["max"][name] == float(h.max())
+    assert actv.norm["pair.output_1"] == pytest.approx(float(6 * h.norm()), rel=1e-6)
+    assert set(grads.index) == set(reference)
+    for name, grad in reference.items():
+        assert grads.norm[name] == pytest.approx(float(grad.double().norm()), rel=1e-6), name
+    with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
+        call_index = dict(conn.execute("SELECT name, call_index FROM records JOIN tags ON tags.id = tag_id "
+                                       "WHERE family = 'actv_grad'"))
+    for output, input_ in [("keep.output", "keep.input"), ("drop.output", "drop.input"),
+                           ("pair.output_0", "pair.input_0")]:  # backward reaches a module's output before its input
+        assert call_index[output] < call_index[input_]
 
 
 class _Checkpointed(torch.nn.Module):

@@ -73,6 +73,10 @@ class _Call:
     input_index: int  # call index of its input records, taken when the call started
     micro: int = 0
     suffixes: tuple = ()  # leaf-name suffix per tapped input ("" or "_<i>")
+    tapped_places: tuple = ()  # input_places of the tapped inputs
+    # (tapped input's position, output leaf name) of outputs that are the tap's own aliases (a module returning
+    # its input: Megatron's IdentityOp, dropout with p = 0): their grad is the one the tap sees
+    output_grads: tuple = ()
     name: Optional[str] = None
 
 
@@ -82,6 +86,7 @@ class _InputTap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
         ctx.call = call
+        ctx.set_materialize_grads(False)  # an input no grad reached has none (not zeros), as in a full backward hook
         # Views of the inputs would make autograd reject in-place ops on them; detached aliases do not.
         return tuple(t.detach() for t in tensors)
 
@@ -190,6 +195,7 @@ class ActivationHooks(Hooks):
         tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel)
         if not tapped:
             return None
+        call.tapped_places = tuple(places[i] for i in tapped)
         aliases = _InputTap.apply(call, *(inputs[i] for i in tapped))
         args, kwargs = list(args), dict(kwargs)
         for i, alias in zip(tapped, aliases):
@@ -218,8 +224,10 @@ class ActivationHooks(Hooks):
             if training and self.backward and torch.is_grad_enabled():
                 call.name = name
                 shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
-                self._hook_output_grads(watched, micro, output_leaves if shared else
-                                        floating_leaves(output, watched.output_grad_sel, prefix))
+                grad_leaves = output_leaves if shared else floating_leaves(output, watched.output_grad_sel, prefix)
+                if call.tapped_places:
+                    grad_leaves = _outputs_not_tapped(call, grad_leaves, values_at(call.tapped_places, args, kwargs))
+                self._hook_output_grads(watched, micro, grad_leaves)
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, name))
             if self.forward:
@@ -263,10 +271,13 @@ class ActivationHooks(Hooks):
         self._record_grads(watched, micro, [(leaf_name, grad)])
 
     def _record_input_grads(self, call: _Call, grads) -> None:
+        """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their
+        node pre-hook would have run before the tap's backward)."""
         if call.name is not None:
-            self._record_grads(call.watched, call.micro,
-                               [(f"{call.name}.input{suffix}", grad)
-                                for suffix, grad in zip(call.suffixes, grads) if grad is not None])
+            named = [(leaf_name, grads[i]) for i, leaf_name in call.output_grads if grads[i] is not None]
+            named += [(f"{call.name}.input{suffix}", grad)
+                      for suffix, grad in zip(call.suffixes, grads) if grad is not None]
+            self._record_grads(call.watched, call.micro, named)
 
     def _record_grads(self, watched: WatchedModule, micro: int, named_grads: list) -> None:
         if not self.state.collecting or not named_grads:
@@ -287,8 +298,22 @@ class ActivationHooks(Hooks):
         for leaf_name, t in output_leaves:
             index = collector.call_index_of(family, leaf_name, vpp, micro, t)
             keys.append(record_key(family, leaf_name, vpp, micro, index, tuple(t.shape), str(t.dtype)))
-            tensors.append(t)
+            tensors.append(_root(t))  # an input returned as it came: the input's record serves
         collector.record(keys, tensors, defer=True)
+
+
+def _outputs_not_tapped(call: _Call, output_leaves: list, aliases: list) -> list:
+    """`output_leaves` less the outputs that are `call`'s tapped inputs (`aliases`, as the module got them), whose
+    grads its tap records (`call.output_grads`) without a hook of their own."""
+    rest, by_tap = [], []
+    for leaf_name, tensor in output_leaves:
+        position = next((i for i, alias in enumerate(aliases) if alias is tensor), None)
+        if position is None:
+            rest.append((leaf_name, tensor))
+        else:
+            by_tap.append((position, leaf_name))
+    call.output_grads = tuple(by_tap)
+    return rest
 
 
 def _grad_key(collector: StepCollector, watched: WatchedModule, micro: int, leaf_name: str,

@@ -86,7 +86,6 @@ class _InputTap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
         ctx.call = call
-        ctx.set_materialize_grads(False)  # an input no grad reached has none (not zeros), as in a full backward hook
         # Views of the inputs would make autograd reject in-place ops on them; detached aliases do not.
         return tuple(t.detach() for t in tensors)
 
@@ -272,7 +271,9 @@ class ActivationHooks(Hooks):
 
     def _record_input_grads(self, call: _Call, grads) -> None:
         """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their
-        node pre-hook would have run before the tap's backward)."""
+        node pre-hook would have run before the tap's backward). Where some of them got a grad, autograd hands the
+        others as zeros: an input's zero grad is what a full backward hook reports too; an output that is an input
+        and reached nothing is recorded with that zero grad, where a full backward hook reports none."""
         if call.name is not None:
             named = [(leaf_name, grads[i]) for i, leaf_name in call.output_grads if grads[i] is not None]
             named += [(f"{call.name}.input{suffix}", grad)

@@ -66,7 +66,7 @@ def _install_variants(order: list[str], out_path: str, warmup: int) -> None:
         setattr(hooks, name, staticmethod(switched) if static else switched)
 
     off("_tap_inputs", "no-input-taps", lambda call, args, kwargs: None)
-    off("_record_input_grads", "taps-no-records", lambda self, call, grads: None)
+    off("_record_tap_grads", "taps-no-records", lambda self, call, grads: None)
     off("_hook_output_grads", "no-output-grad-hooks", lambda watched, micro, leaves: None)
     off("_record_output_grad", "output-grad-hooks-no-records", lambda self, *args: None)
     off("_record_activations", "no-forward-records", lambda self, *args: None)

@@ -57,7 +57,7 @@ class WatchedModule:
     unrecomputed: collections.deque = field(default_factory=collections.deque)
     # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded.
     open_calls: list = field(default_factory=list)
-    grad_recorders: tuple = ()  # (input grads, output grad) callbacks, guarded
+    grad_recorders: tuple = ()  # (the tap's grads, an output's grad) callbacks, guarded
     # (micro-step, leaf name, output_nr) -> the pre-hook on an output's grad_fn: made once, as every step's
     # calls repeat them (hooks that live until backward would otherwise be garbage for Python's collector)
     output_grad_hooks: dict = field(default_factory=dict)
@@ -134,7 +134,7 @@ class ActivationHooks(Hooks):
             item = f"activations of {watched.name or '<root>'}"
             if self.backward:
                 # Built once per module: the autograd callbacks of every call share them.
-                watched.grad_recorders = (self.state.guarded(item, self._record_input_grads),
+                watched.grad_recorders = (self.state.guarded(item, self._record_tap_grads),
                                           self.state.guarded(item, self._record_output_grad))
                 watched.output_grad_hooks.clear()
             self._handles.append(in_graph.forward_pre_hook(
@@ -225,7 +225,8 @@ class ActivationHooks(Hooks):
                 shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
                 grad_leaves = output_leaves if shared else floating_leaves(output, watched.output_grad_sel, prefix)
                 if call.tapped_places:
-                    grad_leaves = _outputs_not_tapped(call, grad_leaves, values_at(call.tapped_places, args, kwargs))
+                    grad_leaves, call.output_grads = _split_tapped_outputs(
+                        grad_leaves, values_at(call.tapped_places, args, kwargs))
                 self._hook_output_grads(watched, micro, grad_leaves)
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, name))
@@ -269,7 +270,7 @@ class ActivationHooks(Hooks):
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
         self._record_grads(watched, micro, [(leaf_name, grad)])
 
-    def _record_input_grads(self, call: _Call, grads) -> None:
+    def _record_tap_grads(self, call: _Call, grads) -> None:
         """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their
         node pre-hook would have run before the tap's backward). Where some of them got a grad, autograd hands the
         others as zeros: an input's zero grad is what a full backward hook reports too; an output that is an input
@@ -303,9 +304,9 @@ class ActivationHooks(Hooks):
         collector.record(keys, tensors, defer=True)
 
 
-def _outputs_not_tapped(call: _Call, output_leaves: list, aliases: list) -> list:
-    """`output_leaves` less the outputs that are `call`'s tapped inputs (`aliases`, as the module got them), whose
-    grads its tap records (`call.output_grads`) without a hook of their own."""
+def _split_tapped_outputs(output_leaves: list, aliases: list) -> tuple[list, tuple]:
+    """(the output leaves that are none of a call's tapped inputs, (position in `aliases`, leaf name) of those
+    that are), `aliases` being the tapped inputs as the module got them. The tap records the latter's grads."""
     rest, by_tap = [], []
     for leaf_name, tensor in output_leaves:
         position = next((i for i, alias in enumerate(aliases) if alias is tensor), None)
@@ -313,8 +314,7 @@ def _outputs_not_tapped(call: _Call, output_leaves: list, aliases: list) -> list
             rest.append((leaf_name, tensor))
         else:
             by_tap.append((position, leaf_name))
-    call.output_grads = tuple(by_tap)
-    return rest
+    return rest, tuple(by_tap)
 
 
 def _grad_key(collector: StepCollector, watched: WatchedModule, micro: int, leaf_name: str,

@@ -28,11 +28,13 @@ WIDE = [torch.float32, torch.float64]
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
     """One compile per kernel and dtype for the whole module; every call of these tests takes the one-pass
-    record kernel, CPU fp32 and fp64 included (`cpu_wide`), unless a test says otherwise."""
+    record kernel, CPU fp32 and fp64 included (`cpu_wide`), unless a test says otherwise. That the CPU
+    kernels compiled is asserted by the CPU cases (`fused`), not here: where they fail to compile, the
+    accelerator cases still run."""
     stat_kernels.prepare(CPU, DTYPES)                 # both kernels compile at once
     stat_kernels.prepare(CPU, WIDE, kernel="finite")
-    assert stat_kernels.prepare(CPU, DTYPES, wait=True)
-    assert stat_kernels.prepare(CPU, WIDE, wait=True, kernel="finite")
+    stat_kernels.prepare(CPU, DTYPES, wait=True)
+    stat_kernels.prepare(CPU, WIDE, wait=True, kernel="finite")
     stats_fused.cpu_wide = True
     yield
     stats_fused.cpu_wide = False

@@ -283,10 +283,10 @@ def _progress(result: dict) -> None:
 
 
 def _print_kernels(device) -> None:
-    """Compile time of the record kernel per dtype, then the read rate of one records call over bf16 tensors
-    of a few sizes, through the one-pass kernel and through the multi-pass kernels, next to one _foreach_norm
-    pass over the same tensors (the floor) and a per-tensor aminmax (the sentinel's probe); medians of 10 calls
-    after 3."""
+    """Compile time of the record kernel per dtype and of the merge kernel of its rows, then the read rate
+    of one records call over bf16 tensors of a few sizes, through the one-pass kernel and through the
+    multi-pass kernels, next to one _foreach_norm pass over the same tensors (the floor) and a per-tensor
+    aminmax (the sentinel's probe); medians of 10 calls after 3."""
     import torch
 
     from trainmon.monitor import stat_kernels, stats, stats_fused
@@ -294,7 +294,8 @@ def _print_kernels(device) -> None:
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     start = time.perf_counter()
     stat_kernels.prepare(device, dtypes, wait=True)
-    print(f"record kernels compiled or loaded in {time.perf_counter() - start:.1f} s: "
+    stat_kernels.prepare(device, [torch.float32, torch.float64], wait=True, kernel="merge")  # the rows' dtypes
+    print(f"record and merge kernels compiled or loaded in {time.perf_counter() - start:.1f} s: "
           f"{stat_kernels.settle(timeout=0)}", flush=True)
     accel = _device_module(torch, device)
     fields = stats.fields_for_ops(["norm", "min", "max", "mean", "zeros", "nans", "infs"])

@@ -340,13 +340,13 @@ def per_element(rounds):
     stat_kernels.prepare("cpu", [torch.float32], wait=True, kernel="finite")
     stats_native.prepare(wait=True)
 
-    def records(enabled, cpu_wide=False, native=False):
+    def records(enabled, as_accelerator=False, native=False):
         def run(ts):
-            stats_fused.enabled, stats_fused.cpu_wide, stats_native.enabled = enabled, cpu_wide, native
+            stats_fused.enabled, stats_fused.cpu_as_accelerator, stats_native.enabled = enabled, as_accelerator, native
             try:
                 return stats.tensor_records(ts, EPS, fields)
             finally:
-                stats_fused.enabled, stats_fused.cpu_wide, stats_native.enabled = True, False, True
+                stats_fused.enabled, stats_fused.cpu_as_accelerator, stats_native.enabled = True, False, True
         return run
     cands = {"multi-pass": records(False), "one-pass": records(True, True), "generated": records(True),
              "shipped": records(True, native=True), "_foreach_norm": c_foreach_norm}
@@ -446,10 +446,11 @@ class _OpCount(TorchDispatchMode):
 def ops_per_tensor(count: int = 20):
     """The launches per bf16 tensor of an accelerator's record paths, counted on the CPU: the multi-pass
     kernels (stats._exact_records, the sat and +Inf columns; in the accelerators' chunks) and the one-pass
-    path (stats_fused.records: its ops plus its compiled-kernel calls)."""
+    path (stats_fused.records: its ops plus its compiled-kernel calls, the merge kernel's included)."""
     dev, accel_chunk = torch.device("cpu"), stats._DEFAULT_CHUNK
     want = tuple(f in ALL for f in stats.FIELDS[:8])
     stat_kernels.prepare("cpu", [torch.bfloat16], wait=True)
+    stat_kernels.prepare("cpu", [F32], wait=True, kernel="merge")
     print(f"== launches per bf16 tensor on an accelerator's paths, {count} tensors a call "
           f"(accelerators' chunk: {accel_chunk} elements)")
     for size in (1 << 14, 1 << 20, 1 << 24):
@@ -466,6 +467,7 @@ def ops_per_tensor(count: int = 20):
         calls, real_run, real_spread = [], stat_kernels.run, stats_fused._spread
         stat_kernels.run = lambda *a, **k: calls.append(1) or real_run(*a, **k)
         stats_fused._spread = lambda device: stats_fused._SPREAD    # the accelerators' combine
+        stats_fused.cpu_as_accelerator = True                       # and merge
         try:
             stats_fused.records(tensors[:1], dev, stats._consts, stats._sat_lambda, EPS,  # its kept cycle made
                                 stats.FieldSet().sat_limit, accel_chunk)
@@ -475,6 +477,7 @@ def ops_per_tensor(count: int = 20):
                                     stats.FieldSet().sat_limit, accel_chunk)
         finally:
             stat_kernels.run, stats_fused._spread = real_run, real_spread
+            stats_fused.cpu_as_accelerator = False
         print(f"  {size:>10,} elements: multi-pass {multi.ops / count:5.1f}   one-pass "
               f"{(one.ops + len(calls)) / count:5.1f} ({len(calls)} kernel calls in the call)")
         del rec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -27,24 +28,24 @@ WIDE = [torch.float32, torch.float64]
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """One compile per kernel and dtype for the whole module; every call of these tests takes the one-pass
-    record kernel, CPU fp32 and fp64 included (`cpu_wide`), unless a test says otherwise. That the CPU
-    kernels compiled is asserted by the CPU cases (`fused`), not here: where they fail to compile, the
-    accelerator cases still run."""
-    stat_kernels.prepare(CPU, DTYPES)                 # both kernels compile at once
-    stat_kernels.prepare(CPU, WIDE, kernel="finite")
-    stat_kernels.prepare(CPU, DTYPES, wait=True)
-    stat_kernels.prepare(CPU, WIDE, wait=True, kernel="finite")
-    stats_fused.cpu_wide = True
+    """One compile per kernel and dtype for the whole module; every call of these tests takes the accelerators'
+    path (`cpu_as_accelerator`): the one-pass record kernel, CPU fp32 and fp64 included, and one tensor's rows
+    merged by the merge kernel, unless a test says otherwise. That the CPU kernels compiled is asserted by the
+    CPU cases (`fused`), not here: where they fail to compile, the accelerator cases still run."""
+    for wait in (False, True):                      # every kernel compiles at once
+        stat_kernels.prepare(CPU, DTYPES, wait=wait)
+        stat_kernels.prepare(CPU, WIDE, wait=wait, kernel="finite")
+        stat_kernels.prepare(CPU, WIDE, wait=wait, kernel="merge")
+    stats_fused.cpu_as_accelerator = True
     yield
-    stats_fused.cpu_wide = False
+    stats_fused.cpu_as_accelerator = False
 
 
 @pytest.fixture
 def assume_finite_kernel(monkeypatch):
     """CPU fp32/fp64 through stats_cpu's assume-finite path, as shipped; yields, per tensor its one-pass kernel
     read, the rows it read (a last partial row included)."""
-    monkeypatch.setattr(stats_fused, "cpu_wide", False)
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", False)
     monkeypatch.setattr(stats_native, "enabled", False)      # the path while the native kernel is not built
     read = []
 
@@ -66,9 +67,15 @@ def no_compile(monkeypatch):
 
 @pytest.fixture
 def unknown_kernels(monkeypatch):
-    """This process as a run's starts: no kernel known or loaded."""
+    """This process as a run's starts: no kernel known or loaded. One tensor's rows are merged by the engine's
+    ops, as on CPU, so that no merge kernel compiles behind a test of the record kernel's compile; a compile
+    the test started ends with it, not in the next test's kernel states."""
     for name in ("_state", "_threads", "_runners"):
         monkeypatch.setattr(stat_kernels, name, {})
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", False)
+    yield
+    for thread in list(stat_kernels._threads.values()):
+        thread.join()
 
 
 @pytest.fixture
@@ -224,14 +231,14 @@ def test_a_package_on_disk_is_loaded_not_compiled_again(fresh_process):
 
 
 def test_cpu_takes_the_one_pass_record_kernel_for_16_bit_tensors_only():
-    stats_fused.cpu_wide = False
+    stats_fused.cpu_as_accelerator = False
     try:
         assert not stats_fused.usable([torch.randn(1 << 20)], CPU)
         assert not stats_fused.usable([torch.randn(1 << 20).double(), torch.randn(9).bfloat16()], CPU)
         assert stats_fused.usable([torch.randn(1000).bfloat16()], CPU)
         assert stats_fused.usable([torch.randn(1 << 20)], CPU, kernel="finite")
     finally:
-        stats_fused.cpu_wide = True
+        stats_fused.cpu_as_accelerator = True
     assert not stats_fused.usable([torch.empty(5, device="meta")], torch.device("meta"))
     with OpLog():                                    # the compiled code would bypass the dispatch mode
         assert not stats_fused.usable([torch.randn(5)], CPU)
@@ -317,7 +324,7 @@ def test_whole_row_tensors_share_the_assume_finite_kernels_calls(assume_finite_k
 def test_failing_kernels_are_retired_and_the_records_stay_right(monkeypatch, caplog):
     """Both generated kernels raising at run time: each is retired for its dtype with one message, and every
     record still equals torch's."""
-    monkeypatch.setattr(stats_fused, "cpu_wide", False)
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", False)
     monkeypatch.setattr(stat_kernels, "_state", dict(stat_kernels._state))
     monkeypatch.setattr(stats_native, "enabled", False)
 
@@ -427,14 +434,52 @@ def test_the_accelerators_artifact_gives_the_records_of_every_shape(tmp_path, mo
     child, published, loaded by the training thread, and its records those of torch, from a batch of one row
     to a tensor of many rows with a partial last one."""
     monkeypatch.setattr(stat_kernels, "_suffix", lambda place: stat_kernels._ARTIFACT)
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", True)
     assert stat_kernels.prepare(CPU, [torch.bfloat16], wait=True)
-    assert [p.suffix for p in (tmp_path / "trainmon").iterdir() if not p.name.endswith(".lock")] == [".bin"]
+    assert stat_kernels.prepare(CPU, [torch.float32], wait=True, kernel="merge")
+    assert [p.suffix for p in (tmp_path / "trainmon").iterdir() if not p.name.endswith(".lock")] == [".bin"] * 2
     cs = cases(torch.bfloat16)
     cs["rows"] = sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW + 5).bfloat16())
     one_row = {"one": torch.randn(5).bfloat16()}
-    for tensors in (cs, one_row):
+    whole_rows = {"long": sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW).bfloat16())}   # the merge kernel's
+    for tensors in (cs, one_row, whole_rows):
         for row, x in zip(fused(list(tensors.values()), 1e-3), tensors.values()):
             check(row, x, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", WIDE)
+@pytest.mark.parametrize("rows", [1, 3, 5000])
+def test_the_merge_kernel_merges_row_partials_as_merge_records(dtype, rows):
+    """Row partials as the record kernel gives them (rows of no finite element among them: the identity's
+    ±Inf extremes), merged by the compiled kernel and by the engine's ops."""
+    assert stat_kernels.prepare(CPU, [dtype], kernel="merge")
+    x = torch.randn(rows * stat_kernels.ROW, generator=torch.Generator().manual_seed(rows)).to(dtype) * 1e3
+    x[: stat_kernels.ROW] = math.inf                # the first row: no finite element
+    partials = stat_kernels.run("record", x.view(rows, -1), 1e-3, 1e4)
+    merged = stat_kernels.run("merge", partials)
+    assert merged.dtype == torch.float64 and merged.shape == (len(FIELDS),)
+    torch.testing.assert_close(merged, merge_records(partials), rtol=1e-12, atol=0)
+
+
+def test_one_tensors_rows_are_merged_by_the_merge_kernel(monkeypatch):
+    """A call of one tensor (a flush of one activation) takes the record kernel and then the merge kernel: two
+    kernel calls, where the engine's ops launch six on an accelerator; its record is torch's."""
+    calls = []
+
+    def run(kernel, *args, run=stat_kernels.run, **kwargs):
+        calls.append(kernel)
+        return run(kernel, *args, **kwargs)
+    monkeypatch.setattr(stat_kernels, "run", run)
+    x = sprinkle(torch.randn(4 * stats_fused.GATHER_BELOW).bfloat16())
+    check(fused([x], 1e-3)[0], x, 1e-3)
+    assert calls == ["record", "merge"]
+    calls.clear()
+    stats_fused.cpu_as_accelerator = False          # CPU: the engine's ops, which launch nothing there
+    try:
+        check(fused([x], 1e-3)[0], x, 1e-3)
+    finally:
+        stats_fused.cpu_as_accelerator = True
+    assert calls == ["record"]
 
 
 @pytest.mark.slow  # compiles in a child process

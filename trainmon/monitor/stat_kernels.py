@@ -8,7 +8,8 @@ counts exact (a row holds at most `ROW` elements, which fp32 counts exactly), `z
 accumulation dtype (fp32 for 16/32-bit data, fp64 for fp64: every dtype value is exact there). 16-bit data
 is widened inside the kernel, never copied. Row partials combine in fp64 per tensor, so long tensors keep
 the precision of a sum of 4096-element fp32 partials. The "finite" kernel (`_finite_row_figures`) computes
-the five figures of stats_cpu's assume-finite path.
+the five figures of stats_cpu's assume-finite path. The "merge" kernel (`_merged_rows`) reduces one tensor's
+row partials to its record on accelerators, where the engine's ops would launch six kernels for it.
 
 Compile cost never lands on the training thread: the first request for a (kernel, place, dtype) starts its
 compile in a child process (a thread of this one would let tracing's save and restore of the RNG state rewind
@@ -88,9 +89,24 @@ def _finite_row_figures(x: torch.Tensor, lam: float) -> torch.Tensor:
     return torch.stack([x.sum(1), (x * x).sum(1), x.amin(1), x.amax(1), (x.abs() > lam).to(x.dtype).sum(1)], 1)
 
 
+def _merged_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The `[N_FIELDS]` fp64 record of one tensor from its `[rows, N_FIELDS]` row partials (`_row_figures`'):
+    counts and sums add, the min and max columns take the least and the greatest, as `stats.merge_records`
+    merges them, in one or two kernels where those ops launch six. Written for any width: no guard on it."""
+    r = rows.to(torch.float64)
+    column = torch.arange(r.shape[1], device=r.device)
+    is_min = functools.reduce(torch.logical_or, [column == c for c in schema.MIN_COLUMNS])
+    is_max = functools.reduce(torch.logical_or, [column == c for c in schema.MAX_COLUMNS])
+    return torch.where(is_min, r.amin(0), torch.where(is_max, r.amax(0), r.sum(0)))
+
+
 # kernel name -> (function, the rows of its compile's example and of the check of a load, its constants there)
 _KERNELS = {"record": (_row_figures, [[1.0, -2.0, _INF], [math.nan, 0.0, -_INF]], (1e-8, 1.0)),
-            "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,))}
+            "finite": (_finite_row_figures, [[1.0, -2.0, 3.0], [0.5, 0.0, -1.0]], (1e-8,)),
+            "merge": (_merged_rows, [list(schema.IDENTITY), [float(i + 1) for i in range(schema.N_FIELDS)],
+                                     [-0.5 * i for i in range(schema.N_FIELDS)]], ())}
+# The kernels that read a tensor's elements as rows of ROW; "merge" reads their outputs, N_FIELDS wide.
+_ROW_KERNELS = ("record", "finite")
 
 # The rows of a kernel's compile example, each of ROW elements. Inductor sizes the generated code's blocks by
 # the example's shape, whatever shapes the code takes: from a 2x3 example, its Triton kernel read 4 columns of
@@ -177,11 +193,12 @@ def _suffix(place: str) -> str:
 
 
 def _sample(kernel: str, dtype: torch.dtype, device) -> torch.Tensor:
-    """A kernel's compile example and load check: its check rows zero-padded to ROW elements and repeated to
-    _EXAMPLE_ROWS rows, the shape of its calls on a large tensor."""
+    """A kernel's compile example and load check: its check rows (zero-padded to ROW elements for the kernels
+    that read rows of ROW) repeated to about _EXAMPLE_ROWS rows, the shape of its calls on a large tensor."""
     rows = torch.tensor(_KERNELS[kernel][1], dtype=dtype, device=device)
-    padded = torch.nn.functional.pad(rows, (0, ROW - rows.shape[1]))
-    return padded.repeat(_EXAMPLE_ROWS // rows.shape[0], 1)
+    if kernel in _ROW_KERNELS:
+        rows = torch.nn.functional.pad(rows, (0, ROW - rows.shape[1]))
+    return rows.repeat(_EXAMPLE_ROWS // rows.shape[0], 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,7 +252,8 @@ def _compile(key: tuple, path: Path) -> None:
         from torch._inductor import aoti_compile_and_package
 
         shape = {0: torch.export.Dim("rows", min=1), 1: torch.export.Dim("width", min=1)}
-        program = torch.export.export(_Exported(fn), args, dynamic_shapes=(shape, (None,) * len(consts)))
+        program = torch.export.export(_Exported(fn), args,
+                                      dynamic_shapes=(shape, (None,) * len(consts)) if consts else (shape,))
         aoti_compile_and_package(program, package_path=str(path))
     else:
         from torch.fx.experimental.proxy_tensor import make_fx

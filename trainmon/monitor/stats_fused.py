@@ -5,8 +5,9 @@ call's tensors are laid out for them.
 
 Layout of one call: a tensor of GATHER_BELOW elements or more is viewed as `[n // ROW, ROW]` rows (no copy;
 a non-contiguous one is copied chunk by chunk into its own dtype, never wider); its last `n % ROW` elements
-and the smaller tensors are copied row-aligned into NaN-padded batches of a reused buffer (one kernel call
-for many tensors). The padding is taken off the NaN count afterwards.
+and the smaller tensors are copied row-aligned into NaN-padded batches of a reused buffer (one copy and one
+kernel call for many tensors). The padding is taken off the NaN count afterwards. The rows' partial records
+then combine into one record per tensor: a call of one tensor by the merge kernel on accelerators.
 
 Where it is used: on accelerators always; on CPU for 16-bit tensors (`_faster`). CPU fp32/fp64 tensors take
 stats_cpu's assume-finite path, whose own one-pass kernel ("finite") computes five figures per row and
@@ -39,7 +40,9 @@ _MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
 # own dispatch, which those kernels would bypass.
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 enabled = True                                  # benchmarks and tests compare against the other kernels
-cpu_wide = False                                # see _faster
+# CPU calls take the accelerators' path (fp32/fp64 through the record kernel, one tensor's rows merged by the
+# merge kernel): for tests and benchmarks of those kernels on a machine without an accelerator
+cpu_as_accelerator = False
 
 
 def finite_rows(flat: torch.Tensor, lam: float) -> Optional[list[torch.Tensor]]:
@@ -83,9 +86,9 @@ def taken(tensors: Sequence[torch.Tensor], device: torch.device, kernel: str = "
 def _faster(dtype: torch.dtype, device: torch.device) -> bool:
     """Where the one-pass record kernel was measured faster (benchmarks/stats_kernels.py --per-element):
     everywhere on accelerators; on CPU for 16-bit tensors. CPU fp32/fp64 tensors take stats_cpu's
-    assume-finite path, whose own one-pass kernel computes half the figures (`cpu_wide` sends them here,
-    for tests of this kernel)."""
-    return device.type != "cpu" or cpu_wide or dtype not in (torch.float32, torch.float64)
+    assume-finite path, whose own one-pass kernel computes half the figures (`cpu_as_accelerator` sends them
+    here)."""
+    return device.type != "cpu" or cpu_as_accelerator or dtype not in (torch.float32, torch.float64)
 
 
 def _flat_segments(t: torch.Tensor, cap: int):
@@ -144,8 +147,8 @@ def _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap) -> torch.Ten
 
 def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam: float, cap: int) -> list:
     """Row partials of small tensors and of large ones' last partial rows, each copied into whole rows of a
-    NaN-padded batch (non-contiguous ones included: one copy each), one kernel call per batch of at most
-    `cap` elements; their owners and padding are added to `owners` and `pads`.
+    NaN-padded batch (non-contiguous ones included), one kernel call per batch of at most `cap` elements;
+    their owners and padding are added to `owners` and `pads`.
 
     The batch is the engine's reused workspace on CPU: a fresh buffer per call would fault in every page of
     it, which costs more than the kernel, while the reused one is still in the cache.
@@ -156,30 +159,52 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
     # accelerators: a buffer of the caching allocator; batches on one stream run in order, so one serves all
     workspace = _workspace(t0.device, t0.dtype, cap)[0] if t0.device.type == "cpu" else \
         torch.empty(cap, dtype=t0.dtype, device=t0.device)
+    padding = _padding(t0.device, t0.dtype)
     per_batch = cap // ROW
-    partials, group, filled = [], [], 0
+    partials, pieces, filled = [], [], 0
     for u, t in gathered:
-        rows = -(-t.numel() // ROW)
-        if group and filled + rows > per_batch:
-            partials.append(_batch_rows(workspace, group, filled, lam, sat_lam))
-            group, filled = [], 0
-        group.append((t, rows))
+        n = t.numel()
+        rows = -(-n // ROW)
+        if pieces and filled + rows > per_batch:
+            partials.append(_batch_rows(workspace, pieces, filled, lam, sat_lam))
+            pieces, filled = [], 0
+        pieces.append(t if t.dim() == 1 else t.reshape(-1))
+        if rows * ROW > n:
+            pieces.append(padding(rows * ROW - n))
         filled += rows
         owners.append((u, rows))
-        pads[u] += rows * ROW - t.numel()
-    partials.append(_batch_rows(workspace, group, filled, lam, sat_lam))
+        pads[u] += rows * ROW - n
+    partials.append(_batch_rows(workspace, pieces, filled, lam, sat_lam))
     return partials
 
 
-def _batch_rows(workspace: torch.Tensor, group: list, total: int, lam: float, sat_lam: float) -> torch.Tensor:
-    """The kernel's `total` rows of `group` ((tensor, rows) each), copied row-aligned into `workspace`."""
-    batch = workspace.narrow(0, 0, total * ROW).view(-1, ROW)
-    flat = batch.view(-1).fill_(math.nan)
-    at = 0
-    for t, rows in group:
-        flat.narrow(0, at, t.numel()).view(t.shape).copy_(t)
-        at += rows * ROW
-    return stat_kernels.run("record", batch, lam, sat_lam)
+def _batch_rows(workspace: torch.Tensor, pieces: list, total: int, lam: float, sat_lam: float) -> torch.Tensor:
+    """The kernel's `total` rows of `pieces` (flat tensors and their NaN padding, row-aligned), laid one
+    after the other into `workspace` by one `cat`: one copy for all, where a copy each cost a launch each."""
+    batch = workspace.narrow(0, 0, total * ROW)
+    torch.cat(pieces, out=batch)
+    return stat_kernels.run("record", batch.view(-1, ROW), lam, sat_lam)
+
+
+_paddings: dict = {}                            # (device, dtype) -> its `padding` function
+
+
+def _padding(device: torch.device, dtype: torch.dtype):
+    """A function of n < ROW to n NaNs of `dtype` on `device`: views of one row of NaNs, each made once (a
+    view costs microseconds of host time, and a step's small tensors come in a few sizes)."""
+    key = (device, dtype)
+    if key not in _paddings:
+        with torch.inference_mode(False):            # usable in and out of the mode
+            row = torch.full((ROW,), math.nan, dtype=dtype, device=device)
+        views: dict = {}
+
+        def padding(n: int) -> torch.Tensor:
+            view = views.get(n)
+            if view is None:
+                view = views[n] = row.narrow(0, 0, n)
+            return view
+        _paddings[key] = padding
+    return _paddings[key]
 
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
@@ -188,13 +213,13 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
 
     if not partials:                                # only empty tensors
         return _meta(schema.IDENTITY, device, torch.float64).repeat(n, 1)
-    # widened once, after the cat: one kernel for every call's partials (each in its kernel's dtype)
-    rows = (torch.cat(partials) if len(partials) > 1 else partials[0]).to(torch.float64)
     if n == 1 and len(owners) == 1:                 # one tensor's rows (a flush of one activation): reduced
-        rec = merge_records(rows).unsqueeze(0)      # as they are, with no index and no atomics
+        rec = _merged(partials[0], device).unsqueeze(0)     # as they are, with no index and no atomics
         if pads[0]:
             rec.select(1, _NANS).sub_(pads[0])
         return rec
+    # widened once, after the cat: one kernel for every call's partials (each in its kernel's dtype)
+    rows = (torch.cat(partials) if len(partials) > 1 else partials[0]).to(torch.float64)
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
     # Python list; output_size keeps repeat_interleave from reading the counts back
     blocks = len(owners)
@@ -215,6 +240,20 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
         rec = merge_records(rec.view(n, spread, schema.N_FIELDS), dim=1)
     rec.select(1, _NANS).sub_(padding)
     return rec
+
+
+def _merged(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The fp64 record of one tensor's row partials: on accelerators by the compiled merge kernel (one or two
+    launches, where `merge_records`' ops launch six: most of a one-tensor call's host time there), once it
+    is ready; else, and on CPU, whose ops launch nothing, by `merge_records`."""
+    from trainmon.monitor.stats import merge_records
+
+    if (device.type != "cpu" or cpu_as_accelerator) and stat_kernels.prepare(device, [rows.dtype], kernel="merge"):
+        try:
+            return stat_kernels.run("merge", rows)
+        except Exception as exc:                    # monitoring never takes training down
+            stat_kernels.retire("merge", device, [rows.dtype], exc)
+    return merge_records(rows)
 
 
 _cycles: dict = {}                              # (device, spread) -> 0, 1, ..., spread - 1, 0, 1, ...

@@ -222,6 +222,20 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     return rec.index_select(0, _meta(rowmap, dev))
 
 
+_unwanted: dict = {}                            # (fields, device) -> the columns zeroed, on the device
+
+
+def _unwanted_columns(fields: frozenset[str], dev: torch.device) -> Optional[torch.Tensor]:
+    """The columns of the fields not asked for, which the one pass fills and the record leaves 0, as an index
+    on `dev`: made once per run's field set (a copy to an accelerator per call would cost a launch each)."""
+    key = (fields, dev)
+    if key not in _unwanted:
+        columns = [i for i, f in enumerate(FIELDS) if f not in fields and f not in schema.ALWAYS]
+        with torch.inference_mode(False):           # usable in and out of the mode
+            _unwanted[key] = _meta(columns, dev) if columns else None
+    return _unwanted[key]
+
+
 def _records_by_kernel(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
     """The records of `uniq`: those the one-pass record kernel takes (`stats_fused.taken`) from it, the
     others from the multi-pass kernels."""
@@ -231,9 +245,9 @@ def _records_by_kernel(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
         rec = stats_fused.records([uniq[u] for u in fused], dev, _consts, _sat_lambda, eps, sat.sat_limit,
                                   CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK))
         if rec is not None:                           # the one pass fills every field
-            unwanted = [i for i, f in enumerate(FIELDS) if f not in fields and f not in schema.ALWAYS]
-            if unwanted:
-                rec.index_fill_(1, _meta(unwanted, dev), 0.0)
+            unwanted = _unwanted_columns(fields, dev)
+            if unwanted is not None:
+                rec.index_fill_(1, unwanted, 0.0)
     if rec is None:                                   # none taken, or the kernel failed
         return _multi_pass_records(uniq, dev, eps, want, fields, sat)
     if len(fused) == len(uniq):

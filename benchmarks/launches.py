@@ -1,0 +1,89 @@
+"""Kernel launches a monitored step adds, counted on the CPU: the top-level aten ops of one training step of
+TinyGPT (bf16) per tier, less those of the same step unmonitored, by op. On an accelerator each such op is a
+launch, and each costs host time that the GPU waits for once the host is the bottleneck (benchmarks/README.md,
+"On a GPU"). The statistics engine takes the accelerators' path (`stats_fused.cpu_as_accelerator`, their
+spread of row partials); the compiled kernels' own calls are not aten ops and are not counted.
+
+    python benchmarks/launches.py --tiers wg,full --batch-mb 0    # a call per activation, as at GPU size
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gpu import GPU_TIERS
+from overhead import attach_monitor, tier_config
+
+# ops that launch nothing: views, allocations, metadata
+NO_LAUNCH = {"aten::view", "aten::_unsafe_view", "aten::narrow", "aten::select", "aten::slice", "aten::unbind",
+             "aten::detach", "aten::detach_", "aten::alias", "aten::as_strided", "aten::expand", "aten::t",
+             "aten::unsqueeze", "aten::squeeze", "aten::_reshape_alias", "aten::lift_fresh", "aten::transpose",
+             "aten::reshape", "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::empty_strided",
+             "aten::empty_like", "aten::result_type"}
+
+
+def step_ops(tier: str, args) -> collections.Counter:
+    """The top-level aten ops of one step after warm-up (an op called by another launches through it)."""
+    from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
+    from trainmon.monitor import stat_kernels
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=512, hidden=args.hidden, layers=args.layers, heads=8, seq=args.seq).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out = tempfile.mkdtemp(prefix="trainmon_launches_")
+    os.environ["MONITOR_OUTPUT_DIR"] = out
+    config = tier_config(tier, ["db"], tiers=GPU_TIERS)
+    if config is not None:
+        config["stats_batch_mb"] = args.batch_mb
+    monitor = attach_monitor(config, out, model, optimizer)
+    gen = torch.Generator().manual_seed(1)
+    batches = [synthetic_batch(gen, args.batch, args.seq, 512) for _ in range(2)]
+
+    def step(i: int) -> None:
+        tokens, labels = batches[i % 2]
+        lm_loss(model, tokens, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for i in range(4):
+        step(i)
+    stat_kernels.settle(timeout=300)            # the compiled kernels serve, as in a longer run
+    step(0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(1)
+    if monitor is not None:
+        monitor.stop()
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and
+                               (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiers", default="wg,wg+xy,full", help="tiers of gpu.py, comma-separated")
+    ap.add_argument("--batch-mb", type=int, default=32, help="stats_batch_mb (0: a call per activation)")
+    ap.add_argument("--hidden", type=int, default=512, help="hidden size (8 heads)")
+    ap.add_argument("--layers", type=int, default=12, help="transformer layers")
+    ap.add_argument("--seq", type=int, default=32, help="sequence length")
+    ap.add_argument("--batch", type=int, default=8, help="sequences a step")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from trainmon.monitor import stats_fused
+    stats_fused.cpu_as_accelerator = True
+    stats_fused._spread = lambda device: stats_fused._SPREAD
+    base = step_ops("none", args)
+    print(f"TinyGPT bf16, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
+          f"stats_batch_mb {args.batch_mb}; none: {sum(n for op, n in base.items() if op not in NO_LAUNCH)} "
+          f"launching ops a step")
+    for tier in args.tiers.split(","):
+        ops = step_ops(tier, args)
+        extra = {op: ops[op] - base[op] for op in set(ops) | set(base) if op not in NO_LAUNCH}
+        top = ", ".join(f"{op[6:]} {n}" for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:8] if n)
+        print(f"  {tier:8s} +{sum(extra.values())} launching ops a step ({top})")
+
+
+if __name__ == "__main__":
+    main()

@@ -159,7 +159,6 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
     # accelerators: a buffer of the caching allocator; batches on one stream run in order, so one serves all
     workspace = _workspace(t0.device, t0.dtype, cap)[0] if t0.device.type == "cpu" else \
         torch.empty(cap, dtype=t0.dtype, device=t0.device)
-    padding = _padding(t0.device, t0.dtype)
     per_batch = cap // ROW
     partials, pieces, filled = [], [], 0
     for u, t in gathered:
@@ -170,7 +169,7 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
             pieces, filled = [], 0
         pieces.append(t if t.dim() == 1 else t.reshape(-1))
         if rows * ROW > n:
-            pieces.append(padding(rows * ROW - n))
+            pieces.append(_padding(t.device, t.dtype, rows * ROW - n))
         filled += rows
         owners.append((u, rows))
         pads[u] += rows * ROW - n
@@ -186,25 +185,20 @@ def _batch_rows(workspace: torch.Tensor, pieces: list, total: int, lam: float, s
     return stat_kernels.run("record", batch.view(-1, ROW), lam, sat_lam)
 
 
-_paddings: dict = {}                            # (device, dtype) -> its `padding` function
+_nan_rows: dict = {}                            # (device, dtype) -> ROW NaNs, the padding's source
+_paddings: dict = {}                            # (device, dtype, n) -> a view of its first n
 
 
-def _padding(device: torch.device, dtype: torch.dtype):
-    """A function of n < ROW to n NaNs of `dtype` on `device`: views of one row of NaNs, each made once (a
-    view costs microseconds of host time, and a step's small tensors come in a few sizes)."""
-    key = (device, dtype)
-    if key not in _paddings:
-        with torch.inference_mode(False):            # usable in and out of the mode
-            row = torch.full((ROW,), math.nan, dtype=dtype, device=device)
-        views: dict = {}
-
-        def padding(n: int) -> torch.Tensor:
-            view = views.get(n)
-            if view is None:
-                view = views[n] = row.narrow(0, 0, n)
-            return view
-        _paddings[key] = padding
-    return _paddings[key]
+def _padding(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """n < ROW NaNs of `dtype` on `device`: a view of one row of NaNs, made once per length (a view costs
+    microseconds of host time, and a step's small tensors come in a few sizes)."""
+    view = _paddings.get((device, dtype, n))
+    if view is None:
+        if (device, dtype) not in _nan_rows:
+            with torch.inference_mode(False):        # usable in and out of the mode
+                _nan_rows[(device, dtype)] = torch.full((ROW,), math.nan, dtype=dtype, device=device)
+        view = _paddings[(device, dtype, n)] = _nan_rows[(device, dtype)].narrow(0, 0, n)
+    return view
 
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:

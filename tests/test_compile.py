@@ -277,3 +277,14 @@ def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(out
     setting = torch._functorch.config.ban_recompute_used_far_apart
     assert _bytes_held_for_backward(write_config, TIERS[tier]) == _bytes_held_for_backward(write_config, None)
     assert torch._functorch.config.ban_recompute_used_far_apart == setting
+
+
+def test_a_fullgraph_compile_runs_the_capture_query_eagerly(output_dir, write_config, monkeypatch):
+    """On CUDA, the compiled module's own hooks ask whether a graph is being captured, under Dynamo's frame
+    callback: the query must run as it is, not be compiled (a torch.* call returning a bool is unsupported, so
+    a `fullgraph=True` compile failed). Here a query that Dynamo cannot trace stands in for CUDA's."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", torch.compiler.disable(lambda: False))
+    losses, breaks, _, monitor = monitored_run(write_config, {"sentinel": True}, "fullgraph")
+    assert len(losses) == STEPS * GA and all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert breaks == 0

@@ -66,6 +66,11 @@ def stream_capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+# Called by the eager hooks of a compiled module, where Dynamo would compile it as a frame of its own: the CUDA
+# query is not traceable, and a `fullgraph=True` compile would fail on it.
+torch._dynamo.eval_frame.skip_code(stream_capturing.__code__)
+
+
 CAPTURE_REFUSED = ("a CUDA graph is being captured: hooks that run during capture would run only then, never at "
                    "replay, so nothing of the captured region is recorded (activations, activation grads and "
                    "the NaN sentinel's probes there); weight grads and optimizer state outside it still are")

@@ -5,6 +5,8 @@ launch, and each costs host time that the GPU waits for once the host is the bot
 spread of row partials); the compiled kernels' own calls are not aten ops and are not counted.
 
     python benchmarks/launches.py --tiers wg,full --batch-mb 0    # a call per activation, as at GPU size
+    python benchmarks/launches.py --tiers full --batch-mb 0 --compile aot_eager   # as gpu.py's compiled mode,
+                                                                  # the model's graph run op by op
 """
 from __future__ import annotations
 
@@ -40,13 +42,14 @@ def step_ops(tier: str, args) -> collections.Counter:
     config = tier_config(tier, ["db"], tiers=GPU_TIERS)
     if config is not None:
         config["stats_batch_mb"] = args.batch_mb
-    monitor = attach_monitor(config, out, model, optimizer)
+    run_model = model if args.compile is None else torch.compile(model, backend=args.compile)
+    monitor = attach_monitor(config, out, run_model, optimizer)
     gen = torch.Generator().manual_seed(1)
     batches = [synthetic_batch(gen, args.batch, args.seq, 512) for _ in range(2)]
 
     def step(i: int) -> None:
         tokens, labels = batches[i % 2]
-        lm_loss(model, tokens, labels).backward()
+        lm_loss(run_model, tokens, labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for i in range(4):
@@ -69,13 +72,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12, help="transformer layers")
     ap.add_argument("--seq", type=int, default=32, help="sequence length")
     ap.add_argument("--batch", type=int, default=8, help="sequences a step")
+    ap.add_argument("--compile", metavar="BACKEND", help="torch.compile the model with this backend (aot_eager: "
+                    "the graph's ops are counted as eager ones are)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from trainmon.monitor import stats_fused
     stats_fused.cpu_as_accelerator = True
     stats_fused._spread = lambda device: stats_fused._SPREAD
     base = step_ops("none", args)
-    print(f"TinyGPT bf16, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
+    print(f"TinyGPT bf16{'' if args.compile is None else ', compiled with ' + args.compile}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
           f"stats_batch_mb {args.batch_mb}; none: {sum(n for op, n in base.items() if op not in NO_LAUNCH)} "
           f"launching ops a step")
     for tier in args.tiers.split(","):

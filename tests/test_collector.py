@@ -21,9 +21,9 @@ def collector_reading(monkeypatch):
     """A collector whose batches never fill, and the tensors each call of the engine read (by identity)."""
     reads = []
 
-    def tensor_records(tensors, eps, fields, engine=stats.tensor_records):
+    def tensor_records(tensors, eps, fields, engine=stats.tensor_records, **options):
         reads.append([id(t) for t in tensors])
-        return engine(tensors, eps, fields)
+        return engine(tensors, eps, fields, **options)
     monkeypatch.setattr(stats, "tensor_records", tensor_records)
     return StepCollector(1e-8, FIELDS, rank=0, batch_bytes=1 << 30), reads
 
@@ -86,3 +86,4 @@ def test_records_are_not_shared_across_steps(monkeypatch):
     collector.record([key("a", x)], [x], defer=True)
     collector.finish_step()
     assert any(id(x) in r for r in reads)
+

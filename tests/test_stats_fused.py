@@ -17,7 +17,10 @@ import torch
 
 from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
 from training import DEVICES
+from trainmon.core import schema
+from trainmon.core.records import RecordKey
 from trainmon.monitor import stat_kernels, stats_fused, stats_native
+from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
 from trainmon.monitor.stats_cpu import ONE_PASS_MIN
 
@@ -168,6 +171,30 @@ def test_fused_fills_only_requested_fields(ops):
     cs = cases(torch.bfloat16)
     for row, x in zip(fused(list(cs.values()), 1e-8, fields), cs.values()):
         check(row, x, 1e-8, fields)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_unasked_fields_are_zeroed_by_the_host_the_writer_reads(device):
+    """The one pass computes every field. A step's records leave the unasked ones to the host to zero (on an
+    accelerator each records call would launch a kernel for it): the engine's rows still hold their figures,
+    the step the writer reads holds 0 there, and the asked fields as torch computes them."""
+    fields = fields_for_ops(["norm", "min", "max"])
+    unasked = [FIELDS.index(f) for f in ("zeros", "sum", "sat")]
+    assert set(unasked) <= set(schema.unasked_columns(fields))
+    x = torch.randn(4096, device=device, dtype=torch.bfloat16) * 3
+    assert stats_fused.usable([x], x.device)
+    kept = tensor_records([x], 1e-8, fields, unasked_zeroed=False)
+    x64 = x.double()
+    assert abs(float(kept[0, FIELDS.index("sum")]) - float(x64.sum())) <= 1e-5 * float(x64.abs().sum())
+    check(tensor_records([x], 1e-8, fields)[0].cpu(), x, 1e-8, fields)
+
+    collector = StepCollector(1e-8, fields, rank=0, batch_bytes=1 << 30)
+    collector.record([RecordKey("actv", "a", 0, 0, 0, (4096,), "bfloat16")], [x])
+    collector.record([RecordKey("actv", "b", 0, 0, 0, (100,), "bfloat16")], [x[:100]], defer=True)
+    batch = collector.finish_step().wait()
+    assert (batch.values[:, unasked] == 0).all()
+    for row, t in zip(batch.values, (x, x[:100])):
+        check(torch.from_numpy(row.copy()), t, 1e-8, fields)
 
 
 def test_fused_saturation_limit():

@@ -125,6 +125,8 @@ class StepBatch:
     # NaN sentinel: a (low, high) probe pair per key, read by `sentinel.verdict`.
     flag_keys: list = field(default_factory=list)
     flags: Optional[np.ndarray] = None
+    # the columns of `values` the collector left to zero here (`schema.unasked_columns`)
+    unasked: tuple = ()
 
     @property
     def derived(self) -> list:
@@ -145,6 +147,8 @@ class StepBatch:
             n = len(self.keys) * N_FIELDS
             m = n + 2 * len(self.flag_keys)
             self.values = flat[:n].reshape(len(self.keys), N_FIELDS)
+            if self.unasked:
+                self.values[:, list(self.unasked)] = 0.0
             self.flags = flat[n:m].reshape(len(self.flag_keys), 2)
             self.scalars.update(zip(self.host_scalar_names, (float(v) for v in flat[m:])))
             self.host = None

@@ -70,6 +70,11 @@ IDENTITY: tuple[float, ...] = tuple(f.identity for f in FIELD_TABLE)
 ALWAYS: frozenset[str] = frozenset(("count", "nans", "infs"))
 
 
+def unasked_columns(fields) -> tuple[int, ...]:
+    """The columns a record of `fields` leaves 0: the fields neither asked for nor always computed."""
+    return tuple(i for i, f in enumerate(FIELDS) if f not in fields and f not in ALWAYS)
+
+
 def _total(r: dict) -> float:
     return r["count"] + r["nans"] + r["infs"]
 

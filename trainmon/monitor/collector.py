@@ -6,10 +6,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from trainmon.core import schema
+from trainmon.core.records import RecordKey, StepBatch
 from trainmon.monitor import in_graph, stats
 from trainmon.monitor.accelerator import copy_done_event
 from trainmon.monitor.tensor_memo import TensorMemo
-from trainmon.core.records import RecordKey, StepBatch
 
 logger = logging.getLogger("trainmon")
 
@@ -43,6 +44,8 @@ class StepCollector:
         # and saved variables): only then does call_index_of note each event's index.
         self.shared_events = shared_events
         self.fields = fields  # what each record computes: stats.fields_for_ops
+        # zeroed on the host (StepBatch.wait): on the device each records call would launch a kernel for it
+        self._unasked = schema.unasked_columns(fields)
         self.rank = rank
         self.pp_stage = pp_stage
         self.batch_bytes = batch_bytes
@@ -140,7 +143,7 @@ class StepCollector:
             self.flush_pending()
 
     def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
-        rows = stats.tensor_records([t for _, t in items], self.eps, self.fields)
+        rows = stats.tensor_records([t for _, t in items], self.eps, self.fields, unasked_zeroed=False)
         self._reduced.append(rows)
         self._add([k for k, _ in items], rows)
 
@@ -165,7 +168,7 @@ class StepCollector:
         keys, slots = self._pending_keys, self._pending_slots
         self._pending_keys, self._pending_slots, self._pending_tensors, self._pending_versions = [], [], [], []
         modified = {slot for slot, (t, version) in enumerate(zip(pending, versions)) if t._version != version}
-        rows = stats.tensor_records(pending, self.eps, self.fields)
+        rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False)
         self._reduced.append(rows)
         block = len(self._reduced) - 1
         for slot, (t, version) in enumerate(zip(pending, versions)):
@@ -238,7 +241,7 @@ class StepCollector:
         tensor_scalars = [(n, v) for n, v in self._scalars.items() if isinstance(v, torch.Tensor)]
         batch = StepBatch(step=self.step, rank=self.rank, pp_stage=self.pp_stage, keys=self._keys,
                           scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)},
-                          flag_keys=self._flag_keys)
+                          flag_keys=self._flag_keys, unasked=self._unasked)
         # Layout of the host buffer (StepBatch.wait): records, sentinel probes, tensor-valued scalars.
         parts = [b.reshape(-1) for b in self._blocks] + [f.reshape(-1).to(torch.float64) for f in self._flags] + \
             [v.reshape(1) for _, v in tensor_scalars]

@@ -185,11 +185,14 @@ def _meta(values, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.
 
 
 # ---- the engine -------------------------------------------------------------------------------------
-def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str]) -> torch.Tensor:
+def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozenset[str],
+                   unasked_zeroed: bool = True) -> torch.Tensor:
     """float64 ``[len(tensors), N_FIELDS]`` records on the tensors' (shared) device; see module docstring.
 
     Identical views (same storage, dtype, shape, strides) are computed once per call. ``fields`` may be
-    a `FieldSet`, which carries the saturation limit (default: each dtype's largest finite value)."""
+    a `FieldSet`, which carries the saturation limit (default: each dtype's largest finite value).
+    ``unasked_zeroed=False``: the columns of `schema.unasked_columns` may hold the one pass's figures, for a
+    caller that zeroes them where it reads them (on the host, where it costs no launch)."""
     sat = fields if isinstance(fields, FieldSet) else FieldSet()
     fields = frozenset(fields)
     bad = fields - set(FIELDS)
@@ -216,7 +219,7 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
             uniq.append(t)
         rowmap.append(row)
     with torch.no_grad():  # records are never differentiated: no graph from tensors that require grad, no detach each
-        rec = _records_by_kernel(uniq, dev, eps, want, fields, sat)
+        rec = _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed)
     if len(uniq) == len(tensors):
         return rec
     return rec.index_select(0, _meta(rowmap, dev))
@@ -230,13 +233,13 @@ def _unwanted_columns(fields: frozenset[str], dev: torch.device) -> Optional[tor
     on `dev`: made once per run's field set (a copy to an accelerator per call would cost a launch each)."""
     key = (fields, dev)
     if key not in _unwanted:
-        columns = [i for i, f in enumerate(FIELDS) if f not in fields and f not in schema.ALWAYS]
+        columns = schema.unasked_columns(fields)
         with torch.inference_mode(False):           # usable in and out of the mode
             _unwanted[key] = _meta(columns, dev) if columns else None
     return _unwanted[key]
 
 
-def _records_by_kernel(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
+def _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed) -> torch.Tensor:
     """The records of `uniq`: those the one-pass record kernel takes (`stats_fused.taken`) from it, the
     others from the multi-pass kernels."""
     fused = stats_fused.taken(uniq, dev)
@@ -244,7 +247,7 @@ def _records_by_kernel(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
     if fused:
         rec = stats_fused.records([uniq[u] for u in fused], dev, _consts, _sat_lambda, eps, sat.sat_limit,
                                   CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK))
-        if rec is not None:                           # the one pass fills every field
+        if rec is not None and unasked_zeroed:        # the one pass fills every field
             unwanted = _unwanted_columns(fields, dev)
             if unwanted is not None:
                 rec.index_fill_(1, unwanted, 0.0)

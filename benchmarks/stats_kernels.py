@@ -523,6 +523,7 @@ def main():
         return
     if args.ops_per_tensor:
         ops_per_tensor(20)
+        ops_per_tensor(2)                         # a compiled graph's hook call: an input and an output
         ops_per_tensor(1)
         return
     design = stats.fields_for_ops(DESIGN_OPS)

@@ -509,6 +509,27 @@ def test_one_tensors_rows_are_merged_by_the_merge_kernel(monkeypatch):
     assert calls == ["record"]
 
 
+@pytest.mark.parametrize("sizes", [(4, 4), (4, 1, 2), (4, None, 3), (1,) * 8, (1,) * 9],
+                         ids=["two", "three", "bf16-fp32-bf16", "eight", "nine"])
+def test_a_few_large_tensors_rows_are_merged_each_by_the_merge_kernel(monkeypatch, sizes):
+    """A call of a few tensors of whole rows (a hook call in a compiled graph: its inputs and outputs) merges
+    each tensor's rows by the merge kernel, where the combine launches about twenty kernels; from nine tensors
+    on, the combine. The records are torch's, an fp32 tensor in its own (padded) batch among bf16 ones
+    included (None: 1,000 fp32 elements)."""
+    calls = []
+
+    def run(kernel, *args, run=stat_kernels.run, **kwargs):
+        calls.append(kernel)
+        return run(kernel, *args, **kwargs)
+    monkeypatch.setattr(stat_kernels, "run", run)
+    xs = [sprinkle(torch.randn(1000)) if k is None else sprinkle(torch.randn(k * stats_fused.GATHER_BELOW).bfloat16())
+          for k in sizes]
+    for row, x in zip(fused(xs, 1e-3), xs):
+        check(row, x, 1e-3)
+    merged_each = len(xs) <= stats_fused.MERGED_EACH_UP_TO
+    assert calls == ["record"] * len(xs) + (["merge"] * len(xs) if merged_each else [])
+
+
 @pytest.mark.slow  # compiles in a child process
 def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
     """A machine without a working C++ compiler: the compile fails once, in the background, with one

@@ -212,6 +212,14 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
         if pads[0]:
             rec.select(1, _NANS).sub_(pads[0])
         return rec
+    if _merged_each(partials, owners, n, device):   # a few large tensors (a compiled graph's hook call)
+        merged = [None] * n
+        for rows, (u, _) in zip(partials, owners):
+            merged[u] = _merged(rows, device)
+        rec = torch.stack(merged)
+        if any(pads):                               # a small tensor alone in its dtype's batch
+            rec.select(1, _NANS).sub_(_meta(pads, device, torch.float64))
+        return rec
     # widened once, after the cat: one kernel for every call's partials (each in its kernel's dtype)
     rows = (torch.cat(partials) if len(partials) > 1 else partials[0]).to(torch.float64)
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
@@ -234,6 +242,18 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
         rec = merge_records(rec.view(n, spread, schema.N_FIELDS), dim=1)
     rec.select(1, _NANS).sub_(padding)
     return rec
+
+
+# Up to this many tensors of a call, each its rows' one partial, are merged each by the merge kernel (a launch
+# each, and one to stack them), where the combine below launches about twenty whatever their number.
+MERGED_EACH_UP_TO = 8
+
+
+def _merged_each(partials: list, owners: list, n: int, device: torch.device) -> bool:
+    """Whether every one of `n` tensors, at most MERGED_EACH_UP_TO, on the accelerators' path, has its rows
+    in one partial of its own (whole rows: no padding)."""
+    return ((device.type != "cpu" or cpu_as_accelerator) and 1 < n <= MERGED_EACH_UP_TO
+            and len(partials) == len(owners) == n and len({u for u, _ in owners}) == n)
 
 
 def _merged(rows: torch.Tensor, device: torch.device) -> torch.Tensor:

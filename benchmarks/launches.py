@@ -2,7 +2,7 @@
 TinyGPT (bf16) per tier, less those of the same step unmonitored, by op. On an accelerator each such op is a
 launch, and each costs host time that the GPU waits for once the host is the bottleneck (benchmarks/README.md,
 "On a GPU"). The statistics engine takes the accelerators' path (`stats_fused.cpu_as_accelerator`, their
-spread of row partials); the compiled kernels' own calls are not aten ops and are not counted.
+spread of row partials); the compiled kernels' own calls are counted as `kernel::record` and `kernel::merge`.
 
     python benchmarks/launches.py --tiers wg,full --batch-mb 0    # a call per activation, as at GPU size
     python benchmarks/launches.py --tiers full --batch-mb 0 --compile aot_eager   # as gpu.py's compiled mode,
@@ -56,12 +56,19 @@ def step_ops(tier: str, args) -> collections.Counter:
         step(i)
     stat_kernels.settle(timeout=300)            # the compiled kernels serve, as in a longer run
     step(0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(1)
+    kernel_calls = collections.Counter()
+    run = stat_kernels.run
+    stat_kernels.run = lambda kernel, *a, **k: kernel_calls.update([f"kernel::{kernel}"]) or run(kernel, *a, **k)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(1)
+    finally:
+        stat_kernels.run = run
     if monitor is not None:
         monitor.stop()
-    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and
-                               (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    return kernel_calls + collections.Counter(
+        e.name for e in prof.events() if e.name.startswith("aten::") and
+        (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
 def main() -> None:
@@ -78,16 +85,17 @@ def main() -> None:
     torch.set_num_threads(1)
     from trainmon.monitor import stats_fused
     stats_fused.cpu_as_accelerator = True
-    stats_fused._spread = lambda device: stats_fused._SPREAD
+    accelerators_spread = stats_fused._spread       # the accelerators' combine, on the CPU
+    stats_fused._spread = lambda device, most_rows: accelerators_spread(torch.device("cuda"), most_rows)
     base = step_ops("none", args)
     print(f"TinyGPT bf16{'' if args.compile is None else ', compiled with ' + args.compile}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
           f"stats_batch_mb {args.batch_mb}; none: {sum(n for op, n in base.items() if op not in NO_LAUNCH)} "
-          f"launching ops a step")
+          f"launches a step")
     for tier in args.tiers.split(","):
         ops = step_ops(tier, args)
         extra = {op: ops[op] - base[op] for op in set(ops) | set(base) if op not in NO_LAUNCH}
-        top = ", ".join(f"{op[6:]} {n}" for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:8] if n)
-        print(f"  {tier:8s} +{sum(extra.values())} launching ops a step ({top})")
+        top = ", ".join(f"{op.split('::')[-1]} {n}" for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:10] if n)
+        print(f"  {tier:8s} +{sum(extra.values())} launches a step ({top})")
 
 
 if __name__ == "__main__":

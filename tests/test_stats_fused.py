@@ -148,13 +148,22 @@ def test_a_call_of_one_tensor_gives_its_record(dtype, numel):
     check(fused([x[1:]], 1e-3)[0], x[1:], 1e-3)
 
 
+def test_accelerators_spread_only_a_call_with_a_tensor_of_many_rows():
+    """A combine spreads a tensor's rows over partial records against the atomics of thousands of rows; a
+    call of small tensors (a batch of weight grads) is combined without, saving the spread's launches."""
+    accelerator = torch.device("cuda")                # only its type is read
+    assert stats_fused._spread(accelerator, stats_fused._SPREAD) == 1
+    assert stats_fused._spread(accelerator, stats_fused._SPREAD + 1) == stats_fused._SPREAD
+    assert stats_fused._spread(CPU, 10 ** 6) == 1
+
+
 @pytest.mark.parametrize("spread", [2, 32])
 def test_row_partials_spread_over_partial_records_combine_exactly(monkeypatch, spread):
     """The accelerators' combine (a tensor's row partials added into `spread` partial records, merged after),
     taken here on the CPU: long tensors of thousands of rows, their last partial rows, small tensors, mixed
     dtypes, NaN, ±Inf and empty ones."""
     spreads = []
-    monkeypatch.setattr(stats_fused, "_spread", lambda device: spreads.append(spread) or spread)
+    monkeypatch.setattr(stats_fused, "_spread", lambda device, most_rows: spreads.append(spread) or spread)
     g = torch.Generator().manual_seed(4)
     ts = [sprinkle((torch.randn(n, generator=g) * 3).to(dtype), seed=n)
           for n, dtype in ((3 * 10 ** 6, torch.bfloat16), (5 * stats_fused.ROW + 3, torch.float16),

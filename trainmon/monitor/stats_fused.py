@@ -231,7 +231,10 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
     padding = meta.narrow(0, 2 * blocks, n)
     # An accelerator adds a tensor's rows with atomics, which its thousands of rows would all aim at one
     # record's fields: they are spread over _SPREAD partial records per tensor first, combined after.
-    spread = _spread(device)
+    rows_of = [0] * n
+    for u, k in owners:
+        rows_of[u] += k
+    spread = _spread(device, max(rows_of))
     if spread > 1:
         index = torch.add(_cycle(device, rows.shape[0], spread), index, alpha=spread)
     # every column is added (the min and max columns are replaced below)
@@ -283,7 +286,9 @@ def _cycle(device: torch.device, length: int, spread: int) -> torch.Tensor:
     return cycle[:length]
 
 
-def _spread(device: torch.device) -> int:
-    """Partial records per tensor in the combine: one on CPU, whose adds are plain loops."""
-    return 1 if device.type == "cpu" else _SPREAD
+def _spread(device: torch.device, most_rows: int) -> int:
+    """Partial records per tensor in the combine: one on CPU, whose adds are plain loops, and where no tensor
+    has more rows than _SPREAD (a batch of small tensors: few atomics meet, and the spread's merge would cost
+    more launches than it saves)."""
+    return 1 if device.type == "cpu" or most_rows <= _SPREAD else _SPREAD
 

@@ -88,13 +88,15 @@ def main() -> None:
     accelerators_spread = stats_fused._spread       # the accelerators' combine, on the CPU
     stats_fused._spread = lambda device, most_rows: accelerators_spread(torch.device("cuda"), most_rows)
     base = step_ops("none", args)
-    print(f"TinyGPT bf16{'' if args.compile is None else ', compiled with ' + args.compile}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
+    compiled = "" if args.compile is None else f", compiled with {args.compile}"
+    print(f"TinyGPT bf16{compiled}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
           f"stats_batch_mb {args.batch_mb}; none: {sum(n for op, n in base.items() if op not in NO_LAUNCH)} "
           f"launches a step")
     for tier in args.tiers.split(","):
         ops = step_ops(tier, args)
         extra = {op: ops[op] - base[op] for op in set(ops) | set(base) if op not in NO_LAUNCH}
-        top = ", ".join(f"{op.split('::')[-1]} {n}" for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:10] if n)
+        top = ", ".join(f"{op.split('::')[-1]} {n}"
+                        for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:10] if n)
         print(f"  {tier:8s} +{sum(extra.values())} launches a step ({top})")
 
 

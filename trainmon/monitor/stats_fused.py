@@ -254,7 +254,7 @@ MERGED_EACH_UP_TO = 8
 
 def _merged_each(partials: list, owners: list, n: int, device: torch.device) -> bool:
     """Whether every one of `n` tensors, at most MERGED_EACH_UP_TO, on the accelerators' path, has its rows
-    in one partial of its own (whole rows: no padding)."""
+    in one partial of its own (a large tensor of whole rows, or a small one alone in its dtype's batch)."""
     return ((device.type != "cpu" or cpu_as_accelerator) and 1 < n <= MERGED_EACH_UP_TO
             and len(partials) == len(owners) == n and len({u for u, _ in owners}) == n)
 

@@ -86,4 +86,3 @@ def test_records_are_not_shared_across_steps(monkeypatch):
     collector.record([key("a", x)], [x], defer=True)
     collector.finish_step()
     assert any(id(x) in r for r in reads)
-

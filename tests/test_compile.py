@@ -283,8 +283,11 @@ def test_a_fullgraph_compile_runs_the_capture_query_eagerly(output_dir, write_co
     """On CUDA, the compiled module's own hooks ask whether a graph is being captured, under Dynamo's frame
     callback: the query must run as it is, not be compiled (a torch.* call returning a bool is unsupported, so
     a `fullgraph=True` compile failed). Here a query that Dynamo cannot trace stands in for CUDA's."""
+    asked = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", torch.compiler.disable(lambda: False))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
+                        torch.compiler.disable(lambda: asked.append(True) and False))
     losses, breaks, _, monitor = monitored_run(write_config, {"sentinel": True}, "fullgraph")
     assert len(losses) == STEPS * GA and all(map(torch.isfinite, map(torch.tensor, losses)))
     assert breaks == 0
+    assert len(asked) >= STEPS * GA                   # the root's hooks asked at every forward, eagerly

@@ -207,19 +207,13 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
 
     if not partials:                                # only empty tensors
         return _meta(schema.IDENTITY, device, torch.float64).repeat(n, 1)
-    if n == 1 and len(owners) == 1:                 # one tensor's rows (a flush of one activation): reduced
-        rec = _merged(partials[0], device).unsqueeze(0)     # as they are, with no index and no atomics
-        if pads[0]:
-            rec.select(1, _NANS).sub_(pads[0])
-        return rec
-    if _merged_each(partials, owners, n, device):   # a few large tensors (a compiled graph's hook call)
+    if _merged_each(partials, owners, n, device):   # each tensor's rows reduced as they are: no index, no atomics
         merged = [None] * n
         for rows, (u, _) in zip(partials, owners):
             merged[u] = _merged(rows, device)
-        rec = torch.stack(merged)
-        if any(pads):                               # a small tensor alone in its dtype's batch
-            rec.select(1, _NANS).sub_(_meta(pads, device, torch.float64))
-        return rec
+            if pads[u]:                             # a small tensor alone in its dtype's batch
+                merged[u].select(0, _NANS).sub_(pads[u])
+        return merged[0].unsqueeze(0) if n == 1 else torch.stack(merged)
     # widened once, after the cat: one kernel for every call's partials (each in its kernel's dtype)
     rows = (torch.cat(partials) if len(partials) > 1 else partials[0]).to(torch.float64)
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
@@ -248,15 +242,17 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
 
 
 # Up to this many tensors of a call, each its rows' one partial, are merged each by the merge kernel (a launch
-# each, and one to stack them), where the combine below launches about twenty whatever their number.
+# each, and one to stack them) on accelerators, where the combine below launches about twenty whatever their
+# number.
 MERGED_EACH_UP_TO = 8
 
 
 def _merged_each(partials: list, owners: list, n: int, device: torch.device) -> bool:
-    """Whether every one of `n` tensors, at most MERGED_EACH_UP_TO, on the accelerators' path, has its rows
-    in one partial of its own (a large tensor of whole rows, or a small one alone in its dtype's batch)."""
-    return ((device.type != "cpu" or cpu_as_accelerator) and 1 < n <= MERGED_EACH_UP_TO
-            and len(partials) == len(owners) == n and len({u for u, _ in owners}) == n)
+    """Whether every one of the `n` tensors has its rows in one partial of its own (a large tensor of whole
+    rows, or a small one alone in its dtype's batch), and they are one (a flush of one activation) or, on the
+    accelerators' path, a few (a hook call inside a compiled graph: its inputs and outputs, read at once)."""
+    few = n == 1 or ((device.type != "cpu" or cpu_as_accelerator) and n <= MERGED_EACH_UP_TO)
+    return few and len(partials) == len(owners) == n and len({u for u, _ in owners}) == n
 
 
 def _merged(rows: torch.Tensor, device: torch.device) -> torch.Tensor:

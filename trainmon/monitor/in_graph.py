@@ -125,24 +125,29 @@ def _(token, kind, grad_enabled, inputs, outputs, out_positions, out_total) -> N
 # 2-layer CPU one). So the heuristic is off while a graph holding the op is compiled, and back once it is.
 _PARTITION_KEY = "ban_recompute_used_far_apart"
 _partition_off = False                          # turned off by a graph holding the op, until the compile's end
-_restore_registered = False
 
 
 def _partition_as_unmonitored() -> None:
     """Turns the heuristic off for the compile under way (called while a graph holding the op is traced)."""
-    global _partition_off, _restore_registered
+    global _partition_off
     from torch._functorch import config
 
     handler = getattr(torch._dynamo, "callback_handler", None)    # runs callbacks at each compile's end
     if _partition_off or handler is None or not getattr(config, _PARTITION_KEY, False):
         return
-    if not torch.compiler.is_compiling():       # fake tensors outside a compile: nothing to partition
+    if not _compile_under_way():                # fake tensors outside a compile: nothing to partition
         return
-    if not _restore_registered:
+    if _restore_partition not in handler.end_callbacks:   # torch._dynamo.reset() clears them
         handler.register_end_callback(_restore_partition)
-        _restore_registered = True
     setattr(config, _PARTITION_KEY, False)
     _partition_off = True
+
+
+def _compile_under_way() -> bool:
+    """Whether Dynamo is compiling in this thread. The fake implementation runs as it is, not traced, when Dynamo
+    propagates shapes: `torch.compiler.is_compiling()` says so there only in torch releases that hold it for the
+    whole compile (not 2.11); Dynamo's compile context says so in every release."""
+    return torch.compiler.is_compiling() or torch._guards.CompileContext.try_get() is not None
 
 
 def _restore_partition(_args=None) -> None:

@@ -24,6 +24,14 @@ plainly and under the CPU shim the Megatron jobs run in (a TorchFunctionMode tha
 
 `megatron-pp2-vpp2-small` (hidden 64, 4 micro-batches, interleaved pipeline) is not among the default jobs:
 a small, fast model where the cost per hooked call, not the statistics, decides the ratios.
+
+Two processes of the same job differ by up to ±20% in step time on a busy 2-core machine. `--interleave k`
+measures each tier inside its own process instead: the monitor collects every k-th step, and the collected
+steps are compared with the idle ones (`in_run_ratio`). The sentinel, which probes every step whatever the
+schedule, has no such figure.
+
+    python benchmarks/frameworks.py --jobs megatron-pp2-vpp2-small --tiers none,full --steps 40 --warmup 4 \
+        --repeats 2 --micro-calls 0 --format db --interleave 4
 """
 from __future__ import annotations
 
@@ -88,11 +96,12 @@ def torchrun(argv: list[str], out_dir: str, what: str) -> None:
         raise RuntimeError(f"{what} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
 
 
-def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict) -> dict:
-    """One torchrun job; returns rank 0's step times, the hooked calls per rank and the bytes written."""
+def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict, interleave: int = 1) -> dict:
+    """One torchrun job; returns rank 0's step times, the hooked calls per rank and the bytes written. With
+    `interleave` k > 1 the monitor collects every k-th step (steps 0, k, 2k, ...)."""
     script, job_args = JOBS[job]
     with tempfile.TemporaryDirectory(prefix="trainmon_fw_") as tmp:
-        config = tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS)
+        config = tier_config(tier, formats, extra if tier != "none" else None, interleave, tiers=TIERS)
         config_arg = "none"
         if config is not None:
             config_arg = os.path.join(tmp, "config.json")
@@ -107,7 +116,8 @@ def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict) ->
             with open(os.path.join(tmp, f"timings.rank{rank}.json")) as f:
                 ranks.append(json.load(f))
         disk = sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(out_dir) for name in names)
-    return {"step_s": ranks[0]["step_s"], "cpu_s": ranks[0]["cpu_s"], "gc_s": ranks[0]["gc_s"],
+    return {"step_s": ranks[0]["step_s"], "cpu_s": ranks[0]["cpu_s"], "thread_s": ranks[0]["thread_s"],
+            "gc_s": ranks[0]["gc_s"],
             "calls": [r["calls"] for r in ranks],
             "disk_bytes_per_rank_step": disk / NPROC / (steps + 1), "job_s": time.perf_counter() - start}
 
@@ -165,10 +175,25 @@ def run_micro(tier: str, formats: list[str], calls: int, steps: int, warmup: int
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: list[dict], warmup: int) -> list[dict]:
+def in_run_ratio(times: list[float], warmup: int, interleave: int) -> float:
+    """The collected steps' time against the idle ones' of the same run (`--interleave` k, at least 3).
+
+    A cycle is a collected step and the k - 1 idle steps after it. The writer thread's work on a collected step
+    ends in the next one, so that step counts with it; the steps after are the base: ratio = 1 + (median of the
+    collected steps + median of the next ones - 2 * base) / base, base the median of the other idle steps.
+    Registered hooks cost an idle step something too (they return at once), which this leaves out."""
+    first = warmup + (-warmup) % interleave
+    cycles = [times[i:i + interleave] for i in range(first, len(times) - interleave + 1, interleave)]
+    base = statistics.median(t for cycle in cycles for t in cycle[2:])
+    collected, next_ = (statistics.median(cycle[i] for cycle in cycles) for i in (0, 1))
+    return 1 + (collected + next_ - 2 * base) / base
+
+
+def summarize(runs: list[dict], warmup: int, interleave: int = 1) -> list[dict]:
     """One row per (job, tier): pooled medians of wall and CPU time per step, ratios against `none`,
     per-repeat ratios, the added time per hooked call, and the mean wall and garbage collection time per
-    step (the jobs'). Runs' step lists start after the warm-up."""
+    step (the jobs'); with `interleave` > 1, the in-run ratios of each repeat (`in_run_ratio`). Runs' step
+    lists start after the warm-up."""
     rows = []
     for key in dict.fromkeys(r["job"] for r in runs):
         mine = [r for r in runs if r["job"] == key]
@@ -199,6 +224,9 @@ def summarize(runs: list[dict], warmup: int) -> list[dict]:
                 base = statistics.mean(pooled["none", "step_s"]) if ("none", "step_s") in pooled else None
                 row["wall_mean_ms"], row["wall_mean_ratio"] = mean * 1e3, mean / base if base else None
                 row["gc_ms"] = statistics.mean(pooled[tier, "gc_s"]) * 1e3
+            if interleave > 1 and not (TIERS[tier] or {}).get("sentinel"):  # it probes every step
+                for metric, name in (("step_s", "wall"), ("cpu_s", "cpu"), ("thread_s", "thread")):
+                    row[f"{name}_in_run"] = [in_run_ratio(r[metric], warmup, interleave) for r in tier_runs]
             if "disk_bytes_per_rank_step" in tier_runs[0]:
                 row["disk_kb_per_rank_step"] = statistics.mean(r["disk_bytes_per_rank_step"] for r in tier_runs) / 1024
             rows.append(row)
@@ -216,7 +244,26 @@ def print_tables(rows: list[dict], micro_rows: list[dict], args) -> None:
         _print_micro(micro_rows, args)
 
 
+def _print_in_run(rows: list[dict], args) -> None:
+    print(f"{args.steps} collected steps after {args.warmup} of warm-up, each followed by {args.interleave - 1} idle "
+          f"one(s), {args.repeats} repeat(s), format {args.format}. Rank 0's in-run ratio per repeat "
+          "(`in_run_ratio`: collected against idle steps of the same process) and their median, in wall time, "
+          "in the process's CPU time (every thread) and in the training thread's; the `none` row is the method's own "
+          "bias.\n")
+    print("| job | tier | wall, per repeat | median | CPU, per repeat | median | training thread, per repeat | median |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "wall_in_run" not in r:
+            continue
+        cells = " | ".join(f"{', '.join(f'{x:.3f}' for x in r[name])} | {statistics.median(r[name]):.3f}"
+                           for name in ("wall_in_run", "cpu_in_run", "thread_in_run"))
+        print(f"| {r['job']} | {r['tier']} | {cells} |")
+
+
 def _print_jobs(rows: list[dict], args) -> None:
+    if args.interleave > 1:
+        _print_in_run(rows, args)
+        return
     print(f"{args.steps} steps after {args.warmup} of warm-up, {args.repeats} repeat(s), format {args.format}. "
           "Rank 0's median wall time per step, its ratio against `none` (pooled, and per repeat), the same "
           "for the process's CPU time (every thread), the added time per hooked call in both, and the mean wall "
@@ -257,6 +304,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per job, after the warm-up")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="runs of every (job, tier), interleaved")
+    parser.add_argument("--interleave", type=int, default=1,
+                        help="k >= 3: the jobs' monitor collects every k-th step, and each tier is measured against "
+                             "its own idle steps (`--steps` collected steps a run)")
     parser.add_argument("--format", default="csv,db", help="comma-separated formats for the monitored tiers")
     parser.add_argument("--extra", default="{}", help="JSON merged into every monitored config")
     parser.add_argument("--micro-calls", type=int, default=200, help="modules in the micro-benchmark (0: skip it)")
@@ -266,6 +316,9 @@ def main() -> int:
     parser.add_argument("--shim", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     formats, extra = args.format.split(","), json.loads(args.extra)
+    if args.interleave == 2 or args.interleave < 1:
+        parser.error("--interleave is 1 (off) or at least 3: a collected step, the step its writer work ends in, "
+                     "and idle steps")
     if args.micro_child:
         print(json.dumps(micro_child(args.micro_child, formats, args.micro_calls, args.steps, args.warmup,
                                      args.shim, extra)))
@@ -280,7 +333,8 @@ def main() -> int:
         order = tiers if repeat % 2 == 0 else tiers[::-1]
         for job in jobs:
             for tier in order:
-                result = run_job(job, tier, formats, args.warmup + args.steps, extra)
+                result = run_job(job, tier, formats, args.warmup + args.steps * args.interleave, extra,
+                                 args.interleave)
                 runs.append({"job": job, "tier": tier, "repeat": repeat, **result})
                 print(f"[{time.strftime('%H:%M:%S')}] repeat {repeat} {job} {tier}: median "
                       f"{statistics.median(result['step_s'][args.warmup:]) * 1e3:.1f} ms ({result['job_s']:.0f} s)",
@@ -291,7 +345,7 @@ def main() -> int:
                     result = run_micro(tier, formats, args.micro_calls, args.micro_steps, args.warmup, shim, extra)
                     micro_runs.append({"job": "micro, CPU shim" if shim else "micro", "tier": tier,
                                        "repeat": repeat, **result})
-    rows = summarize(runs, args.warmup)
+    rows = summarize(runs, args.warmup, args.interleave)
     micro_rows = summarize(micro_runs, args.warmup) if micro_runs else []
     print_tables(rows, micro_rows, args)
     with open(args.json, "w") as f:

@@ -3,8 +3,8 @@
 The example jobs take `--timings PATH`: each rank then writes `PATH.rank<R>.json` with the wall time of
 every training step (from the end of one `optimizer.step()` to the end of the next, so everything the
 step does counts, the monitor's own step work included), the process CPU time of the same intervals
-(every thread: the monitor's writer too; less sensitive than wall time to other load), the time the step
-spent in Python's garbage collector (its full collections are rare pauses that medians hide) and, counted
+(every thread: the monitor's writer too; less sensitive than wall time to other load) and that of the
+training thread alone, the time the step spent in Python's garbage collector (its full collections are rare pauses that medians hide) and, counted
 over one extra step after the timed ones, how many module forward calls ran and how many of them received a grad in backward: the calls a
 monitor's module hooks see.
 """
@@ -49,21 +49,23 @@ class StepTimer:
         self.rank = rank
         self.times: list[float] = []
         self.cpu_times: list[float] = []
+        self.thread_times: list[float] = []
         self.gc_times: list[float] = []
         self.calls = {"forward": 0, "backward": 0}
-        self._last = (time.perf_counter(), time.process_time())
+        self._last = (time.perf_counter(), time.process_time(), time.thread_time())
         self._gc = GcClock()
 
     def step_done(self) -> None:
-        now = (time.perf_counter(), time.process_time())
+        now = (time.perf_counter(), time.process_time(), time.thread_time())
         self.times.append(now[0] - self._last[0])
         self.cpu_times.append(now[1] - self._last[1])
+        self.thread_times.append(now[2] - self._last[2])
         self.gc_times.append(self._gc.take())
         if len(self.times) == 1:
             # The monitor's statistic kernels compile in the background during a run's first seconds: the
             # steps timed here are those of a longer run, with the kernels in place.
             stat_kernels.settle()
-            now = (time.perf_counter(), time.process_time())
+            now = (time.perf_counter(), time.process_time(), time.thread_time())
         self._last = now
 
     @contextlib.contextmanager
@@ -88,5 +90,5 @@ class StepTimer:
 
     def write(self) -> None:
         with open(self.path, "w") as f:
-            json.dump({"rank": self.rank, "step_s": self.times, "cpu_s": self.cpu_times, "gc_s": self.gc_times,
-                       "calls": self.calls}, f)
+            json.dump({"rank": self.rank, "step_s": self.times, "cpu_s": self.cpu_times, "thread_s": self.thread_times,
+                       "gc_s": self.gc_times, "calls": self.calls}, f)

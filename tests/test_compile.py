@@ -276,9 +276,9 @@ def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(out
     """trainmon's op in the graph made AOTAutograd's partitioner save fp32 products of LayerNorm and GELU that it
     recomputes from their bf16 inputs unmonitored (see in_graph); the setting it turns off for that is back after.
 
-    Without the compile session's flag, `torch.compiler.is_compiling()` is False in the op's fake implementation,
-    which Dynamo runs as it is, not traced: so in torch releases that do not set the flag for a whole compile (2.11
-    on the GPU run held 2.33 GB more), and so here."""
+    Without the flag torch holds for a whole compile (releases before it, such as the GPU runs' 2.11, which held
+    2.33 GB more), `torch.compiler.is_compiling()` is False in the op's fake implementation, which Dynamo runs
+    untraced."""
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)   # partitioned in this test
     if not session_flag and hasattr(torch.compiler, "_compile_session_context"):
         monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)

@@ -146,7 +146,7 @@ def _partition_as_unmonitored() -> None:
 def _compile_under_way() -> bool:
     """Whether Dynamo is compiling in this thread. The fake implementation runs as it is, not traced, when Dynamo
     propagates shapes: `torch.compiler.is_compiling()` says so there only in torch releases that hold it for the
-    whole compile (not 2.11); Dynamo's compile context says so in every release."""
+    whole compile (pytorch/pytorch#184614, after 2.11); Dynamo's compile context says so in every release."""
     return torch.compiler.is_compiling() or torch._guards.CompileContext.try_get() is not None
 
 

@@ -7,6 +7,8 @@ spread of row partials); the compiled kernels' own calls are counted as `kernel:
     python benchmarks/launches.py --tiers wg,full --batch-mb 0    # a call per activation, as at GPU size
     python benchmarks/launches.py --tiers full --batch-mb 0 --compile aot_eager   # as gpu.py's compiled mode,
                                                                   # the model's graph run op by op
+    python benchmarks/launches.py --tiers full --batch-mb 0 --compile inductor --layers 2   # its fused kernels
+                                                                  # counted as `inductor::kernel`
 """
 from __future__ import annotations
 
@@ -67,8 +69,15 @@ def step_ops(tier: str, args) -> collections.Counter:
     if monitor is not None:
         monitor.stop()
     return kernel_calls + collections.Counter(
-        e.name for e in prof.events() if e.name.startswith("aten::") and
-        (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+        _launch_name(e.name) for e in prof.events() if _launch_name(e.name) and
+        (e.cpu_parent is None or not _launch_name(e.cpu_parent.name)))
+
+
+def _launch_name(event: str):
+    """An aten op's name, "inductor::kernel" for a kernel inductor generated (`--compile inductor`), else None."""
+    if event.startswith("aten::"):
+        return event
+    return "inductor::kernel" if "cpp_fused" in event else None
 
 
 def main() -> None:
@@ -83,6 +92,7 @@ def main() -> None:
                     "the graph's ops are counted as eager ones are)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    torch._inductor.config.cpp.enable_kernel_profile = True   # each generated kernel's call in the profile
     from trainmon.monitor import stats_fused
     stats_fused.cpu_as_accelerator = True
     accelerators_spread = stats_fused._spread       # the accelerators' combine, on the CPU

@@ -97,6 +97,23 @@ def test_compiled_training_runs_to_the_end_with_no_graph_break_from_trainmon(out
             assert len(run.records()), "records were written"
 
 
+@pytest.mark.parametrize("mode", ["default", "blocks"])
+def test_trainmon_attached_after_the_first_compiled_step_records_the_modules_inside(output_dir, write_config, mode):
+    """Dynamo does not guard on the hooks of the modules it inlines: a graph compiled before trainmon was attached
+    would run on without them. Attaching drops it, and the modules inside are recorded as with an early attach."""
+    torch._dynamo.reset()
+    model = make_model(layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_model = compiled(model, mode)
+    train(run_model, optimizer, steps=1)                          # compiled, unmonitored
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **TIERS["activations"]))
+    monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+    train(run_model, optimizer, steps=2)
+    monitor.stop()
+    names = {key[1] for key in _records(monitor) if key[0] == "actv"}
+    assert {"layers.0.mlp.0.output", "layers.3.attn.output"} <= names
+
+
 def _records(monitor) -> dict:
     with open_run(monitor.output_dir, source="db") as run:
         frame = run.records()

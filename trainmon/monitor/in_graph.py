@@ -217,7 +217,20 @@ def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: b
     # run eagerly (the grads of the region's outputs are watched there). Hooks inlined into a traced frame
     # are traced all the same.
     torch._dynamo.eval_frame.skip_code(traced_or_eager.__code__)
-    return _Handle(register(traced_or_eager), key)
+    handle = _Handle(register(traced_or_eager), key)
+    _forget_compiled(module)
+    return handle
+
+
+def _forget_compiled(module: torch.nn.Module) -> None:
+    """Drops what Dynamo compiled for `module`'s forward. Dynamo does not guard on the hooks of the modules it
+    inlines (`skip_nnmodule_hook_guards`): a graph compiled before trainmon was attached (a compiled model run
+    once first) would keep running without them, every module inside it unrecorded. The next call compiles it
+    again, hooks included."""
+    code = getattr(type(module).forward, "__code__", None)
+    reset_code = getattr(torch._dynamo, "reset_code", None)
+    if code is not None and reset_code is not None:
+        reset_code(code)
 
 
 def forward_pre_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,

@@ -111,9 +111,8 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     none = None
     for tier in args.tiers.split(","):
-        argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                if name not in ("tiers", "child", "keep_setting")] + (["--keep-setting"] if args.keep_setting else [])
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", tier], env=env,
+        # each tier in a process of its own: trainmon's hooks and the patches above stay out of the next one
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", tier], env=env,
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"{tier} failed:\n{(done.stdout + done.stderr)[-3000:]}")

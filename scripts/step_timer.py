@@ -4,9 +4,9 @@ The example jobs take `--timings PATH`: each rank then writes `PATH.rank<R>.json
 every training step (from the end of one `optimizer.step()` to the end of the next, so everything the
 step does counts, the monitor's own step work included), the process CPU time of the same intervals
 (every thread: the monitor's writer too; less sensitive than wall time to other load) and that of the
-training thread alone, the time the step spent in Python's garbage collector (its full collections are rare pauses that medians hide) and, counted
-over one extra step after the timed ones, how many module forward calls ran and how many of them received a grad in backward: the calls a
-monitor's module hooks see.
+training thread alone, the time the step spent in Python's garbage collector (its full collections are rare
+pauses that medians hide) and, counted over one extra step after the timed ones, how many module forward calls
+ran and how many of them received a grad in backward: the calls a monitor's module hooks see.
 """
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ class GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+def _clocks() -> tuple[float, float, float]:
+    """Wall time, the process's CPU time and the calling thread's."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
 class StepTimer:
     """Collects this rank's step times; `count_calls()` wraps one untimed step that counts module calls."""
 
@@ -52,11 +57,11 @@ class StepTimer:
         self.thread_times: list[float] = []
         self.gc_times: list[float] = []
         self.calls = {"forward": 0, "backward": 0}
-        self._last = (time.perf_counter(), time.process_time(), time.thread_time())
+        self._last = _clocks()
         self._gc = GcClock()
 
     def step_done(self) -> None:
-        now = (time.perf_counter(), time.process_time(), time.thread_time())
+        now = _clocks()
         self.times.append(now[0] - self._last[0])
         self.cpu_times.append(now[1] - self._last[1])
         self.thread_times.append(now[2] - self._last[2])
@@ -65,7 +70,7 @@ class StepTimer:
             # The monitor's statistic kernels compile in the background during a run's first seconds: the
             # steps timed here are those of a longer run, with the kernels in place.
             stat_kernels.settle()
-            now = (time.perf_counter(), time.process_time(), time.thread_time())
+            now = _clocks()
         self._last = now
 
     @contextlib.contextmanager

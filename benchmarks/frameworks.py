@@ -18,6 +18,10 @@ added time per step divided by that count is the cost per hooked call: an upper 
 per-parameter and per-step work is counted in it too. The micro-benchmark isolates it: a parameter-free
 chain of N modules (one Linear in front) trained with and without the tier's hooks, in one process,
 plainly and under the CPU shim the Megatron jobs run in (a TorchFunctionMode that sees every torch call).
+Its `bare hook` row is the reference a machine's speed cancels out of: per module a plain forward hook
+that launches one reduction of the output and puts a pre-hook on its grad node launching one reduction
+of the grad, the least any monitor of activations and their grads runs; `× bare` divides a tier's cost
+per hooked call by it.
 
     python benchmarks/frameworks.py --steps 20 --warmup 5 --repeats 2 --json frameworks.json
     python benchmarks/frameworks.py --jobs megatron-tp2 --tiers none,full --steps 4 --warmup 2 --repeats 1
@@ -122,8 +126,26 @@ def run_job(job: str, tier: str, formats: list[str], steps: int, extra: dict, in
             "disk_bytes_per_rank_step": disk / NPROC / (steps + 1), "job_s": time.perf_counter() - start}
 
 
+BARE = "bare hook"  # the micro-benchmark's reference (`attach_bare_hooks`), run with every tier list
+
+
+def attach_bare_hooks(model) -> None:
+    """Per module, one forward hook launching a reduction of the output, and on the output's grad node a
+    pre-hook launching a reduction of the grad: two hooked calls, one op each, nothing recorded."""
+    def on_grad(grads):
+        grads[0].sum()
+
+    def on_output(module, args, output):
+        output.detach().sum()
+        output.grad_fn.register_prehook(on_grad)
+
+    for module in model.modules():
+        module.register_forward_hook(on_output)
+
+
 def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: int, shim: bool, extra: dict) -> dict:
-    """A parameter-free chain of `calls` modules behind one Linear, trained with the tier's hooks (child side)."""
+    """A parameter-free chain of `calls` modules behind one Linear, trained with the tier's hooks, or with
+    `attach_bare_hooks` for BARE (child side)."""
     import torch
 
     sys.path.insert(0, SCRIPTS)
@@ -135,8 +157,12 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     out_dir = tempfile.mkdtemp(prefix="trainmon_micro_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    monitor = attach_monitor(tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS), out_dir,
-                             model, optimizer)
+    monitor = None
+    if tier == BARE:
+        attach_bare_hooks(model)
+    else:
+        monitor = attach_monitor(tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS),
+                                 out_dir, model, optimizer)
     if shim:
         from cpu_shims import CudaToCpuMode
 
@@ -224,7 +250,7 @@ def summarize(runs: list[dict], warmup: int, interleave: int = 1) -> list[dict]:
                 base = statistics.mean(pooled["none", "step_s"]) if ("none", "step_s") in pooled else None
                 row["wall_mean_ms"], row["wall_mean_ratio"] = mean * 1e3, mean / base if base else None
                 row["gc_ms"] = statistics.mean(pooled[tier, "gc_s"]) * 1e3
-            if interleave > 1 and not (TIERS[tier] or {}).get("sentinel"):  # it probes every step
+            if interleave > 1 and not (TIERS.get(tier) or {}).get("sentinel"):  # it probes every step
                 for metric, name in (("step_s", "wall"), ("cpu_s", "cpu"), ("thread_s", "thread")):
                     row[f"{name}_in_run"] = [in_run_ratio(r[metric], warmup, interleave) for r in tier_runs]
             if "disk_bytes_per_rank_step" in tier_runs[0]:
@@ -285,14 +311,18 @@ def _print_micro(micro_rows: list[dict], args) -> None:
           "is one forward or one backward hook run; µs per hooked call = added time per step / hooked calls, "
           "in wall time, in the training thread's CPU time (the hooks and the step's own work) and in the "
           "process's CPU time (the writer thread too); the mean step and the mean time in Python's garbage "
-          "collector per step.\n")
-    print("| setting | tier | step | × none | per repeat | µs per hooked call: wall | training thread | process "
-          "| mean step | GC/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "collector per step; `× bare`: the training thread's µs per hooked call against the `bare hook` row's "
+          "(a forward hook and a grad-node pre-hook per module, one reduction each).\n")
+    print("| setting | tier | step | × none | per repeat | µs per hooked call: wall | training thread | × bare "
+          "| process | mean step | GC/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    bare = {r["job"]: r.get("thread_us_per_hooked_call") for r in micro_rows if r["tier"] == BARE}
     for r in micro_rows:
         per_repeat = ", ".join(f"{x:.2f}" for x in r["per_repeat"]) if r["tier"] != "none" else ""
+        thread, reference = r.get("thread_us_per_hooked_call"), bare.get(r["job"])
+        times_bare = thread / reference if thread is not None and reference else None
         print(f"| {r['job']} | {r['tier']} | {r['wall_ms']:.1f} ms | {_fmt(r['wall_ratio'], '.3f')} | {per_repeat} "
-              f"| {_fmt(r['wall_us_per_hooked_call'], '.1f')} | {_fmt(r.get('thread_us_per_hooked_call'), '.1f')} "
+              f"| {_fmt(r['wall_us_per_hooked_call'], '.1f')} | {_fmt(thread, '.1f')} | {_fmt(times_bare, '.2f')} "
               f"| {_fmt(r['cpu_us_per_hooked_call'], '.1f')} | {r['wall_mean_ms']:.1f} ms | {r['gc_ms']:.2f} ms |")
 
 
@@ -340,8 +370,9 @@ def main() -> int:
                       f"{statistics.median(result['step_s'][args.warmup:]) * 1e3:.1f} ms ({result['job_s']:.0f} s)",
                       file=sys.stderr, flush=True)
         if args.micro_calls:
+            micro_order = [*order, BARE] if repeat % 2 == 0 else [BARE, *order]
             for shim in (False, True):
-                for tier in order:
+                for tier in micro_order:
                     result = run_micro(tier, formats, args.micro_calls, args.micro_steps, args.warmup, shim, extra)
                     micro_runs.append({"job": "micro, CPU shim" if shim else "micro", "tier": tier,
                                        "repeat": repeat, **result})

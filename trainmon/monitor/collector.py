@@ -87,13 +87,14 @@ class StepCollector:
         """The call index of one tensor event, the same for every hook that reports it: the NaN sentinel and
         the statistic hooks each see a module's output (or grad) and would otherwise reserve one index each.
         Where one group alone reports each event, it asks once per event, and the index is reserved at once."""
-        if not self.shared_events:
-            return self.next_call_index()
-        where = (family, name, vpp_stage, micro, id(tensor))
-        index = self._indexed.get(where, tensor)
-        if index is None:
-            index = self.next_call_index()
-            self._indexed.put(where, tensor, index)
+        if self.shared_events:
+            where = (family, name, vpp_stage, micro, id(tensor))
+            index = self._indexed.get(where, tensor)
+            if index is not None:
+                return index
+            self._indexed.put(where, tensor, self._call_index)
+        index = self._call_index  # next_call_index, inlined: every tensor event of every hook
+        self._call_index += 1
         return index
 
     def record(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool = False) -> None:

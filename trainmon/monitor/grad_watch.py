@@ -14,7 +14,7 @@ def watch_grad(tensor: torch.Tensor, callback: Callable[[torch.Tensor], None]) -
     (`Tensor.register_hook`) would, before that node runs, for about half the cost of registering it: no
     handle and no per-tensor hook dict, for hooks that live as long as the graph.
     """
-    tensor.grad_fn.register_prehook(output_grad_hook(callback, tensor.output_nr))
+    tensor.grad_fn.register_prehook(_OutputGrad(callback, tensor.output_nr))
 
 
 def output_grad_hook(callback: Callable[[torch.Tensor], None], output_nr: int) -> Callable:

@@ -35,7 +35,7 @@ from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.grad_watch import output_grad_hook
-from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, RecordKey, record_key
+from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, record_key
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, input_values, values_at
 
@@ -87,7 +87,9 @@ class _InputTap(torch.autograd.Function):
     def forward(ctx, call: _Call, *tensors):
         ctx.call = call
         # Views of the inputs would make autograd reject in-place ops on them; detached aliases do not.
-        return tuple(t.detach() for t in tensors)
+        if len(tensors) == 1:
+            return (tensors[0].detach(),)
+        return tuple([t.detach() for t in tensors])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -96,9 +98,23 @@ class _InputTap(torch.autograd.Function):
         return (None,) + grads
 
 
+# `Function.apply` is a Python wrapper around the C++ apply for functorch's transforms (vmap, grad, ...). Outside
+# them it only adds four Python frames to every tap, and unwraps dead functorch wrappers, which no module input is.
+_apply_tap_directly = super(torch.autograd.Function, _InputTap).apply
+
+
+def _apply_tap(call: _Call, tensors: list) -> tuple:
+    if torch._C._are_functorch_transforms_active():
+        return _InputTap.apply(call, *tensors)
+    return _apply_tap_directly(call, *tensors)
+
+
 def _tapped_inputs(inputs: list, selector) -> tuple[list[int], tuple[str, ...]]:
     """The positions in `inputs` of the selected floating tensors that require grad (a tensor passed twice:
     once), and their leaf-name suffixes ("" or "_<i>")."""
+    if len(inputs) == 1 and selector is None:     # most calls: one tensor, named `input`
+        t = inputs[0]
+        return ([0], ("",)) if t.requires_grad and t.is_floating_point() else ([], ())
     suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, selector)}
     tapped, seen = [], set()
     for i, t in enumerate(inputs):
@@ -108,13 +124,11 @@ def _tapped_inputs(inputs: list, selector) -> tuple[list[int], tuple[str, ...]]:
     return tapped, tuple(suffixes[id(inputs[i])] for i in tapped)
 
 
-def _root(leaf):
-    """The tensor an input tap's alias stands for (through nested taps), or `leaf` itself.
-
-    An input's activation record is then that of the tensor itself, often already taken as another
-    module's output, instead of a second pass over the same data.
-    """
-    return getattr(leaf, "_trainmon_root", leaf)
+# The attribute of an input tap's alias that holds the tensor it stands for (through nested taps):
+# `getattr(t, _ROOT, t)` is that tensor, or `t` itself. An input's activation record is then that of the
+# tensor itself, often already taken as another module's output, instead of a second pass over the same
+# data. Read inline (not through a function) as every call does it for every input.
+_ROOT = "_trainmon_root"
 
 
 class ActivationHooks(Hooks):
@@ -194,11 +208,11 @@ class ActivationHooks(Hooks):
         tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel)
         if not tapped:
             return None
-        call.tapped_places = tuple(places[i] for i in tapped)
-        aliases = _InputTap.apply(call, *(inputs[i] for i in tapped))
+        call.tapped_places = tuple([places[i] for i in tapped])
+        aliases = _apply_tap(call, [inputs[i] for i in tapped])
         args, kwargs = list(args), dict(kwargs)
         for i, alias in zip(tapped, aliases):
-            alias._trainmon_root = _root(inputs[i])
+            setattr(alias, _ROOT, getattr(inputs[i], _ROOT, inputs[i]))
             positional, key = places[i]
             (args if positional else kwargs)[key] = alias
         return tuple(args), kwargs
@@ -231,7 +245,9 @@ class ActivationHooks(Hooks):
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, name))
             if self.forward:
-                inputs = [_root(t) for t in input_values(args, kwargs)]
+                inputs = input_values(args, kwargs)
+                for i, t in enumerate(inputs):
+                    inputs[i] = getattr(t, _ROOT, t)
                 self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, name, micro,
                                          call.input_index, inputs, output_leaves)
 
@@ -275,18 +291,27 @@ class ActivationHooks(Hooks):
         node pre-hook would have run before the tap's backward). Where some of them got a grad, autograd hands the
         others as zeros: an input's zero grad is what a full backward hook reports too; an output that is an input
         and reached nothing is recorded with that zero grad, where a full backward hook reports none."""
-        if call.name is not None:
-            named = [(leaf_name, grads[i]) for i, leaf_name in call.output_grads if grads[i] is not None]
-            named += [(f"{call.name}.input{suffix}", grad)
-                      for suffix, grad in zip(call.suffixes, grads) if grad is not None]
-            self._record_grads(call.watched, call.micro, named)
+        if call.name is None:
+            return
+        named = []
+        for i, leaf_name in call.output_grads:
+            if grads[i] is not None:
+                named.append((leaf_name, grads[i]))
+        for suffix, grad in zip(call.suffixes, grads):
+            if grad is not None:
+                named.append((f"{call.name}.input{suffix}", grad))
+        self._record_grads(call.watched, call.micro, named)
 
     def _record_grads(self, watched: WatchedModule, micro: int, named_grads: list) -> None:
         if not self.state.collecting or not named_grads:
             return
-        collector = self.state.collector
-        keys = [_grad_key(collector, watched, micro, leaf_name, grad) for leaf_name, grad in named_grads]
-        collector.record(keys, [grad for _, grad in named_grads], defer=True)
+        collector, vpp = self.state.collector, watched.vpp_stage
+        keys, grads = [], []
+        for leaf_name, grad in named_grads:
+            index = collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad)
+            keys.append(record_key(ACTV_GRAD, leaf_name, vpp, micro, index, tuple(grad.shape), str(grad.dtype)))
+            grads.append(grad)
+        collector.record(keys, grads, defer=True)
 
     def _record_activations(self, collector: StepCollector, family: str, watched: WatchedModule, name: str,
                             micro: int, input_index: int, inputs: list, output_leaves: list) -> None:
@@ -294,13 +319,14 @@ class ActivationHooks(Hooks):
         if not (input_leaves or output_leaves):
             return
         vpp = watched.vpp_stage
-        keys = [record_key(family, leaf_name, vpp, micro, input_index, tuple(t.shape), str(t.dtype))
-                for leaf_name, t in input_leaves]
-        tensors = [t for _, t in input_leaves]
+        keys, tensors = [], []
+        for leaf_name, t in input_leaves:
+            keys.append(record_key(family, leaf_name, vpp, micro, input_index, tuple(t.shape), str(t.dtype)))
+            tensors.append(t)
         for leaf_name, t in output_leaves:
             index = collector.call_index_of(family, leaf_name, vpp, micro, t)
             keys.append(record_key(family, leaf_name, vpp, micro, index, tuple(t.shape), str(t.dtype)))
-            tensors.append(_root(t))  # an input returned as it came: the input's record serves
+            tensors.append(getattr(t, _ROOT, t))  # an input returned as it came: the input's record serves
         collector.record(keys, tensors, defer=True)
 
 
@@ -309,16 +335,10 @@ def _split_tapped_outputs(output_leaves: list, aliases: list) -> tuple[list, tup
     that are), `aliases` being the tapped inputs as the module got them. The tap records the latter's grads."""
     rest, by_tap = [], []
     for leaf_name, tensor in output_leaves:
-        position = next((i for i, alias in enumerate(aliases) if alias is tensor), None)
-        if position is None:
-            rest.append((leaf_name, tensor))
+        for position, alias in enumerate(aliases):
+            if alias is tensor:
+                by_tap.append((position, leaf_name))
+                break
         else:
-            by_tap.append((position, leaf_name))
+            rest.append((leaf_name, tensor))
     return rest, tuple(by_tap)
-
-
-def _grad_key(collector: StepCollector, watched: WatchedModule, micro: int, leaf_name: str,
-              grad: torch.Tensor) -> RecordKey:
-    vpp = watched.vpp_stage
-    return record_key(ACTV_GRAD, leaf_name, vpp, micro, collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad),
-                      tuple(grad.shape), str(grad.dtype))

@@ -331,7 +331,7 @@ def _assume_finite_native(tensors: Sequence[torch.Tensor], want: tuple, lam: flo
                                                      lam)
     for fill in fills[1:]:
         figures[fill] = stats_native.figures(_copied(tensors, fill, scratch), lam)
-    count = np.fromiter((t.numel() for t in tensors), dtype=np.float64, count=len(tensors))
+    count = np.array([t.numel() for t in tensors], dtype=np.float64)
     return _packed_records(count, figures, want)
 
 

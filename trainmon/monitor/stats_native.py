@@ -100,7 +100,7 @@ def usable(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the library may read `tensors` now: it is ready, they are plain tensors (a subclass has its own
     dispatch), and no compile traces and no dispatch mode watches the call (the library would bypass both)."""
     return (ready() and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(t) in PLAIN_TENSORS for t in tensors))
+            and set(map(type, tensors)).issubset(PLAIN_TENSORS))
 
 
 def unavailable() -> bool:
@@ -123,8 +123,9 @@ def figures(tensors: Sequence[torch.Tensor], lam: float) -> np.ndarray:
     out = np.empty((len(tensors), 5))
     if not tensors:
         return out
-    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
-    lengths = np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))
+    # From lists: a generator costs a resumption per tensor.
+    addresses = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
+    lengths = np.array([t.numel() for t in tensors], dtype=np.int64)
     _functions[tensors[0].dtype](len(tensors), addresses.ctypes.data, lengths.ctypes.data, lam, out.ctypes.data)
     return out
 

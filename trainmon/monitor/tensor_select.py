@@ -22,7 +22,7 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
         obj = obj[0]  # a single leaf keeps the bare prefix
     if isinstance(obj, torch.Tensor):  # the common case, in every hook call: no list to walk
         return [(prefix, obj)] if obj.is_floating_point() else []
-    if type(obj) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in obj):
+    if type(obj) in (tuple, list) and _flat(obj):
         leaves = obj  # what tree_flatten gives for a flat sequence (None is a leaf too), without its cost
     else:
         leaves = tree_flatten(obj)[0]
@@ -32,6 +32,14 @@ def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             out.append((prefix if single else f"{prefix}_{i}", leaf))
     return out
+
+
+def _flat(items) -> bool:
+    """Whether every item is a tensor or None (a loop: `all` over a generator costs a resumption per item)."""
+    for x in items:
+        if x is not None and not isinstance(x, torch.Tensor):
+            return False
+    return True
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,6 +56,8 @@ def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
     Constant tensors passed by keyword (attention masks, whose -inf entries are no anomaly, rotary
     tables) are left out.
     """
+    if len(args) == 1 and not kwargs:  # most calls: a comprehension would cost more than its one item
+        return [(True, 0)] if isinstance(args[0], torch.Tensor) else []
     places = [(True, i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if kwargs:
         places += [(False, k) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -56,6 +66,8 @@ def input_places(args: tuple, kwargs: dict) -> list[tuple[bool, object]]:
 
 def input_values(args: tuple, kwargs: dict) -> list:
     """The values at `input_places` of a call, without the places."""
+    if len(args) == 1 and not kwargs:
+        return [args[0]] if isinstance(args[0], torch.Tensor) else []
     values = [a for a in args if isinstance(a, torch.Tensor)]
     if kwargs:
         values += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -64,4 +76,7 @@ def input_values(args: tuple, kwargs: dict) -> list:
 
 def values_at(places: list[tuple[bool, object]], args: tuple, kwargs: dict) -> list:
     """The values at `input_places` of a call."""
+    if len(places) == 1:
+        positional, key = places[0]
+        return [args[key] if positional else kwargs[key]]
     return [args[key] if positional else kwargs[key] for positional, key in places]

@@ -1,0 +1,132 @@
+"""Instructions per hooked call, counted by valgrind's callgrind: a measure of the hooks' cost that the
+machine's load does not move.
+
+The chain is the micro-benchmark's of `frameworks.py` (a Linear and N parameter-free modules, AdamW, one
+thread). Each tier runs in its own process under callgrind, which counts the training thread's instructions
+over `--steps` steps after `--warmup` (only those steps run inside the one call it is told to count,
+`functools.reduce`). A hooked call is one forward or one backward hook run, two per module per step:
+
+    instructions per hooked call = (tier's instructions per step - none's) / hooked calls per step
+
+`bare hook` is `frameworks.py`'s reference (a forward hook and a grad-node pre-hook per module, one reduction
+each); `× bare` divides by its figure. The writer thread is left out. Timing a
+change on a shared machine needs many runs to see 5%; two counts of the same code differ by well under
+1%. A run under callgrind takes minutes (importing torch alone, about two), about 50 times its native time.
+
+    python benchmarks/instructions.py --tiers none,sentinel,full,"bare hook"
+    PYTHONPATH=/path/to/other/checkout python benchmarks/instructions.py --tiers none,full   # that trainmon
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from frameworks import BARE, TIERS, attach_bare_hooks
+from overhead import attach_monitor, tier_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def child(tier: str, calls: int, steps: int, warmup: int) -> None:
+    """Trains the chain with the tier's hooks; the counted steps run inside `functools.reduce`."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), *[torch.nn.GELU() for _ in range(calls)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out_dir = tempfile.mkdtemp(prefix="trainmon_instructions_")
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    monitor = None
+    if tier == BARE:
+        attach_bare_hooks(model)
+    else:
+        monitor = attach_monitor(tier_config(tier, ["db"], None, tiers=TIERS), out_dir, model, optimizer)
+    x = torch.randn(8, 16)
+
+    def step(*_):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    functools.reduce(step, range(steps), None)
+    if monitor is not None:
+        monitor.stop()
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def count(tier: str, args) -> dict:
+    """Runs one tier under callgrind; the training thread's instructions per counted step."""
+    with tempfile.TemporaryDirectory(prefix="trainmon_callgrind_") as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
+               "--separate-threads=yes", f"--callgrind-out-file={out}", sys.executable, __file__, "--child", tier,
+               "--calls", str(args.calls), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{tier} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+        with open(f"{out}-01") as f:  # thread 1, the training thread (only it runs the counted call)
+            totals = re.search(r"^totals: (\d+)", f.read(), re.M)
+    return {"tier": tier, "training_per_step": int(totals.group(1)) / args.steps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiers", default=f"none,sentinel,full,{BARE}",
+                        help=f"comma-separated, of {', '.join([*TIERS, BARE])}; none is added if missing")
+    parser.add_argument("--calls", type=int, default=200, help="parameter-free modules in the chain")
+    parser.add_argument("--steps", type=int, default=4, help="counted steps")
+    parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--parallel", type=int, default=1, help="tiers counted at once (one core each)")
+    parser.add_argument("--json", help="where to write the counts")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.calls, args.steps, args.warmup)
+        return 0
+    if shutil.which("valgrind") is None:
+        parser.error("valgrind is not installed (its callgrind tool counts the instructions)")
+    tiers = args.tiers.split(",")
+    unknown = [t for t in tiers if t not in TIERS and t != BARE]
+    if unknown:
+        parser.error(f"unknown tier {unknown}; choose from {', '.join([*TIERS, BARE])}")
+    if "none" not in tiers:
+        tiers.insert(0, "none")
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda tier: count(tier, args), tiers))
+    hooked_calls = 2 * (args.calls + 2)  # the chain, its Linear and the Sequential, forward and backward
+    base = next(r for r in rows if r["tier"] == "none")["training_per_step"]
+    for r in rows:
+        r["per_hooked_call"] = (r["training_per_step"] - base) / hooked_calls if r["tier"] != "none" else None
+    bare = next((r["per_hooked_call"] for r in rows if r["tier"] == BARE), None)
+    print(f"Instructions of the training thread per step ({args.steps} counted after {args.warmup}), a chain of "
+          f"{args.calls} modules, {hooked_calls} hooked calls a step; trainmon from "
+          f"{os.environ.get('PYTHONPATH') or ROOT}.\n")
+    print("| tier | per step | × none | per hooked call | × bare |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        per_call = r["per_hooked_call"]
+        times_bare = f"{per_call / bare:.2f}" if per_call is not None and bare else "-"
+        print(f"| {r['tier']} | {r['training_per_step'] / 1e6:.1f} M | {r['training_per_step'] / base:.3f} "
+              f"| {'-' if per_call is None else f'{per_call / 1e3:.1f} K'} | {times_bare} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": sys.argv, "pythonpath": os.environ.get("PYTHONPATH"), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -143,13 +144,11 @@ def attach_bare_hooks(model) -> None:
         module.register_forward_hook(on_output)
 
 
-def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: int, shim: bool, extra: dict) -> dict:
-    """A parameter-free chain of `calls` modules behind one Linear, trained with the tier's hooks, or with
-    `attach_bare_hooks` for BARE (child side)."""
+def micro_chain(tier: str, calls: int, formats: list[str], extra: dict) -> tuple:
+    """The micro-benchmark's run: a parameter-free chain of `calls` modules behind one Linear, its AdamW, the
+    tier's monitor (None for `none`, and for BARE, whose hooks `attach_bare_hooks` puts on), its input and the
+    monitor's output folder. One thread."""
     import torch
-
-    sys.path.insert(0, SCRIPTS)
-    from step_timer import GcClock
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -163,11 +162,19 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
     else:
         monitor = attach_monitor(tier_config(tier, formats, extra if tier != "none" else None, tiers=TIERS),
                                  out_dir, model, optimizer)
+    return model, optimizer, monitor, torch.randn(8, 16), out_dir
+
+
+def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: int, shim: bool, extra: dict) -> dict:
+    """Trains `micro_chain` and times every step (child side)."""
+    sys.path.insert(0, SCRIPTS)
+    from step_timer import GcClock
+
+    model, optimizer, monitor, x, out_dir = micro_chain(tier, calls, formats, extra)
     if shim:
         from cpu_shims import CudaToCpuMode
 
         CudaToCpuMode().__enter__()
-    x = torch.randn(8, 16)
     wall, cpu, thread, in_gc = [], [], [], []
     clock = GcClock()
     for _ in range(warmup + steps):
@@ -183,6 +190,7 @@ def micro_child(tier: str, formats: list[str], calls: int, steps: int, warmup: i
     clock.close()
     if monitor is not None:
         monitor.stop()
+    shutil.rmtree(out_dir, ignore_errors=True)
     # Module calls per step: the chain, its Linear and the Sequential around them, each forward and backward.
     return {"step_s": wall, "cpu_s": cpu, "thread_s": thread, "gc_s": in_gc,
             "calls": [{"forward": calls + 2, "backward": calls + 2}]}

@@ -29,29 +29,15 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from frameworks import BARE, TIERS, attach_bare_hooks
-from overhead import attach_monitor, tier_config
+from frameworks import BARE, TIERS, micro_chain
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
 def child(tier: str, calls: int, steps: int, warmup: int) -> None:
-    """Trains the chain with the tier's hooks; the counted steps run inside `functools.reduce`."""
-    import torch
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), *[torch.nn.GELU() for _ in range(calls)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    out_dir = tempfile.mkdtemp(prefix="trainmon_instructions_")
-    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    monitor = None
-    if tier == BARE:
-        attach_bare_hooks(model)
-    else:
-        monitor = attach_monitor(tier_config(tier, ["db"], None, tiers=TIERS), out_dir, model, optimizer)
-    x = torch.randn(8, 16)
+    """Trains `micro_chain`; the counted steps run inside `functools.reduce`."""
+    model, optimizer, monitor, x, out_dir = micro_chain(tier, calls, ["db"], {})
 
     def step(*_):
         model(x).square().mean().backward()

@@ -14,17 +14,13 @@ def watch_grad(tensor: torch.Tensor, callback: Callable[[torch.Tensor], None]) -
     (`Tensor.register_hook`) would, before that node runs, for about half the cost of registering it: no
     handle and no per-tensor hook dict, for hooks that live as long as the graph.
     """
-    tensor.grad_fn.register_prehook(_OutputGrad(callback, tensor.output_nr))
+    tensor.grad_fn.register_prehook(OutputGrad(callback, tensor.output_nr))
 
 
-def output_grad_hook(callback: Callable[[torch.Tensor], None], output_nr: int) -> Callable:
-    """The pre-hook `watch_grad` registers, for a tensor that is output `output_nr` of its node: hooks that
-    recur every step can be made once and registered on each step's node (`tensor.grad_fn.register_prehook`)."""
-    return _OutputGrad(callback, output_nr)
-
-
-class _OutputGrad:
-    """Hands a node's grad of one of its outputs to `callback`. One object that lives as long as the graph (a
+class OutputGrad:
+    """The pre-hook `watch_grad` registers, for a tensor that is output `output_nr` of its node: it hands the
+    node's grad of that output to `callback`. Hooks that recur every step can be made once and registered on
+    each step's node (`tensor.grad_fn.register_prehook`). One object that lives as long as the graph (a
     `functools.partial` would be two, for Python's garbage collector to track)."""
 
     __slots__ = ("callback", "output_nr")

@@ -34,7 +34,7 @@ from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
-from trainmon.monitor.grad_watch import output_grad_hook
+from trainmon.monitor.grad_watch import OutputGrad
 from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, record_key
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, input_values, values_at
@@ -279,7 +279,7 @@ class ActivationHooks(Hooks):
                 where = (micro, leaf_name, tensor.output_nr)
                 hook = hooks.get(where)
                 if hook is None:
-                    hook = hooks[where] = output_grad_hook(
+                    hook = hooks[where] = OutputGrad(
                         functools.partial(watched.grad_recorders[1], watched, micro, leaf_name), tensor.output_nr)
                 grad_fn.register_prehook(hook)
 

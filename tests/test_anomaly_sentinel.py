@@ -126,6 +126,23 @@ def test_probes_of_mixed_dtypes_are_stacked_one_dtype_at_a_time_in_their_order()
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_probes_read_on_the_host_and_device_probes_are_filled_together_in_their_order(monkeypatch):
+    """CPU probes are kept as floats, an accelerator's as device scalars (here CPU tensors stand in for them):
+    a step holding both fills one [keys, 2] tensor, exact, in key order."""
+    probes, host_probe = sentinel._Probes(), sentinel.probe
+    device_pairs = iter([(torch.tensor(-1.5, dtype=torch.bfloat16), torch.tensor(2.5, dtype=torch.bfloat16))])
+    monkeypatch.setattr(sentinel, "probe", lambda tensor: next(device_pairs) if tensor.dtype == torch.bfloat16
+                        else host_probe(tensor))
+    probes.add("a", torch.tensor([1.0, 1e300], dtype=torch.float64))
+    probes.add("b", torch.zeros(2, dtype=torch.bfloat16))
+    probes.add("c", torch.tensor([1.0, math.nan]))
+    probes.add_norms(["d"], [torch.tensor([3.0, 4.0])])
+    got = probes.filled()
+    assert probes.keys == ["a", "b", "c", "d"] and got.dtype == torch.float64
+    want = torch.tensor([[1e300, 1e300], [-1.5, 2.5], [math.nan, math.nan], [5.0, 5.0]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_bf16_models_probes_are_stacked_by_dtype_and_name_the_fault(output_dir, write_config, monkeypatch):
     """A bf16 model with the accelerators' probe, (min, max) in bf16 beside the weights' fp32 norms: every
     stack of the step takes one dtype (on CUDA a mixed one costs a kernel per probe), and the probes are

@@ -81,6 +81,25 @@ def test_a_saved_variable_that_goes_nan_first_is_named_first_online_and_by_nan_a
     assert any(c["module"] == "gate" and c["tensor"] == "save_grad" for c in report["chain"])
 
 
+def test_a_saved_variable_and_its_sentinel_probe_are_one_event(output_dir, write_config):
+    """With the sentinel on, a saved variable's record and its probe carry one call index, in every step and
+    micro-step, with or without the activation hooks beside them."""
+    for config in (dict(sentinel=True), dict(STATS, sentinel=True)):
+        model = GatedNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        monitor = TrainerMon(write_config(**config)).set_monitor(model, optimizer=optimizer, grad_acc_steps=GA)
+        batches = []
+        monitor._api.write = batches.append  # the api sink receives every step batch in the writer thread
+        train(model, optimizer)
+        monitor.stop()
+        assert len(batches) == STEPS
+        for batch in batches:
+            for family in ("save", "save_grad"):
+                records = sorted((k.micro_step, k.call_index) for k in batch.keys if k.family == family)
+                probes = sorted((k.micro_step, k.call_index) for k in batch.flag_keys if k.family == family)
+                assert len(records) == GA and records == probes, (config, family)
+
+
 def test_save_and_save_grad_records_equal_what_torch_computes_from_the_tensors(output_dir, write_config):
     model, run = monitored_run(write_config, output_dir, STATS)
     assert len(model.seen_grads) == len(model.seen_values) == STEPS * GA

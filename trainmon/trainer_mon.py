@@ -222,7 +222,7 @@ class TrainerMon:
     def _new_collector(self) -> StepCollector:
         config = self.config
         return StepCollector(config.eps, record_fields(config), self.rank, self._adapter.pp_stage(),
-                             batch_bytes=config.stats_batch_mb << 20, shared_events=config.sentinel)
+                             batch_bytes=config.stats_batch_mb << 20, shared_events=config.sentinel and config.xy_distribution)
 
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""

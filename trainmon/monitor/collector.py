@@ -40,8 +40,8 @@ class StepCollector:
     def __init__(self, eps: float, fields: stats.FieldSet, rank: int, pp_stage: int = 0,
                  batch_bytes: int = 32 << 20, shared_events: bool = False):
         self.eps = eps
-        # Whether two groups of hooks report the same tensor events (the NaN sentinel beside the statistic hooks
-        # and saved variables): only then does call_index_of note each event's index.
+        # Whether two groups of hooks report the same tensor events (the NaN sentinel beside the activation
+        # hooks): only then does call_index_of note each event's index.
         self.shared_events = shared_events
         self.fields = fields  # what each record computes: stats.fields_for_ops
         # zeroed on the host (StepBatch.wait): on the device each records call would launch a kernel for it

@@ -144,12 +144,12 @@ class SavedVariables(Hooks):
 
     def _record(self, family: str, name: str, micro: int, tensor: torch.Tensor, phase: str) -> None:
         collector = self.state.collector
-        key = record_key(family, name, 0, micro, collector.call_index_of(family, name, 0, micro, tensor),
-                         tuple(tensor.shape), str(tensor.dtype))
+        index = collector.next_call_index()
+        key = record_key(family, name, 0, micro, index, tuple(tensor.shape), str(tensor.dtype))
         # Deferred like activations: a variable the script changes in place before the batch is reduced
         # is read at once from then on (StepCollector).
         collector.record([key], [tensor], defer=True)
         if self.sentinel is not None:
-            self.sentinel.probe_saved(family, name, tensor, micro)
+            self.sentinel.probe_saved(family, name, tensor, micro, index)
         if self.dump is not None:
             self.dump.add_saved(name, phase, family, tensor)

@@ -9,8 +9,8 @@ parameter: one kernel on an accelerator): NaN exactly when an element is, +Inf w
 not probed) or when the norm exceeds ~1.8e19 (its squares are summed in fp32). Probes stay on the device, a
 (low, high) pair per probed event in the order of the events (each event's `call_index` is kept in its key),
 and join the step's single device->host copy as one stacked tensor. On an accelerator nothing is read on the
-host inside the hooks (on CPU, `probe` reads its sum, which waits for nothing); `verdict` reads a pair in the
-writer thread.
+host inside the hooks (on CPU, `probe` reads its sum, which waits for nothing, and the pairs are kept as
+Python floats); `verdict` reads a pair in the writer thread.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from trainmon.monitor.dump_capture import DumpRequest, capture
 from trainmon.core.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.monitor import in_graph
 from trainmon.monitor.forward_passes import in_backward
-from trainmon.monitor.grad_watch import watch_grad
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
@@ -40,17 +39,22 @@ NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))  # families probed by a
 _WIDE = (torch.float32, torch.float64)  # summed in their own dtype; narrower ones in fp32
 
 
-def probe(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of `tensor`, in its dtype: NaN if an element is, else they hold its infinities.
+def probe(tensor: torch.Tensor) -> tuple:
+    """(min, max) of `tensor`: NaN if an element is, else they hold its infinities. Device scalars in its dtype
+    on an accelerator; Python floats on CPU.
 
     On CPU, where reading a value waits for no device, a finite sum stands for both (a sum is 3-5 times
     cheaper than aminmax there on large fp32 tensors); only a tensor whose sum is not finite takes aminmax.
-    The value is read through numpy, which dispatches no op."""
+    Values are read by `tolist`, which dispatches no op (`item` would dispatch `_local_scalar_dense`, the op
+    that reads a device value on the host), and kept as floats: a step's hundreds of scalar tensors would
+    cost a stack of them, several times the cost of the reads."""
     tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        total = tensor.sum() if tensor.dtype in _WIDE else tensor.sum(dtype=torch.float32)
-        if math.isfinite(float(total.numpy())):
+    if tensor.is_cpu:
+        total = (tensor.sum() if tensor.dtype in _WIDE else tensor.sum(dtype=torch.float32)).tolist()
+        if math.isfinite(total):
             return total, total
+        low, high = torch.aminmax(tensor)
+        return low.tolist(), high.tolist()
     return torch.aminmax(tensor)
 
 
@@ -93,7 +97,8 @@ def stacked(values: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _Probes:
-    """One step's probes: two device scalars per key, stacked into one tensor when the step's probes are read.
+    """One step's probes, a (low, high) pair per key: device scalars, stacked into one tensor when the step's
+    probes are read, or Python floats for tensors on CPU.
 
     A list append per probe is the cheapest write: a preallocated buffer would cost an indexing op and
     a copy per probe, where the stack costs well under a microsecond per probe once per step.
@@ -101,7 +106,7 @@ class _Probes:
 
     def __init__(self):
         self.keys: list[RecordKey] = []
-        self._values: list[torch.Tensor] = []
+        self._values: list = []
 
     def add(self, key: RecordKey, tensor: torch.Tensor) -> None:
         self.keys.append(key)
@@ -109,15 +114,27 @@ class _Probes:
 
     def add_norms(self, keys: list[RecordKey], tensors: list[torch.Tensor]) -> None:
         self.keys.extend(keys)
-        for norm in norm_probes(tensors):
+        norms = norm_probes(tensors)
+        if norms[0].is_cpu:
+            norms = torch.stack(norms).tolist()
+        for norm in norms:
             self._values += (norm, norm)
 
     def filled(self) -> Optional[torch.Tensor]:
-        """The probes written this step, [keys, 2] in key order on the device, or None. Not cast to fp32: an
-        fp64 tensor's finite extremes may exceed its range (`stacked` promotes mixed dtypes exactly)."""
-        if not self._values:
+        """The probes written this step, [keys, 2] in key order, or None: on the device of the probes that are
+        device scalars, in fp64 on CPU when all are floats. Not cast to fp32: an fp64 tensor's finite extremes
+        may exceed its range (`stacked` promotes mixed dtypes exactly)."""
+        values = self._values
+        if not values:
             return None
-        return stacked(self._values).view(-1, 2)
+        on_device = [v for v in values if isinstance(v, torch.Tensor)]
+        if not on_device:
+            return torch.tensor(values, dtype=torch.float64).view(-1, 2)
+        if len(on_device) < len(values):  # CPU tensors probed beside an accelerator's
+            device = on_device[0].device
+            values = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64).to(device)
+                      for v in values]
+        return stacked(values).view(-1, 2)
 
     def reset(self) -> None:
         self.keys = []
@@ -125,18 +142,20 @@ class _Probes:
 
 
 class _GradConsumer:
-    """Who a tensor's grad is attributed to: the innermost module that took the tensor as input. Called with
-    the grad, it hands both to `on_grad` (itself the callback, rather than a partial: fewer objects that live
-    until backward)."""
+    """Who a tensor's grad is attributed to: the innermost module that took the tensor as input. Registered as
+    a pre-hook on the node that made the tensor (output `output_nr` of it), it hands itself and the grad to
+    `on_grad`: one object per watched tensor, living until backward."""
 
-    __slots__ = ("tensor", "name", "vpp_stage", "micro", "on_grad")
+    __slots__ = ("tensor", "output_nr", "name", "vpp_stage", "micro", "on_grad")
 
     def __init__(self, tensor: torch.Tensor, name: str, vpp_stage: int, micro: int, on_grad: Callable):
-        self.tensor = weakref.ref(tensor)
+        self.tensor, self.output_nr = weakref.ref(tensor), tensor.output_nr
         self.name, self.vpp_stage, self.micro, self.on_grad = name, vpp_stage, micro, on_grad
 
-    def __call__(self, grad: torch.Tensor) -> None:
-        self.on_grad(self, grad)
+    def __call__(self, grads: tuple) -> None:
+        grad = grads[self.output_nr]
+        if grad is not None:
+            self.on_grad(self, grad)
 
 
 class NanSentinel(Hooks):
@@ -201,9 +220,11 @@ class NanSentinel(Hooks):
         self.probes.reset()
 
     # ------------------------------------------------------------------------------------ hooks
-    def _probe_one(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int, micro: Optional[int]) -> None:
+    def _probe_one(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int, micro: Optional[int],
+                   index: Optional[int] = None) -> None:
         if tensor.numel():
-            index = self.state.collector.call_index_of(family, name, vpp_stage, micro, tensor)
+            if index is None:
+                index = self.state.collector.call_index_of(family, name, vpp_stage, micro, tensor)
             key = record_key(family, name, vpp_stage, micro, index, tuple(tensor.shape), str(tensor.dtype))
             self.probes.add(key, tensor)
 
@@ -227,9 +248,10 @@ class NanSentinel(Hooks):
             probed.put(id(tensor), tensor, tensor._version)
             self._probe_one(ACTV, name, tensor, vpp_stage, micro)
 
-    def probe_saved(self, family: str, name: str, tensor: torch.Tensor, micro: int) -> None:
-        """Probes a variable given to `trainmon.save` (or its grad, `save_grad`), in its place in the call order."""
-        self._probe_one(family, name, tensor, 0, micro)
+    def probe_saved(self, family: str, name: str, tensor: torch.Tensor, micro: int, index: int) -> None:
+        """Probes a variable given to `trainmon.save` (or its grad, `save_grad`), under the call index of its
+        record."""
+        self._probe_one(family, name, tensor, 0, micro, index)
 
     def _make_pre_forward(self, name: str, vpp: int):
         state = self.state
@@ -262,7 +284,7 @@ class NanSentinel(Hooks):
             return
         consumer = _GradConsumer(tensor, name, vpp, micro, self._grad_hook)
         self._consumers[id(tensor)] = consumer
-        watch_grad(tensor, consumer)
+        tensor.grad_fn.register_prehook(consumer)  # lives as long as the graph
 
     def _on_grad(self, consumer: _GradConsumer, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward()

@@ -123,7 +123,7 @@ class StepCollector:
             if seen is not None and seen[0] == version:
                 self._reuse(key, seen[1], seen[2])
                 continue
-            self._pending_bytes += tensor.numel() * tensor.element_size()
+            self._pending_bytes += tensor.nbytes
             if key.name in self._deferrable_names:
                 slot = len(self._pending_tensors)
                 self._pending_tensors.append(tensor)

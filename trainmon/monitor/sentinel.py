@@ -47,8 +47,10 @@ def probe(tensor: torch.Tensor) -> tuple:
     cheaper than aminmax there on large fp32 tensors); only a tensor whose sum is not finite takes aminmax.
     Values are read by `tolist`, which dispatches no op (`item` would dispatch `_local_scalar_dense`, the op
     that reads a device value on the host), and kept as floats: a step's hundreds of scalar tensors would
-    cost a stack of them, several times the cost of the reads."""
-    tensor = tensor.detach()
+    cost a stack of them, several times the cost of the reads. Only a tensor that requires grad (a forward
+    output) is detached first: the op would otherwise be recorded in its graph."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.is_cpu:
         total = (tensor.sum() if tensor.dtype in _WIDE else tensor.sum(dtype=torch.float32)).tolist()
         if math.isfinite(total):

@@ -221,8 +221,10 @@ class TrainerMon:
 
     def _new_collector(self) -> StepCollector:
         config = self.config
+        # the sentinel and the activation hooks both report each module output and its grad
+        shared_events = config.sentinel and config.xy_distribution
         return StepCollector(config.eps, record_fields(config), self.rank, self._adapter.pp_stage(),
-                             batch_bytes=config.stats_batch_mb << 20, shared_events=config.sentinel and config.xy_distribution)
+                             batch_bytes=config.stats_batch_mb << 20, shared_events=shared_events)
 
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""

@@ -103,7 +103,7 @@ class _Probes:
     probes are read, or Python floats for tensors on CPU.
 
     A list append per probe is the cheapest write: a preallocated buffer would cost an indexing op and
-    a copy per probe, where the stack costs well under a microsecond per probe once per step.
+    a copy per probe, where the stack costs under a microsecond per probe once per step.
     """
 
     def __init__(self):

@@ -132,10 +132,10 @@ class _Probes:
         on_device = [v for v in values if isinstance(v, torch.Tensor)]
         if not on_device:
             return torch.tensor(values, dtype=torch.float64).view(-1, 2)
-        if len(on_device) < len(values):  # CPU tensors probed beside an accelerator's
-            device = on_device[0].device
-            values = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64).to(device)
-                      for v in values]
+        if len(on_device) < len(values):  # CPU tensors probed beside an accelerator's: their floats in one copy
+            floats = [v for v in values if not isinstance(v, torch.Tensor)]
+            moved = iter(torch.tensor(floats, dtype=torch.float64).to(on_device[0].device, non_blocking=True))
+            values = [v if isinstance(v, torch.Tensor) else next(moved) for v in values]
         return stacked(values).view(-1, 2)
 
     def reset(self) -> None:

@@ -123,7 +123,7 @@ def _hook_census(model, optimizer):
     counts = []
     for module in model.modules():
         counts += [len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks),
-                   len(module._backward_pre_hooks)]
+                   len(module._backward_pre_hooks), "forward" in module.__dict__]
     for p in model.parameters():
         counts += [len(p._post_accumulate_grad_hooks or {}), len(p._backward_hooks or {})]
     counts += [len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks)]

@@ -4,8 +4,8 @@ Dynamo runs a compiled module's own hooks outside its graph, but traces the hook
 region into it. The eager hook bodies cannot be traced: their bookkeeping (micro-steps, call indices, names,
 reuse by tensor identity, step gating) reads Python state that Dynamo would turn into graph breaks, or into
 guards that recompile every micro-step. So every forward hook trainmon registers goes through
-`forward_pre_hook` / `forward_hook` here: in eager mode it is the hook itself; under tracing it becomes one
-op of the graph, `trainmon::observe`, which receives the call's tensors (detached) and, when the graph runs,
+`forward_pre_hook` / `forward_hook` / `around_forward` here: in eager mode it is the hook itself; under tracing
+it becomes one op of the graph, `trainmon::observe`, which receives the call's tensors (detached) and, when the graph runs,
 runs the same hook on them, in program order. The eager code then names and counts the event exactly as it
 would have without compile, and the records are the same.
 
@@ -22,10 +22,12 @@ is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outsid
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
+import types
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -175,28 +177,36 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
 
 
 class _Handle:
-    """Removes a hook registered here: torch's handle and the op's entry."""
+    """Removes hooks registered here: `undo` takes them off the module, and their entries go."""
 
-    def __init__(self, handle, key: tuple[int, str]):
-        self._handle, self._key = handle, key
+    def __init__(self, undo: Callable[[], None], *keys: tuple[int, str]):
+        self._undo, self._keys = undo, keys
 
     def remove(self) -> None:
-        self._handle.remove()
-        _hooks.pop(self._key, None)
+        self._undo()
+        for key in self._keys:
+            _hooks.pop(key, None)
         if not _hooks:  # the monitor is gone: a later one says it again
             _said.clear()
 
 
-def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
-              grads_refused: bool, register: Callable) -> _Handle:
+def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool, with_output: bool,
+           grads_refused: bool) -> tuple[int, str]:
+    """Enters `hook` as `module`'s trainmon hook `key`, which `trainmon::observe` runs (see the module doc)."""
     token = module.__dict__.get(_TOKEN)
     if token is None:
         token = torch.tensor(next(_tokens))
         object.__setattr__(module, _TOKEN, token)
-    key = (int(token), kind)
-    if key in _hooks:
-        raise RuntimeError(f"trainmon: a {kind} hook is already on {type(module).__name__} (two monitors on one model)")
-    _hooks[key] = (weakref.ref(module), hook, with_kwargs, with_output, grads_refused)
+    entry = (int(token), key)
+    if entry in _hooks:
+        raise RuntimeError(f"trainmon: a {key} hook is already on {type(module).__name__} (two monitors on one model)")
+    _hooks[entry] = (weakref.ref(module), hook, with_kwargs, with_output, grads_refused)
+    return entry
+
+
+def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
+              grads_refused: bool, register: Callable) -> _Handle:
+    key = _entry(module, kind, hook, with_kwargs, with_output, grads_refused)
 
     # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call
     # (Dynamo's frame callback is set). Elsewhere the hook is called as it is: the wrapper that turns Dynamo off
@@ -217,7 +227,7 @@ def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: b
     # run eagerly (the grads of the region's outputs are watched there). Hooks inlined into a traced frame
     # are traced all the same.
     torch._dynamo.eval_frame.skip_code(traced_or_eager.__code__)
-    handle = _Handle(register(traced_or_eager), key)
+    handle = _Handle(register(traced_or_eager).remove, key)
     _forget_compiled(module)
     return handle
 
@@ -247,6 +257,136 @@ def forward_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs
     """Registers `hook` as `module`'s forward hook, traceable (see `forward_pre_hook`)."""
     return _register(module, f"{kind}.post", hook, with_kwargs, True, grads_refused,
                      lambda fn: module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+
+def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: Callable,
+                   grads_refused: bool = False) -> _Handle:
+    """Runs `before(module, args, kwargs)` and `after(module, args, kwargs, output)` around each call of `module`'s
+    forward, as a forward pre-hook and a forward hook with kwargs would (`before` may return new (args, kwargs)),
+    traceable as they are (see the module doc).
+
+    One wrapper around the module's `forward` runs the befores and afters of all of trainmon's groups on it, in
+    the order they were registered: torch's hook path costs more per call than the hooks trainmon runs on it
+    (`Module._call_impl` then takes its slow path, and each hook adds a frame and its checks). The wrapper runs
+    inside `Module.__call__`, after every forward pre-hook. Where the module holds forward hooks (which may
+    replace the output after forward) or backward hooks (which wrap the inputs before it) when trainmon is
+    attached, the two are registered as hooks instead, so that what those do is seen as before."""
+    around = module.__dict__.get(_AROUND)
+    if around is None and _hooks_outside_forward(module):
+        pre = forward_pre_hook(module, kind, before, with_kwargs=True, grads_refused=grads_refused)
+        post = forward_hook(module, kind, after, with_kwargs=True, grads_refused=grads_refused)
+        return _Handle(lambda: (pre.remove(), post.remove()))
+    if around is None:
+        around = _Around(module)
+    entry = around.add(kind, before, after, grads_refused)
+    _forget_compiled(module)
+    return _Handle(lambda: around.drop(entry))
+
+
+_AROUND = "_trainmon_around"  # the attribute that holds a module's `_Around`
+
+
+def _hooks_outside_forward(module: torch.nn.Module) -> bool:
+    """Whether `module` holds hooks that act outside its `forward` on what it is called with or returns."""
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._backward_hooks or module._backward_pre_hooks
+                or hooks._global_forward_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+class _Around:
+    """The wrapper `around_forward` puts in place of one module's forward, and the groups' entries it runs:
+    (kind, before, after, before and after with Dynamo off).
+
+    Under tracing the wrapper reads none of this (Dynamo would guard on it, and a model compiled block by block
+    would compile once per block): it puts one `trainmon::observe` op before the forward and one after, whose
+    eager hooks (`befores`, `afters`) run the entries."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.entries: list[tuple] = []
+        self.module = weakref.ref(module)
+        self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
+        self.keys = (_entry(module, "forward.pre", self.befores, True, False, False),
+                     _entry(module, "forward.post", self.afters, True, True, False))
+        # The wrapper calls the class's forward function with the module it is bound to; anything else as the
+        # module would have called it.
+        plain = self.replaced is None and isinstance(type(module).forward, types.FunctionType)
+        self.wrapper = wrapper = _wrapper(self, None if plain else module.forward)
+        try:  # what reads the forward's parameters (transformers' Trainer picks its dataset columns by them) reads them
+            signature = inspect.signature(module.forward)
+            wrapper.__signature__ = signature.replace(parameters=[
+                inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *signature.parameters.values()])
+        except (TypeError, ValueError):
+            pass
+        object.__setattr__(module, _AROUND, self)
+        # A method of the module, so that a deep copy of the module (an EMA copy) runs its own forward.
+        module.__dict__["forward"] = types.MethodType(wrapper, module)
+
+    def add(self, kind: str, before: Callable, after: Callable, grads_refused: bool) -> tuple:
+        if any(entry[0] == kind for entry in self.entries):
+            raise RuntimeError(f"trainmon: a {kind} hook is already on {type(self.module()).__name__} "
+                               "(two monitors on one model)")
+        entry = (kind, before, after, torch._dynamo.disable(before, recursive=True),
+                 torch._dynamo.disable(after, recursive=True))
+        self.entries.append(entry)
+        if grads_refused:  # the traced call's message
+            for key in self.keys:
+                _hooks[key] = (*_hooks[key][:4], True)
+        return entry
+
+    def befores(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        for _, before, *_ in self.entries:
+            before(module, args, kwargs)
+
+    def afters(self, module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+        for _, _, after, *_ in self.entries:
+            after(module, args, kwargs, output)
+
+    def drop(self, entry: tuple) -> None:
+        """Removes one group's entry; the module gets its forward back with the last, unless something replaced
+        the wrapper since (it then runs the forward alone)."""
+        if entry in self.entries:
+            self.entries.remove(entry)
+        module = self.module()
+        if self.entries or module is None:
+            return
+        for key in self.keys:
+            _hooks.pop(key, None)
+        module.__dict__.pop(_AROUND, None)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is self.wrapper:
+            if self.replaced is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = self.replaced
+
+
+def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
+    """The forward of a wrapped module: `inner` (a forward bound to it), or its class's `forward` function."""
+
+    def forward(mod, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            _observe_in_graph(mod, "forward.pre", args, kwargs)
+            output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+            _observe_in_graph(mod, "forward.post", args, kwargs, output, with_output=True)
+            return output
+        entries = around.entries
+        if entries and stream_capturing():
+            _say_once(CAPTURE_REFUSED)
+            entries = ()
+        # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not.
+        eager = _dynamo_frame_callback() is None
+        for _, before, _, eager_before, _ in entries:
+            changed = (before if eager else eager_before)(mod, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+        for _, _, after, _, eager_after in entries:
+            (after if eager else eager_after)(mod, args, kwargs, output)
+        return output
+
+    # As `traced_or_eager` in `_register`: the compiled module's own wrapper runs eagerly, and its forward is the
+    # frame Dynamo compiles; a wrapper inlined into a traced frame is traced.
+    torch._dynamo.eval_frame.skip_code(forward.__code__)
+    return forward
 
 
 def compiled_name(name: str) -> str:

@@ -151,12 +151,9 @@ class ActivationHooks(Hooks):
                 watched.grad_recorders = (self.state.guarded(item, self._record_tap_grads),
                                           self.state.guarded(item, self._record_output_grad))
                 watched.output_grad_hooks.clear()
-            self._handles.append(in_graph.forward_pre_hook(
+            self._handles.append(in_graph.around_forward(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
-                with_kwargs=True, grads_refused=self.backward))
-            self._handles.append(in_graph.forward_hook(
-                watched.module, "activations", self.state.guarded(item, self._make_forward(watched)),
-                with_kwargs=True, grads_refused=self.backward))
+                self.state.guarded(item, self._make_forward(watched)), grads_refused=self.backward))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -207,11 +207,9 @@ class NanSentinel(Hooks):
     def install(self) -> None:
         for name, module, vpp in self.modules:
             item = f"NaN sentinel on {name or '<root>'}"
-            self._handles.append(in_graph.forward_pre_hook(
-                module, "sentinel", self.state.guarded(item, self._make_pre_forward(name, vpp)), with_kwargs=True,
-                grads_refused=True))
-            self._handles.append(in_graph.forward_hook(
-                module, "sentinel", self.state.guarded(item, self._make_forward(name, vpp)), grads_refused=True))
+            self._handles.append(in_graph.around_forward(
+                module, "sentinel", self.state.guarded(item, self._make_pre_forward(name, vpp)),
+                self.state.guarded(item, self._make_forward(name, vpp)), grads_refused=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -298,7 +296,7 @@ class NanSentinel(Hooks):
         state = self.state
         prefix, root = f"{name}.output", name == ""
 
-        def forward_hook(module, args, output):
+        def forward_hook(module, args, kwargs, output):
             if not state.training_forward or in_backward():
                 return
             micro = state.forward_micro(vpp)

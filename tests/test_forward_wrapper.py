@@ -1,0 +1,92 @@
+"""The sentinel and the activation hooks run as one wrapper around each module's forward (in_graph.around_forward):
+what reads or replaces a module's forward, or copies the module, meets the module as it would unmonitored."""
+import copy
+import inspect
+
+import pytest
+import torch
+
+from test_csv_output import FULL, read_family
+from training import make_model, run_steps
+from trainmon import TrainerMon
+
+pd = pytest.importorskip("pandas")
+CONFIG = {**FULL, "sentinel": True}
+
+
+def monitored(write_config, model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(**CONFIG))
+    monitor.set_monitor(model, optimizer=optimizer)
+    return monitor, optimizer
+
+
+def test_the_wrapper_keeps_the_forward_signature_and_goes_with_the_monitor(output_dir, write_config):
+    model = make_model()
+    signatures = {name: inspect.signature(m.forward) for name, m in model.named_modules()}
+    monitor, _ = monitored(write_config, model)
+    for name, module in model.named_modules():
+        assert module.forward.__self__ is module
+        assert inspect.signature(module.forward) == signatures[name], name  # what transformers' Trainer reads
+    monitor.stop()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_deep_copy_of_a_monitored_model_computes_with_its_own_weights(output_dir, write_config):
+    model = make_model()
+    monitor, _ = monitored(write_config, model)
+    twin = copy.deepcopy(model)                        # an EMA copy, made while monitored
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    reference = make_model()                           # unmonitored, with the copy's weights
+    reference.load_state_dict(twin.state_dict())
+    tokens = torch.randint(0, 64, (2, 16))
+    for m in twin.modules():                           # the copy's wrappers are bound to the copy
+        assert m.forward.__self__ is m
+    torch.testing.assert_close(twin(tokens), reference(tokens), rtol=0, atol=0)
+    assert not torch.allclose(twin(tokens), model(tokens))
+    monitor.stop()
+
+
+class _Counting:
+    """An instance-level forward in the way accelerate's hooks set one: calls the forward it replaced."""
+
+    def __init__(self, module):
+        self.inner, self.calls = module.forward, 0
+        module.forward = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+def test_forwards_replaced_before_and_after_the_monitor_keep_working(output_dir, write_config):
+    model = make_model()
+    head = model.head
+    before = _Counting(head)                           # replaced before trainmon: trainmon's wrapper calls it
+    monitor, optimizer = monitored(write_config, model)
+    after = _Counting(head)                            # replaced after: it calls trainmon's wrapper
+    run_steps(model, optimizer, 1)
+    monitor.stop()
+    assert before.calls == after.calls == 1
+    assert head.forward is after                       # not undone by the monitor's stop
+    actv = read_family(monitor.output_dir, "actv")
+    assert {"head.input", "head.output"} <= set(actv.name)
+    model(torch.randint(0, 64, (2, 16)))               # the stopped wrapper between the two passes the call on
+    assert before.calls == after.calls == 2
+    assert len(read_family(monitor.output_dir, "actv")) == len(actv)
+
+
+def test_a_forward_hook_registered_before_the_monitor_is_seen_by_it(output_dir, write_config):
+    """Output replaced by a forward hook: the module's hooks stay hooks, after the one that replaces it."""
+    model = make_model()
+    model.head.register_forward_hook(lambda module, args, output: output * 2)
+    monitor, optimizer = monitored(write_config, model)
+    assert "forward" not in model.head.__dict__ and "forward" in model.layers[0].__dict__
+    outputs = []
+    model.head.register_forward_hook(lambda module, args, output: outputs.append(output.detach()))
+    run_steps(model, optimizer, 1)
+    monitor.stop()
+    actv = read_family(monitor.output_dir, "actv").set_index("name")
+    assert actv.norm["head.output"] == pytest.approx(float(outputs[0].double().norm()), rel=1e-6)

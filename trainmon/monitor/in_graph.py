@@ -5,9 +5,9 @@ region into it. The eager hook bodies cannot be traced: their bookkeeping (micro
 reuse by tensor identity, step gating) reads Python state that Dynamo would turn into graph breaks, or into
 guards that recompile every micro-step. So every forward hook trainmon registers goes through
 `forward_pre_hook` / `forward_hook` / `around_forward` here: in eager mode it is the hook itself; under tracing
-it becomes one op of the graph, `trainmon::observe`, which receives the call's tensors (detached) and, when the graph runs,
-runs the same hook on them, in program order. The eager code then names and counts the event exactly as it
-would have without compile, and the records are the same.
+it becomes one op of the graph, `trainmon::observe`, which receives the call's tensors (detached) and, when the
+graph runs, runs the same hook on them, in program order. The eager code then names and counts the event
+exactly as it would have without compile, and the records are the same.
 
 Nothing of the hook's own state is read while tracing. The module is named to the op by a scalar tensor
 attribute (`_trainmon_token`), a graph input: an int constant would be a guard, and a model compiled block by
@@ -328,7 +328,7 @@ class _Around:
         entry = (kind, before, after, torch._dynamo.disable(before, recursive=True),
                  torch._dynamo.disable(after, recursive=True))
         self.entries.append(entry)
-        if grads_refused:  # the traced call's message
+        if grads_refused:  # `trainmon::observe` says, under compile, that these grads are not collected
             for key in self.keys:
                 _hooks[key] = (*_hooks[key][:4], True)
         return entry

@@ -342,13 +342,17 @@ class TrainerMon:
             self._sigterm = None
         if self._writer is not None and not self._writer.closed:
             self._writer.close()
-            self._save_writer_report(dict(self._state.collector.dropped_in_place) if self._state is not None else {})
+            collector = self._state.collector if self._state is not None else None
+            self._save_writer_report({} if collector is None else {
+                "records_dropped_in_place": dict(collector.dropped_in_place),
+                "input_grads_not_recorded": dict(collector.input_grads_unread)})
         atexit.unregister(self._close_at_exit)
         self._state = None
 
-    def _save_writer_report(self, dropped_in_place: dict) -> None:
-        """Adds the writer's counts (written, dropped, failed steps, time waited, disabled sinks) and the
-        activation records dropped because their tensor changed in place (per name) to run.json."""
+    def _save_writer_report(self, unrecorded: dict) -> None:
+        """Adds the writer's counts (written, dropped, failed steps, time waited, disabled sinks) and the records the
+        hooks could not make (per reason, then per name: `StepCollector.dropped_in_place`, `input_grads_unread`) to
+        run.json."""
         report = self._writer.report()
         lost = {name: info["lost_steps"] for name, info in report["disabled_sinks"].items()}
         if report["dropped_steps"] or report["failed_steps"] or lost:
@@ -356,8 +360,7 @@ class TrainerMon:
                            "per disabled sink %s; details in %s", report["dropped_steps"], report["failed_steps"],
                            lost, self.output_dir / RUN_JSON)
         try:
-            write_json(self.output_dir / RUN_JSON, {**self._metadata, "writer": report,
-                                                      "records_dropped_in_place": dropped_in_place})
+            write_json(self.output_dir / RUN_JSON, {**self._metadata, "writer": report, **unrecorded})
         except OSError as err:
             logger.error("trainmon: cannot write %s (%s); writer report: %s", self.output_dir / RUN_JSON, err,
                          report)

@@ -32,3 +32,45 @@ class OutputGrad:
         grad = grads[self.output_nr]
         if grad is not None:
             self.callback(grad)
+
+
+class NodeGrads:
+    """A post-hook on an autograd node: hands `callback(grad_inputs[input_index], grad_outputs[output_nr])`, the
+    grad the node computed for its input edge `input_index` and (where `output_nr` is not None, else None) the
+    grad it was given for its output `output_nr`. Made once per recurring call, like `OutputGrad`."""
+
+    __slots__ = ("callback", "input_index", "output_nr")
+
+    def __init__(self, callback: Callable, input_index: int, output_nr):
+        self.callback, self.input_index, self.output_nr = callback, input_index, output_nr
+
+    def __call__(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        self.callback(grad_inputs[self.input_index], None if self.output_nr is None else grad_outputs[self.output_nr])
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+
+NO_CONSUMER = ()  # what `sole_consumer` finds where no node behind `start` takes `target`'s output
+
+
+def sole_consumer(start, target, target_nr: int, budget: int = 8):
+    """(node, i): the one autograd node among `start` and the nodes behind it whose input edge `i` is output
+    `target_nr` of node `target`; NO_CONSUMER where none is; None where more than one is, or where more than
+    `budget` nodes lie between `start` and `target` or a leaf (a module's nodes stop at its input and its
+    parameters; a walk that goes further has left the module, and says nothing)."""
+    found, stack, seen = None, [start], {start}
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return None
+        node = stack.pop()
+        for i, (behind, nr) in enumerate(node.next_functions):
+            if behind is target:
+                if nr != target_nr or found is not None:
+                    return None
+                found = (node, i)
+            elif behind is not None and type(behind) is not _ACCUMULATE_GRAD and behind not in seen:
+                seen.add(behind)
+                stack.append(behind)
+    return NO_CONSUMER if found is None else found

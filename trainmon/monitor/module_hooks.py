@@ -8,7 +8,12 @@ bias-dropout-add) and cost time even when idle:
 - the grad of each input (tensor positional arguments and activations passed by keyword, `input_places`):
   the forward pre-hook passes the inputs through one identity autograd node (`_InputTap`) whose backward
   sees the grads the module's backward computed for them, before they are summed with grads from other
-  consumers of the same tensors.
+  consumers of the same tensors;
+- except where a module's one input is taken by one autograd node of its own (most leaf modules: an
+  activation function, a norm, a linear layer): that node's post-hook sees the same grad (and the output's,
+  where the node made the output), without the tap's two nodes. A module's first recorded call is tapped,
+  and learns whether its graph has that shape (`grad_watch.sole_consumer`); later calls check it on their
+  own graph.
 
 These are the `grad_output` and `grad_input` a full backward hook would see (it covers positional
 arguments only). The tap hands the module aliases of its inputs (sharing storage and version counter)
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,10 +40,12 @@ from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor import in_graph
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.forward_passes import in_backward
-from trainmon.monitor.grad_watch import OutputGrad
+from trainmon.monitor.grad_watch import NO_CONSUMER, NodeGrads, OutputGrad, sole_consumer
 from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, record_key
 from trainmon.monitor.state import HookState
 from trainmon.monitor.tensor_select import floating_leaves, input_places, input_values, values_at
+
+logger = logging.getLogger("trainmon")
 
 
 @dataclass
@@ -57,10 +65,13 @@ class WatchedModule:
     unrecomputed: collections.deque = field(default_factory=collections.deque)
     # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded.
     open_calls: list = field(default_factory=list)
-    grad_recorders: tuple = ()  # (the tap's grads, an output's grad) callbacks, guarded
-    # (micro-step, leaf name, output_nr) -> the pre-hook on an output's grad_fn: made once, as every step's
+    grad_recorders: tuple = ()  # (the tap's grads, an output's grad, a node's grads) callbacks, guarded
+    # where -> the hook on an output's grad_fn, or on the node that takes the input: made once, as every step's
     # calls repeat them (hooks that live until backward would otherwise be garbage for Python's collector)
     output_grad_hooks: dict = field(default_factory=dict)
+    # Whether the module's input grad is read at the one node that takes its input, untapped: None until its
+    # first tapped call shows whether its graph has that shape.
+    untapped: Optional[bool] = None
 
 
 @dataclass(slots=True)
@@ -78,6 +89,7 @@ class _Call:
     # its input: Megatron's IdentityOp, dropout with p = 0): their grad is the one the tap sees
     output_grads: tuple = ()
     name: Optional[str] = None
+    source: Optional[tuple] = None  # (grad_fn, output_nr) of its input, where it is not tapped
 
 
 class _InputTap(torch.autograd.Function):
@@ -149,7 +161,8 @@ class ActivationHooks(Hooks):
             if self.backward:
                 # Built once per module: the autograd callbacks of every call share them.
                 watched.grad_recorders = (self.state.guarded(item, self._record_tap_grads),
-                                          self.state.guarded(item, self._record_output_grad))
+                                          self.state.guarded(item, self._record_output_grad),
+                                          self.state.guarded(item, self._record_node_grads))
                 watched.output_grad_hooks.clear()
             self._handles.append(in_graph.around_forward(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
@@ -205,6 +218,12 @@ class ActivationHooks(Hooks):
         tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel)
         if not tapped:
             return None
+        if call.watched.untapped and len(tapped) == 1:
+            source = inputs[tapped[0]]
+            node = source.grad_fn
+            if node is not None and not in_backward():  # (activation checkpointing's runs are tapped)
+                call.source = (node, source.output_nr)
+                return None
         call.tapped_places = tuple([places[i] for i in tapped])
         aliases = _apply_tap(call, [inputs[i] for i in tapped])
         args, kwargs = list(args), dict(kwargs)
@@ -235,9 +254,13 @@ class ActivationHooks(Hooks):
                 call.name = name
                 shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
                 grad_leaves = output_leaves if shared else floating_leaves(output, watched.output_grad_sel, prefix)
-                if call.tapped_places:
-                    grad_leaves, call.output_grads = _split_tapped_outputs(
-                        grad_leaves, values_at(call.tapped_places, args, kwargs))
+                if call.source is not None:
+                    grad_leaves = self._hook_input_node(watched, call, micro, grad_leaves)
+                elif call.tapped_places:
+                    aliases = values_at(call.tapped_places, args, kwargs)
+                    grad_leaves, call.output_grads = _split_tapped_outputs(grad_leaves, aliases)
+                    if watched.untapped is None:
+                        watched.untapped = _readable_untapped(watched, call, aliases, grad_leaves)
                 self._hook_output_grads(watched, micro, grad_leaves)
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, name))
@@ -267,6 +290,39 @@ class ActivationHooks(Hooks):
         call.name, call.micro = name, micro  # its input grads, if tapped, are recorded under the first run's name
         self._hook_output_grads(watched, micro, floating_leaves(output, watched.output_grad_sel, f"{name}.output"))
 
+    def _hook_input_node(self, watched: WatchedModule, call: _Call, micro: int, grad_leaves: list) -> list:
+        """Hooks the node that takes an untapped call's input; returns the output leaves left for output-grad hooks.
+        A call whose graph has not the shape its module's first call had cannot tell its input's grad from what
+        other consumers add to it: it is not recorded, said once, counted in run.json, and the module's later
+        calls are tapped."""
+        (node, output_nr), call.source = call.source, None
+        input_leaf = f"{call.name}.input{call.suffixes[0]}"
+        taking = _taking_node(grad_leaves, node, output_nr)
+        if taking is NO_CONSUMER:  # no grad reaches the input from this call
+            return grad_leaves
+        if taking is None:
+            watched.untapped = False
+            unread = self.state.collector.input_grads_unread
+            if input_leaf not in unread:
+                logger.warning("trainmon: the grad of %s at step %s is not recorded: that call's autograd graph is "
+                               "not the one its module's first call had, and its grad cannot be told apart from "
+                               "other grads of the same tensor (counted in run.json); its later calls are tapped",
+                               input_leaf, self.state.collector.step)
+            unread[input_leaf] = unread.get(input_leaf, 0) + 1
+            return grad_leaves
+        node, index, output_leaf = taking
+        output_nr = None if output_leaf is None else output_leaf[1].output_nr
+        output_name = None if output_leaf is None else output_leaf[0]
+        where = (micro, input_leaf, index, output_name, output_nr)
+        hook = watched.output_grad_hooks.get(where)
+        if hook is None:
+            hook = watched.output_grad_hooks[where] = NodeGrads(
+                functools.partial(watched.grad_recorders[2], watched, micro, output_name, input_leaf), index, output_nr)
+        node.register_hook(hook)
+        if output_leaf is None:
+            return grad_leaves
+        return [] if len(grad_leaves) == 1 else [leaf for leaf in grad_leaves if leaf is not output_leaf]
+
     @staticmethod
     def _hook_output_grads(watched: WatchedModule, micro: int, output_leaves: list) -> None:
         hooks = watched.output_grad_hooks
@@ -282,6 +338,13 @@ class ActivationHooks(Hooks):
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
         self._record_grads(watched, micro, [(leaf_name, grad)])
+
+    def _record_node_grads(self, watched: WatchedModule, micro: int, output_name: Optional[str], input_leaf: str,
+                           input_grad: Optional[torch.Tensor], output_grad: Optional[torch.Tensor]) -> None:
+        named = [] if output_grad is None else [(output_name, output_grad)]
+        if input_grad is not None:
+            named.append((input_leaf, input_grad))
+        self._record_grads(watched, micro, named)
 
     def _record_tap_grads(self, call: _Call, grads) -> None:
         """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their
@@ -325,6 +388,34 @@ class ActivationHooks(Hooks):
             keys.append(record_key(family, leaf_name, vpp, micro, index, tuple(t.shape), str(t.dtype)))
             tensors.append(getattr(t, _ROOT, t))  # an input returned as it came: the input's record serves
         collector.record(keys, tensors, defer=True)
+
+
+def _readable_untapped(watched: WatchedModule, call: _Call, aliases: list, grad_leaves: list) -> bool:
+    """Whether a tapped call shows that its module's later calls can be read untapped: its one tapped input is taken
+    by one node behind its one output, which is not that input, and no selector hides outputs grads may come from."""
+    if len(aliases) != 1 or call.output_grads or watched.output_grad_sel is not None:
+        return False
+    return _taking_node(grad_leaves, aliases[0].grad_fn, aliases[0].output_nr) not in (None, NO_CONSUMER)
+
+
+def _taking_node(grad_leaves: list, source, source_nr: int) -> Optional[tuple]:
+    """(node, input edge, output leaf or None) where one autograd node of a call takes its input (output `source_nr`
+    of node `source`) and lies behind the one output the call made (`output leaf` where that node made it);
+    NO_CONSUMER where no grad can reach the input from that output; None otherwise. Outputs without a graph
+    (Parameters, constants) are left aside."""
+    made = grad_leaves if len(grad_leaves) == 1 else [leaf for leaf in grad_leaves if leaf[1].grad_fn is not None]
+    if len(made) > 1:
+        return None
+    start = made[0][1].grad_fn if made else None
+    if start is None:
+        return NO_CONSUMER
+    if start is source:
+        return None
+    found = sole_consumer(start, source, source_nr)
+    if found is None or found is NO_CONSUMER:
+        return found
+    node, index = found
+    return node, index, (made[0] if node is start else None)
 
 
 def _split_tapped_outputs(output_leaves: list, aliases: list) -> tuple[list, tuple]:

@@ -1,0 +1,137 @@
+"""Input grads read at the one autograd node that takes a module's input, instead of through an input tap."""
+import json
+import logging
+
+import pytest
+import torch
+
+from test_csv_output import OPS, read_family
+from trainmon import TrainerMon
+
+pd = pytest.importorskip("pandas")
+
+
+class _Leaves(torch.nn.Module):
+    """Leaf modules of the shapes models are made of: one node takes the input (norm, activation, a linear layer on
+    2-D input), several nodes do (a linear layer on 3-D input: a view, then addmm), and a module that is not one of
+    those (its input is used twice)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.act = torch.nn.GELU()
+        self.lin3d = torch.nn.Linear(8, 8)
+        self.square = _Square()
+
+    def forward(self, x):
+        h = self.act(self.norm(self.lin(x)))
+        return self.square(self.lin3d(h.view(2, -1, 8)) + h.view(2, -1, 8))
+
+
+class _Square(torch.nn.Module):
+    def forward(self, x):
+        return x * x
+
+
+def _tap_nodes(loss: torch.Tensor) -> int:
+    """How many nodes of trainmon's input tap the graph of `loss` holds."""
+    seen, stack, taps = set(), [loss.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        taps += type(node).__name__ == "_InputTapBackward"
+        for behind, _ in node.next_functions:
+            if behind is not None and behind not in seen:
+                seen.add(behind)
+                stack.append(behind)
+    return taps
+
+
+def _reference_grads(model: torch.nn.Module, inputs: list) -> dict:
+    """(step, name) -> the norm of each grad torch's full backward hooks see, one backward per input."""
+    reference, step = {}, [0]
+    for name, module in model.named_modules():
+        def hook(module, grad_input, grad_output, name=name):
+            for io, grads in (("input", grad_input), ("output", grad_output)):
+                for i, grad in enumerate(grads):
+                    if grad is not None:
+                        leaf = io if len(grads) == 1 else f"{io}_{i}"
+                        reference[(step[0], f"{name}.{leaf}")] = float(grad.double().norm())
+        module.register_full_backward_hook(hook)
+    for step[0], x in enumerate(inputs):  # an input with grad (torch's hooks warn otherwise)...
+        model(x.detach().requires_grad_()).sum().backward()
+    # ...where the monitored runs' has none: the grads of the model's input are left out
+    return {key: norm for key, norm in reference.items() if key[1] not in ("lin.input", ".input")}
+
+
+def test_input_grads_read_at_their_node_equal_torch_and_leave_no_tap_in_the_graph(output_dir, write_config):
+    model = _Leaves()
+    reference = _reference_grads(_Leaves(), [torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+                                             for s in range(3)])
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the reference's weights, every step
+    monitor.set_monitor(model, optimizer=optimizer)
+    taps = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).sum()
+        taps.append(_tap_nodes(loss))
+        loss.backward()
+        optimizer.step()
+    monitor.stop()
+    written = read_family(monitor.output_dir, "actv_grad").set_index(["step", "name"]).norm
+    assert {name for _, name in reference} >= {"norm.input", "act.input", "lin3d.input", "square.input"}
+    assert len(written) == len(reference), sorted(set(written.index) ^ set(reference))
+    for key, norm in reference.items():
+        assert written[key] == pytest.approx(norm, rel=1e-6), key
+    # The first step taps every module whose input requires grad; then only the one whose input two nodes take.
+    assert taps == [4, 1, 1]
+    assert json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"] == {}
+
+
+class _Changing(torch.nn.Module):
+    """One node takes its input in its first call (a product with a weight); two take it in the later ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((8,), 2.0))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.weight if self.calls == 1 else x * self.weight + x.exp()
+
+
+class _Host(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.changing = _Changing()
+
+    def forward(self, x):
+        return self.changing(self.lin(x))
+
+
+def test_a_call_whose_graph_changed_says_its_input_grad_is_not_recorded_and_later_calls_are(output_dir, write_config,
+                                                                                            caplog):
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    reference = _reference_grads(_Host(), inputs)
+    model = _Host()
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor.set_monitor(model, optimizer=optimizer)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for x in inputs:
+            model(x).sum().backward()
+            optimizer.step()
+    monitor.stop()
+    written = read_family(monitor.output_dir, "actv_grad").set_index(["step", "name"]).norm
+    assert set(reference) - set(written.index) == {(1, "changing.input")}
+    for key in written.index:
+        assert written[key] == pytest.approx(reference[key], rel=1e-6), key
+    said = [r.getMessage() for r in caplog.records if "changing.input" in r.getMessage()]
+    assert len(said) == 1 and "step 1" in said[0] and "not recorded" in said[0]
+    run = json.loads((monitor.output_dir / "run.json").read_text())
+    assert run["input_grads_not_recorded"] == {"changing.input": 1}

@@ -135,3 +135,68 @@ def test_a_call_whose_graph_changed_says_its_input_grad_is_not_recorded_and_late
     assert len(said) == 1 and "step 1" in said[0] and "not recorded" in said[0]
     run = json.loads((monitor.output_dir / "run.json").read_text())
     assert run["input_grads_not_recorded"] == {"changing.input": 1}
+
+
+class _MaskedSoftmax(torch.nn.Module):
+    """Masks its input in place, as Megatron's softmax masks its attention scores (a view of a matmul's output)."""
+
+    masking = True
+
+    def forward(self, scores):
+        if self.masking:
+            scores.masked_fill_(torch.eye(4, dtype=torch.bool), -1e4)
+        return torch.softmax(scores, dim=-1)
+
+
+class _Scores(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 16)
+        self.softmax = _MaskedSoftmax()
+
+    def forward(self, x):
+        return self.softmax(self.lin(x).view(-1, 4, 4))
+
+
+def test_a_module_that_masks_its_input_view_in_place_has_its_input_grad_at_every_call(output_dir, write_config):
+    model = _Scores()
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor.set_monitor(model, optimizer=optimizer)
+    expected = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        # the same computation out of place, not through the modules
+        scores = torch.nn.functional.linear(x, model.lin.weight, model.lin.bias).view(-1, 4, 4)
+        out = torch.softmax(scores.masked_fill(torch.eye(4, dtype=torch.bool), -1e4), dim=-1)
+        expected.append(float(torch.autograd.grad((out * out).sum(), scores)[0].double().norm()))
+        out = model(x)
+        (out * out).sum().backward()
+        optimizer.step()
+    monitor.stop()
+    grads = read_family(monitor.output_dir, "actv_grad").set_index(["step", "name"]).norm
+    assert [grads[(step, "softmax.input")] for step in range(3)] == pytest.approx(expected, rel=1e-6)
+    assert json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"] == {}
+
+
+def test_a_call_that_starts_masking_its_input_in_place_says_its_input_grad_is_not_recorded(output_dir, write_config,
+                                                                                           caplog):
+    """A module whose first call left its input as it was, and whose later call masks it in place: that call's
+    input grad cannot be read without the tap, and is said to be missing instead of silently absent."""
+    model = _Scores()
+    model.softmax.masking = False
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor.set_monitor(model, optimizer=optimizer)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for step in range(3):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+            optimizer.step()
+            model.softmax.masking = True
+    monitor.stop()
+    grads = read_family(monitor.output_dir, "actv_grad")
+    assert sorted(grads[grads.name == "softmax.input"].step) == [0, 2]
+    assert json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"] == {
+        "softmax.input": 1}
+    assert any("softmax.input at step 1 is not recorded" in r.getMessage() for r in caplog.records)

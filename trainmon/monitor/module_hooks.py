@@ -89,7 +89,7 @@ class _Call:
     # its input: Megatron's IdentityOp, dropout with p = 0): their grad is the one the tap sees
     output_grads: tuple = ()
     name: Optional[str] = None
-    source: Optional[tuple] = None  # (grad_fn, output_nr) of its input, where it is not tapped
+    source: Optional[tuple] = None  # (grad_fn, output_nr, tensor, version) of its input, where it is not tapped
 
 
 class _InputTap(torch.autograd.Function):
@@ -222,7 +222,7 @@ class ActivationHooks(Hooks):
             source = inputs[tapped[0]]
             node = source.grad_fn
             if node is not None and not in_backward():  # (activation checkpointing's runs are tapped)
-                call.source = (node, source.output_nr)
+                call.source = (node, source.output_nr, source, source._version)
                 return None
         call.tapped_places = tuple([places[i] for i in tapped])
         aliases = _apply_tap(call, [inputs[i] for i in tapped])
@@ -292,12 +292,13 @@ class ActivationHooks(Hooks):
 
     def _hook_input_node(self, watched: WatchedModule, call: _Call, micro: int, grad_leaves: list) -> list:
         """Hooks the node that takes an untapped call's input; returns the output leaves left for output-grad hooks.
-        A call whose graph has not the shape its module's first call had cannot tell its input's grad from what
-        other consumers add to it: it is not recorded, said once, counted in run.json, and the module's later
-        calls are tapped."""
-        (node, output_nr), call.source = call.source, None
+        A call whose graph has not the shape its module's first call had (or that modified its input in place, which
+        its first call did not) cannot tell its input's grad from what other consumers add to it: it is not
+        recorded, said once, counted in run.json, and the module's later calls are tapped."""
+        (node, output_nr, tensor, version), call.source = call.source, None
         input_leaf = f"{call.name}.input{call.suffixes[0]}"
-        taking = _taking_node(grad_leaves, node, output_nr)
+        # An input modified in place has a new node; where it is a view, its old node has left the graph.
+        taking = _taking_node(grad_leaves, node, output_nr) if tensor._version == version else None
         if taking is NO_CONSUMER:  # no grad reaches the input from this call
             return grad_leaves
         if taking is None:
@@ -392,10 +393,15 @@ class ActivationHooks(Hooks):
 
 def _readable_untapped(watched: WatchedModule, call: _Call, aliases: list, grad_leaves: list) -> bool:
     """Whether a tapped call shows that its module's later calls can be read untapped: its one tapped input is taken
-    by one node behind its one output, which is not that input, and no selector hides outputs grads may come from."""
+    by one node behind its one output, which is not that input, and no selector hides outputs grads may come from.
+    Not where the module modified its input in place (the tap's node is then no longer the input's): untapped, an
+    in-place op on an input that is a view (Megatron's masked softmax on its attention scores) takes the input's
+    node out of the graph."""
     if len(aliases) != 1 or call.output_grads or watched.output_grad_sel is not None:
         return False
-    return _taking_node(grad_leaves, aliases[0].grad_fn, aliases[0].output_nr) not in (None, NO_CONSUMER)
+    tap = aliases[0].grad_fn
+    return type(tap) is _InputTap._backward_cls and \
+        _taking_node(grad_leaves, tap, aliases[0].output_nr) not in (None, NO_CONSUMER)
 
 
 def _taking_node(grad_leaves: list, source, source_nr: int) -> Optional[tuple]:

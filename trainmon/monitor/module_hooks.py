@@ -12,8 +12,8 @@ bias-dropout-add) and cost time even when idle:
 - except where a module's one input is taken by one autograd node of its own (most leaf modules: an
   activation function, a norm, a linear layer): that node's post-hook sees the same grad (and the output's,
   where the node made the output), without the tap's two nodes. A module's first recorded call is tapped,
-  and learns whether its graph has that shape (`grad_watch.sole_consumer`); later calls check it on their
-  own graph.
+  and learns whether its graph has that shape (`grad_watch.sole_consumer`) and leaves the input as it was;
+  later calls check both on their own.
 
 These are the `grad_output` and `grad_input` a full backward hook would see (it covers positional
 arguments only). The tap hands the module aliases of its inputs (sharing storage and version counter)

@@ -345,14 +345,14 @@ class TrainerMon:
             collector = self._state.collector if self._state is not None else None
             self._save_writer_report({} if collector is None else {
                 "records_dropped_in_place": dict(collector.dropped_in_place),
-                "input_grads_not_recorded": dict(collector.input_grads_unread)})
+                "input_grads_not_recorded": dict(collector.input_grads_not_recorded)})
         atexit.unregister(self._close_at_exit)
         self._state = None
 
     def _save_writer_report(self, unrecorded: dict) -> None:
         """Adds the writer's counts (written, dropped, failed steps, time waited, disabled sinks) and the records the
-        hooks could not make (per reason, then per name: `StepCollector.dropped_in_place`, `input_grads_unread`) to
-        run.json."""
+        hooks could not make (per reason, then per name: `StepCollector.dropped_in_place`,
+        `input_grads_not_recorded`) to run.json."""
         report = self._writer.report()
         lost = {name: info["lost_steps"] for name, info in report["disabled_sinks"].items()}
         if report["dropped_steps"] or report["failed_steps"] or lost:

@@ -51,7 +51,7 @@ class StepCollector:
         self.batch_bytes = batch_bytes
         self.step = 0
         self.dropped_in_place: dict[str, int] = {}
-        self.input_grads_unread: dict[str, int] = {}  # per name: input grads of calls not recorded (module_hooks)
+        self.input_grads_not_recorded: dict[str, int] = {}  # per name: input grads of calls not recorded (module_hooks)
         self._eager_names: set[str] = set()
         self._deferrable_names: set[str] = set()
         self._reset()

@@ -303,13 +303,13 @@ class ActivationHooks(Hooks):
             return grad_leaves
         if taking is None:
             watched.untapped = False
-            unread = self.state.collector.input_grads_unread
-            if input_leaf not in unread:
-                logger.warning("trainmon: the grad of %s at step %s is not recorded: that call's autograd graph is "
-                               "not the one its module's first call had, and its grad cannot be told apart from "
-                               "other grads of the same tensor (counted in run.json); its later calls are tapped",
-                               input_leaf, self.state.collector.step)
-            unread[input_leaf] = unread.get(input_leaf, 0) + 1
+            missing = self.state.collector.input_grads_not_recorded
+            if input_leaf not in missing:
+                logger.warning("trainmon: the grad of %s at step %s is not recorded: that call's autograd graph differs "
+                               "from its module's first call's, or the call modified its input in place, so its grad "
+                               "cannot be told apart from other grads of the same tensor (counted in run.json); its "
+                               "later calls are tapped", input_leaf, self.state.collector.step)
+            missing[input_leaf] = missing.get(input_leaf, 0) + 1
             return grad_leaves
         node, index, output_leaf = taking
         output_nr = None if output_leaf is None else output_leaf[1].output_nr

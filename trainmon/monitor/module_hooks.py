@@ -305,10 +305,10 @@ class ActivationHooks(Hooks):
             watched.untapped = False
             missing = self.state.collector.input_grads_not_recorded
             if input_leaf not in missing:
-                logger.warning("trainmon: the grad of %s at step %s is not recorded: that call's autograd graph differs "
-                               "from its module's first call's, or the call modified its input in place, so its grad "
-                               "cannot be told apart from other grads of the same tensor (counted in run.json); its "
-                               "later calls are tapped", input_leaf, self.state.collector.step)
+                logger.warning("trainmon: the grad of %s at step %s is not recorded: that call's autograd graph "
+                               "differs from its module's first call's, or the call modified its input in place, so "
+                               "its grad cannot be told apart from other grads of the same tensor (counted in "
+                               "run.json); its later calls are tapped", input_leaf, self.state.collector.step)
             missing[input_leaf] = missing.get(input_leaf, 0) + 1
             return grad_leaves
         node, index, output_leaf = taking

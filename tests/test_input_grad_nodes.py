@@ -65,13 +65,25 @@ def _reference_grads(model: torch.nn.Module, inputs: list) -> dict:
     return {key: norm for key, norm in reference.items() if key[1] not in ("lin.input", ".input")}
 
 
+def _monitored(model: torch.nn.Module, write_config) -> tuple:
+    """(monitor, optimizer) of `model` with activations and their grads; the optimizer keeps the weights as they are
+    (lr 0), so that every step computes what a reference model, never updated, does."""
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor.set_monitor(model, optimizer=optimizer)
+    return monitor, optimizer
+
+
+def _not_recorded(monitor: TrainerMon) -> dict:
+    """`run.json`'s count of the input grads the monitor could not record, per name."""
+    return json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"]
+
+
 def test_input_grads_read_at_their_node_equal_torch_and_leave_no_tap_in_the_graph(output_dir, write_config):
     model = _Leaves()
     reference = _reference_grads(_Leaves(), [torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
                                              for s in range(3)])
-    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the reference's weights, every step
-    monitor.set_monitor(model, optimizer=optimizer)
+    monitor, optimizer = _monitored(model, write_config)
     taps = []
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -87,7 +99,7 @@ def test_input_grads_read_at_their_node_equal_torch_and_leave_no_tap_in_the_grap
         assert written[key] == pytest.approx(norm, rel=1e-6), key
     # The first step taps every module whose input requires grad; then only the one whose input two nodes take.
     assert taps == [4, 1, 1]
-    assert json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"] == {}
+    assert _not_recorded(monitor) == {}
 
 
 class _Changing(torch.nn.Module):
@@ -119,9 +131,7 @@ def test_a_call_whose_graph_changed_says_its_input_grad_is_not_recorded_and_late
     inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     reference = _reference_grads(_Host(), inputs)
     model = _Host()
-    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor.set_monitor(model, optimizer=optimizer)
+    monitor, optimizer = _monitored(model, write_config)
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         for x in inputs:
             model(x).sum().backward()
@@ -133,8 +143,7 @@ def test_a_call_whose_graph_changed_says_its_input_grad_is_not_recorded_and_late
         assert written[key] == pytest.approx(reference[key], rel=1e-6), key
     said = [r.getMessage() for r in caplog.records if "changing.input" in r.getMessage()]
     assert len(said) == 1 and "step 1" in said[0] and "not recorded" in said[0]
-    run = json.loads((monitor.output_dir / "run.json").read_text())
-    assert run["input_grads_not_recorded"] == {"changing.input": 1}
+    assert _not_recorded(monitor) == {"changing.input": 1}
 
 
 class _MaskedSoftmax(torch.nn.Module):
@@ -161,9 +170,7 @@ class _Scores(torch.nn.Module):
 
 def test_a_module_that_masks_its_input_view_in_place_has_its_input_grad_at_every_call(output_dir, write_config):
     model = _Scores()
-    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor.set_monitor(model, optimizer=optimizer)
+    monitor, optimizer = _monitored(model, write_config)
     expected = []
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -177,7 +184,7 @@ def test_a_module_that_masks_its_input_view_in_place_has_its_input_grad_at_every
     monitor.stop()
     grads = read_family(monitor.output_dir, "actv_grad").set_index(["step", "name"]).norm
     assert [grads[(step, "softmax.input")] for step in range(3)] == pytest.approx(expected, rel=1e-6)
-    assert json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"] == {}
+    assert _not_recorded(monitor) == {}
 
 
 def test_a_call_that_starts_masking_its_input_in_place_says_its_input_grad_is_not_recorded(output_dir, write_config,
@@ -186,9 +193,7 @@ def test_a_call_that_starts_masking_its_input_in_place_says_its_input_grad_is_no
     input grad cannot be read without the tap, and is said to be missing instead of silently absent."""
     model = _Scores()
     model.softmax.masking = False
-    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, ndigits=17))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor.set_monitor(model, optimizer=optimizer)
+    monitor, optimizer = _monitored(model, write_config)
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         for step in range(3):
             model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
@@ -197,6 +202,6 @@ def test_a_call_that_starts_masking_its_input_in_place_says_its_input_grad_is_no
     monitor.stop()
     grads = read_family(monitor.output_dir, "actv_grad")
     assert sorted(grads[grads.name == "softmax.input"].step) == [0, 2]
-    assert json.loads((monitor.output_dir / "run.json").read_text())["input_grads_not_recorded"] == {
+    assert _not_recorded(monitor) == {
         "softmax.input": 1}
     assert any("softmax.input at step 1 is not recorded" in r.getMessage() for r in caplog.records)

@@ -6,6 +6,7 @@
     python benchmarks/stats_kernels.py --one-pass-sizes  # CPU fp32: µs per tensor, passes vs assume-finite kernel
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
+    python benchmarks/stats_kernels.py --contiguous      # CPU fp32 flushes of contiguous tensors: µs per tensor, by route
     python benchmarks/stats_kernels.py --ops-per-tensor  # launches per tensor on an accelerator: multi-pass vs one-pass
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
@@ -428,6 +429,28 @@ def gather_sizes():
         stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX = shipped, shipped_max
 
 
+def contiguous_calls():
+    """CPU fp32 tensor_records of a flush of contiguous activations, µs per tensor (median of 40 calls): the route
+    of such calls (stats_cpu.contiguous_records), the general route, and the native read alone (the floor)."""
+    from trainmon.monitor import stats_cpu
+
+    stats_native.prepare(wait=True)
+    fields, shipped = stats.FieldSet(stats.FIELDS), stats_cpu.contiguous_records
+    lam = stats._consts(F32, EPS)[0]
+    print("\n== CPU fp32, contiguous tensors, µs per tensor: contiguous route | general route | native read alone")
+    try:
+        for n, count in ((2048, 800), (8192, 800), (32768, 200)):
+            ts = [torch.randn(n) for _ in range(count)]
+            row = [median_us(lambda: stats.tensor_records(ts, EPS, fields), 40) / count]
+            stats_cpu.contiguous_records = lambda *_: ([], None)
+            row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 40) / count)
+            stats_cpu.contiguous_records = shipped
+            row.append(median_us(lambda: stats_native.figures(ts, lam), 40) / count)
+            print(f"  {n:9d} x {count:4d} {row[0]:10.2f} {row[1]:10.2f} {row[2]:10.2f}")
+    finally:
+        stats_cpu.contiguous_records = shipped
+
+
 class _OpCount(TorchDispatchMode):
     """Counts the aten ops that launch work (views excluded): on an accelerator, one kernel launch each."""
 
@@ -506,6 +529,7 @@ def main():
     ap.add_argument("--call-cost", action="store_true")
     ap.add_argument("--gather-sizes", action="store_true")
     ap.add_argument("--ops-per-tensor", action="store_true")
+    ap.add_argument("--contiguous", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 11
@@ -520,6 +544,9 @@ def main():
         return
     if args.gather_sizes:
         gather_sizes()
+        return
+    if args.contiguous:
+        contiguous_calls()
         return
     if args.ops_per_tensor:
         ops_per_tensor(20)

@@ -56,15 +56,16 @@ def test_a_nonfinite_element_anywhere_makes_a_figure_nonfinite(dtype, numel, bad
         assert not np.isfinite(stats_native.figures([t], 1e-8)[0, :4]).all(), (numel, bad, at)
 
 
-def test_the_engine_reads_cpu_fp32_and_fp64_through_it_in_one_call_per_dtype(monkeypatch):
+def test_the_engine_reads_cpu_fp32_and_fp64_through_it(monkeypatch):
     """Contiguous tensors, views (copied), NaN/Inf (then the exact kernels), empty and 16-bit ones (the other
-    kernels): every record equals torch's."""
+    kernels): every record equals torch's. The contiguous fp32 tensors are read in place in one call, the fp32
+    views from their copies in one more, the fp64 one in its own."""
     calls = []
 
-    def figures(tensors, lam, run=stats_native.figures):
-        calls.append((tensors[0].dtype, len(tensors)))
-        return run(tensors, lam)
-    monkeypatch.setattr(stats_native, "figures", figures)
+    def read(dtype, addresses, lengths, lam, run=stats_native.read):
+        calls.append((dtype, len(addresses)))
+        return run(dtype, addresses, lengths, lam)
+    monkeypatch.setattr(stats_native, "read", read)
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(64, 300, generator=g)
     tensors = [torch.randn(5000, generator=g), wide[:, 1::2], wide.t(), sprinkle(torch.randn(9000, generator=g)),
@@ -73,20 +74,44 @@ def test_the_engine_reads_cpu_fp32_and_fp64_through_it_in_one_call_per_dtype(mon
     rec = tensor_records(tensors, 1e-3, ALL)
     for row, t in zip(rec, tensors):
         check(row, t, 1e-3)
-    assert sorted(calls, key=str) == [(torch.float32, 5), (torch.float64, 1)]
+    assert calls == [(torch.float32, 3), (torch.float32, 2), (torch.float64, 1)]
+
+
+@pytest.mark.parametrize("dtype", stats_native.DTYPES)
+def test_a_call_of_contiguous_tensors_is_one_native_read(monkeypatch, dtype):
+    """The usual flush (contiguous tensors of one dtype, one of them twice, one with NaN/Inf and one reaching the
+    saturation limit): one native read of every tensor, the NaN/Inf one then read again by the exact kernels,
+    and every record equal to torch's."""
+    reads = []
+
+    def read(dtype, addresses, lengths, lam, run=stats_native.read):
+        reads.append(len(addresses))
+        return run(dtype, addresses, lengths, lam)
+    monkeypatch.setattr(stats_native, "read", read)
+    g = torch.Generator().manual_seed(9)
+    activation = torch.randn(4, 32, 64, generator=g).to(dtype)
+    top = torch.randn(300, generator=g).to(dtype)
+    top[7] = torch.finfo(dtype).max
+    tensors = [activation, sprinkle(torch.randn(9000, generator=g).to(dtype)), activation, top,
+               torch.randn(3, generator=g).to(dtype) * 1e-4]
+    rec = tensor_records(tensors, 1e-3, ALL)
+    for row, t in zip(rec, tensors):
+        check(row, t, 1e-3)
+    assert reads == [len(tensors)]
 
 
 def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(monkeypatch):
     """Non-contiguous views are copied side by side into a reused scratch buffer; those that do not fit in one
-    fill are read in further calls, and every record still equals torch's."""
+    fill are read in further calls, and every record still equals torch's. The contiguous tensor is read in place,
+    in a call of its own."""
     from trainmon.monitor.stats import CHUNK_ELEMS
 
     calls = []
 
-    def figures(tensors, lam, run=stats_native.figures):
-        calls.append(len(tensors))
-        return run(tensors, lam)
-    monkeypatch.setattr(stats_native, "figures", figures)
+    def read(dtype, addresses, lengths, lam, run=stats_native.read):
+        calls.append(len(addresses))
+        return run(dtype, addresses, lengths, lam)
+    monkeypatch.setattr(stats_native, "read", read)
     g = torch.Generator().manual_seed(5)
     cap = CHUNK_ELEMS["cpu"]
     # five views of 0.4 of the scratch each: fills of two, two and one
@@ -96,7 +121,7 @@ def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(monkeypatch)
     rec = tensor_records(tensors, 1e-3, ALL)
     for row, t in zip(rec, tensors):
         check(row, t, 1e-3)
-    assert calls == [3, 2, 1]
+    assert calls == [1, 2, 2, 1]
 
 
 def test_without_a_c_compiler_the_other_kernels_serve_with_one_message(fresh_state, monkeypatch, caplog):
@@ -153,7 +178,7 @@ def test_under_a_dispatch_mode_the_ops_it_would_bypass_run_instead(monkeypatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops += 1
             return func(*args, **(kwargs or {}))
-    monkeypatch.setattr(stats_native, "figures", lambda *a: pytest.fail("the native kernel bypassed the mode"))
+    monkeypatch.setattr(stats_native, "read", lambda *a: pytest.fail("the native kernel bypassed the mode"))
     x = torch.randn(20_000)
     with Seen() as mode:
         row = tensor_records([x], 1e-8, ALL)[0]

@@ -189,7 +189,8 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
                    unasked_zeroed: bool = True) -> torch.Tensor:
     """float64 ``[len(tensors), N_FIELDS]`` records on the tensors' (shared) device; see module docstring.
 
-    Identical views (same storage, dtype, shape, strides) are computed once per call. ``fields`` may be
+    Identical views (same storage, dtype, shape, strides) are computed once per call, except among the contiguous
+    CPU tensors the native kernel reads in place (`stats_cpu.contiguous_records`). ``fields`` may be
     a `FieldSet`, which carries the saturation limit (default: each dtype's largest finite value).
     ``unasked_zeroed=False``: the columns of `schema.unasked_columns` may hold the one pass's figures, for a
     caller that zeroes them where it reads them (on the host, where it costs no launch)."""
@@ -205,7 +206,14 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     dev = tensors[0].device
     # eps == 0: nothing is |x| < 0, the zeros field is exactly 0 without a pass
     want = tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS[:_PACKED])
+    with torch.no_grad():  # records are never differentiated: no graph from tensors that require grad, no detach each
+        if dev.type == "cpu":
+            return _cpu_records(tensors, eps, want, fields, sat, unasked_zeroed)
+        return _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed)
 
+
+def _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed) -> torch.Tensor:
+    """The records of `tensors` on any device, identical views computed once."""
     seen: dict = {}                                   # view key -> unique index
     uniq: list[torch.Tensor] = []
     rowmap: list[int] = []                            # per input: its unique index
@@ -218,8 +226,7 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
             row = seen[key] = len(uniq)
             uniq.append(t)
         rowmap.append(row)
-    with torch.no_grad():  # records are never differentiated: no graph from tensors that require grad, no detach each
-        rec = _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed)
+    rec = _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed)
     if len(uniq) == len(tensors):
         return rec
     return rec.index_select(0, _meta(rowmap, dev))
@@ -264,7 +271,32 @@ def _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed) -> tor
 
 def _multi_pass_records(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
     """The records from the kernels of this module and stats_cpu.py (several passes per tensor)."""
-    rec = _records(uniq, dev, eps, want)
+    return _with_counts(_records(uniq, dev, eps, want), uniq, dev, want, fields, sat)
+
+
+def _cpu_records(tensors, eps, want, fields, sat, unasked_zeroed) -> torch.Tensor:
+    """The records of CPU tensors: those stats_cpu.contiguous_records takes from it, the others by the general
+    route."""
+    from trainmon.monitor.stats_cpu import contiguous_records
+
+    dev = tensors[0].device
+    taken, rec = contiguous_records(tensors, eps, want, _consts, lambda slow: _exact_records(slow, dev, eps, want))
+    if not taken:
+        return _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed)
+    rec = _with_counts(rec, [tensors[i] for i in taken], dev, want, fields, sat)
+    if len(taken) == len(tensors):
+        return rec
+    chosen = set(taken)
+    rest = [i for i in range(len(tensors)) if i not in chosen]
+    out = torch.empty(len(tensors), N_FIELDS, dtype=torch.float64)
+    table = out.numpy()                               # numpy's list indexing: a few µs where torch's takes tens
+    table[taken] = rec.numpy()
+    table[rest] = _general_records([tensors[i] for i in rest], dev, eps, want, fields, sat, unasked_zeroed).numpy()
+    return out
+
+
+def _with_counts(rec: torch.Tensor, uniq, dev, want, fields, sat) -> torch.Tensor:
+    """`rec` with its `sat` and `pinfs` columns filled, where asked for."""
     if "sat" in fields:
         _fill_sat(rec, uniq, dev, want, sat)
     if "pinfs" in fields:
@@ -432,8 +464,12 @@ def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, wa
     min and max (when computed) stay inside the limit has no saturated element: only the others are
     counted, so the usual case costs no pass at all."""
     if dev.type == "cpu" and want[6] and want[7]:
-        limit_of = {dtype: sat.sat_limit(dtype) for dtype in {t.dtype for t in uniq}}
-        limits = torch.tensor([limit_of[t.dtype] for t in uniq], dtype=torch.float64)
+        dtypes = {t.dtype for t in uniq}
+        if len(dtypes) == 1:                          # most calls: one limit for all
+            limits = sat.sat_limit(dtypes.pop())
+        else:
+            limit_of = {dtype: sat.sat_limit(dtype) for dtype in dtypes}
+            limits = torch.tensor([limit_of[t.dtype] for t in uniq], dtype=torch.float64)
         reach = (rec.select(1, 7) >= limits) | (rec.select(1, 6) <= -limits)
         rows = reach.nonzero().flatten().tolist()
         if rows:

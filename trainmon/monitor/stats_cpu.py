@@ -84,6 +84,39 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     return rec
 
 
+def contiguous_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
+                       exact: Callable) -> tuple[list[int], Optional[torch.Tensor]]:
+    """`finite_first_records` of those of `tensors` that are plain, contiguous and non-empty, of the first one's
+    dtype where the native kernel reads it (most of a CPU job's flush of activations), from one loop over them and
+    one native call: (their indices, their records), or ([], None). The general route looks at each tensor in
+    several loops, which for an 8 K-element activation cost about what the kernel's read of it does
+    (benchmarks/stats_kernels.py --contiguous). A tensor passed twice is read twice: looking for it would cost
+    about as much as the read."""
+    dtype = tensors[0].dtype
+    if dtype not in _FAST_DTYPES or not stats_native.callable_now():
+        return [], None
+    plain = stats_fused.PLAIN_TENSORS
+    taken, addresses, lengths = [], [], []
+    for i, t in enumerate(tensors):
+        if type(t) in plain and t.dtype == dtype and t.is_contiguous():
+            n = t.numel()
+            if n:
+                taken.append(i)
+                addresses.append(t.data_ptr())
+                lengths.append(n)
+    if not taken:
+        return [], None
+    figures = stats_native.read(dtype, addresses, lengths, consts(dtype, eps)[0])
+    rec = torch.zeros(len(taken), N_FIELDS, dtype=torch.float64)
+    table = rec.numpy()
+    table[:, :len(want)] = _packed_records(np.array(lengths, dtype=np.float64), figures, want)
+    # Finite sums and extremes mean no element was NaN or Inf.
+    slow = np.flatnonzero(~np.isfinite(table[:, 4:8]).all(1)).tolist()
+    if slow:
+        rec[slow] = exact([tensors[taken[u]] for u in slow])
+    return taken, rec
+
+
 def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
                    workspace: Callable) -> np.ndarray:
     """Records that hold when every element is finite.

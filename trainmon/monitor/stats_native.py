@@ -96,11 +96,16 @@ def ready() -> bool:
     return enabled and _state["state"] == "ready"
 
 
+def callable_now() -> bool:
+    """Whether the library may be called now: it is ready, and no compile traces and no dispatch mode watches the
+    call (the library would bypass both)."""
+    return ready() and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
 def usable(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the library may read `tensors` now: it is ready, they are plain tensors (a subclass has its own
-    dispatch), and no compile traces and no dispatch mode watches the call (the library would bypass both)."""
-    return (ready() and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and set(map(type, tensors)).issubset(PLAIN_TENSORS))
+    """Whether the library may read `tensors` now: `callable_now`, and they are plain tensors (a subclass has its
+    own dispatch)."""
+    return callable_now() and set(map(type, tensors)).issubset(PLAIN_TENSORS)
 
 
 def unavailable() -> bool:
@@ -120,13 +125,19 @@ def prepare(wait: bool = False) -> bool:
 def figures(tensors: Sequence[torch.Tensor], lam: float) -> np.ndarray:
     """float64 `[len(tensors), 5]`: sum, sum of squares, min, max and count of |x| > lam of each tensor, all
     contiguous and of one dtype of DTYPES (`ready()` must have said so). Right where every element is finite."""
-    out = np.empty((len(tensors), 5))
     if not tensors:
-        return out
+        return np.empty((0, 5))
     # From lists: a generator costs a resumption per tensor.
-    addresses = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
-    lengths = np.array([t.numel() for t in tensors], dtype=np.int64)
-    _functions[tensors[0].dtype](len(tensors), addresses.ctypes.data, lengths.ctypes.data, lam, out.ctypes.data)
+    return read(tensors[0].dtype, [t.data_ptr() for t in tensors], [t.numel() for t in tensors], lam)
+
+
+def read(dtype: torch.dtype, addresses: list[int], lengths: list[int], lam: float) -> np.ndarray:
+    """`figures` of the tensors of `dtype` whose data starts at `addresses`, `lengths` elements each."""
+    out = np.empty((len(addresses), 5))
+    if addresses:
+        pointers = np.array(addresses, dtype=np.uint64)
+        counts = np.array(lengths, dtype=np.int64)
+        _functions[dtype](len(addresses), pointers.ctypes.data, counts.ctypes.data, lam, out.ctypes.data)
     return out
 
 

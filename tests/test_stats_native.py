@@ -27,6 +27,23 @@ def fresh_state(monkeypatch):
     monkeypatch.setattr(stats_native, "_functions", {})
 
 
+@pytest.fixture
+def native_reads(monkeypatch) -> list:
+    """(dtype, tensors) of each native read, in order."""
+    reads = []
+
+    def read(dtype, addresses, lengths, lam, run=stats_native.read):
+        reads.append((dtype, len(addresses)))
+        return run(dtype, addresses, lengths, lam)
+    monkeypatch.setattr(stats_native, "read", read)
+    return reads
+
+
+def assert_records_of_torch(tensors: list, eps: float = 1e-3) -> None:
+    for row, t in zip(tensor_records(tensors, eps, ALL), tensors):
+        check(row, t, eps)
+
+
 def float64_figures(t: torch.Tensor, lam: float) -> list[float]:
     d = t.double().reshape(-1)
     return [float(d.sum()), float((d * d).sum()), float(d.min()), float(d.max()), float((d.abs() > lam).sum())]
@@ -56,72 +73,48 @@ def test_a_nonfinite_element_anywhere_makes_a_figure_nonfinite(dtype, numel, bad
         assert not np.isfinite(stats_native.figures([t], 1e-8)[0, :4]).all(), (numel, bad, at)
 
 
-def test_the_engine_reads_cpu_fp32_and_fp64_through_it(monkeypatch):
+def test_the_engine_reads_cpu_fp32_and_fp64_through_it(native_reads):
     """Contiguous tensors, views (copied), NaN/Inf (then the exact kernels), empty and 16-bit ones (the other
     kernels): every record equals torch's. The contiguous fp32 tensors are read in place in one call, the fp32
     views from their copies in one more, the fp64 one in its own."""
-    calls = []
-
-    def read(dtype, addresses, lengths, lam, run=stats_native.read):
-        calls.append((dtype, len(addresses)))
-        return run(dtype, addresses, lengths, lam)
-    monkeypatch.setattr(stats_native, "read", read)
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(64, 300, generator=g)
     tensors = [torch.randn(5000, generator=g), wide[:, 1::2], wide.t(), sprinkle(torch.randn(9000, generator=g)),
                torch.randn(7, 9, generator=g).double(), torch.zeros(0), torch.randn(40, generator=g).bfloat16(),
                torch.randn(3, generator=g)]
-    rec = tensor_records(tensors, 1e-3, ALL)
-    for row, t in zip(rec, tensors):
-        check(row, t, 1e-3)
-    assert calls == [(torch.float32, 3), (torch.float32, 2), (torch.float64, 1)]
+    assert_records_of_torch(tensors)
+    assert native_reads == [(torch.float32, 3), (torch.float32, 2), (torch.float64, 1)]
 
 
 @pytest.mark.parametrize("dtype", stats_native.DTYPES)
-def test_a_call_of_contiguous_tensors_is_one_native_read(monkeypatch, dtype):
+def test_a_call_of_contiguous_tensors_is_one_native_read(native_reads, dtype):
     """The usual flush (contiguous tensors of one dtype, one of them twice, one with NaN/Inf and one reaching the
     saturation limit): one native read of every tensor, the NaN/Inf one then read again by the exact kernels,
     and every record equal to torch's."""
-    reads = []
-
-    def read(dtype, addresses, lengths, lam, run=stats_native.read):
-        reads.append(len(addresses))
-        return run(dtype, addresses, lengths, lam)
-    monkeypatch.setattr(stats_native, "read", read)
     g = torch.Generator().manual_seed(9)
     activation = torch.randn(4, 32, 64, generator=g).to(dtype)
     top = torch.randn(300, generator=g).to(dtype)
     top[7] = torch.finfo(dtype).max
     tensors = [activation, sprinkle(torch.randn(9000, generator=g).to(dtype)), activation, top,
                torch.randn(3, generator=g).to(dtype) * 1e-4]
-    rec = tensor_records(tensors, 1e-3, ALL)
-    for row, t in zip(rec, tensors):
-        check(row, t, 1e-3)
-    assert reads == [len(tensors)]
+    assert_records_of_torch(tensors)
+    assert native_reads == [(dtype, len(tensors))]
 
 
-def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(monkeypatch):
+def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(native_reads):
     """Non-contiguous views are copied side by side into a reused scratch buffer; those that do not fit in one
     fill are read in further calls, and every record still equals torch's. The contiguous tensor is read in place,
     in a call of its own."""
     from trainmon.monitor.stats import CHUNK_ELEMS
 
-    calls = []
-
-    def read(dtype, addresses, lengths, lam, run=stats_native.read):
-        calls.append(len(addresses))
-        return run(dtype, addresses, lengths, lam)
-    monkeypatch.setattr(stats_native, "read", read)
     g = torch.Generator().manual_seed(5)
     cap = CHUNK_ELEMS["cpu"]
     # five views of 0.4 of the scratch each: fills of two, two and one
     views = [torch.randn(2, int(0.4 * cap), generator=g)[:, ::2] for _ in range(5)]
     views[3] = sprinkle(views[3].contiguous()).t().contiguous().t()   # a NaN/Inf one: the exact kernels read it
     tensors = [torch.randn(300, generator=g), *views]
-    rec = tensor_records(tensors, 1e-3, ALL)
-    for row, t in zip(rec, tensors):
-        check(row, t, 1e-3)
-    assert calls == [1, 2, 2, 1]
+    assert_records_of_torch(tensors)
+    assert [count for _, count in native_reads] == [1, 2, 2, 1]
 
 
 def test_without_a_c_compiler_the_other_kernels_serve_with_one_message(fresh_state, monkeypatch, caplog):

@@ -202,6 +202,5 @@ def test_a_call_that_starts_masking_its_input_in_place_says_its_input_grad_is_no
     monitor.stop()
     grads = read_family(monitor.output_dir, "actv_grad")
     assert sorted(grads[grads.name == "softmax.input"].step) == [0, 2]
-    assert _not_recorded(monitor) == {
-        "softmax.input": 1}
+    assert _not_recorded(monitor) == {"softmax.input": 1}
     assert any("softmax.input at step 1 is not recorded" in r.getMessage() for r in caplog.records)

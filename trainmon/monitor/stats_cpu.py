@@ -76,9 +76,7 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
         if large:
             table[large, :packed] = _assume_finite([uniq[u] for u in large], eps, want, consts, workspace)
     if fast:
-        # Finite sums and extremes mean no element was NaN or Inf.
-        finite = np.isfinite(table[fast, 4:8]).all(1)
-        slow = sorted(slow + [u for u, ok in zip(fast, finite) if not ok])
+        slow = sorted(slow + _not_finite(table, fast))
     if slow:
         rec[slow] = exact([uniq[u] for u in slow])
     return rec
@@ -110,11 +108,17 @@ def contiguous_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple,
     rec = torch.zeros(len(taken), N_FIELDS, dtype=torch.float64)
     table = rec.numpy()
     table[:, :len(want)] = _packed_records(np.array(lengths, dtype=np.float64), figures, want)
-    # Finite sums and extremes mean no element was NaN or Inf.
-    slow = np.flatnonzero(~np.isfinite(table[:, 4:8]).all(1)).tolist()
+    slow = _not_finite(table, list(range(len(taken))))
     if slow:
         rec[slow] = exact([tensors[taken[u]] for u in slow])
     return taken, rec
+
+
+def _not_finite(table: np.ndarray, rows: list[int]) -> list[int]:
+    """Those of `rows` of a records table whose assume-finite figures came out non-finite: finite sums and extremes
+    mean no element was NaN or Inf, so only these need the exact kernels."""
+    finite = np.isfinite(table[rows, 4:8]).all(1)
+    return [u for u, ok in zip(rows, finite) if not ok]
 
 
 def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,

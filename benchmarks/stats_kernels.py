@@ -6,7 +6,7 @@
     python benchmarks/stats_kernels.py --one-pass-sizes  # CPU fp32: µs per tensor, passes vs assume-finite kernel
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
-    python benchmarks/stats_kernels.py --contiguous      # CPU fp32 flushes of contiguous tensors: µs per tensor, by route
+    python benchmarks/stats_kernels.py --contiguous      # CPU fp32 flushes read in place: µs per tensor, by route
     python benchmarks/stats_kernels.py --ops-per-tensor  # launches per tensor on an accelerator: multi-pass vs one-pass
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
@@ -430,25 +430,36 @@ def gather_sizes():
 
 
 def contiguous_calls():
-    """CPU fp32 tensor_records of a flush of contiguous activations, µs per tensor (median of 40 calls): the route
-    of such calls (stats_cpu.contiguous_records), the general route, and the native read alone (the floor)."""
+    """CPU fp32 tensor_records of a flush of activations read in place, µs per tensor (median of 40 calls): the
+    route of such calls (stats_cpu.in_place_records), the general route, and the native read alone of contiguous
+    tensors of the same size (the floor). The views are q, k and v split from one projection (Megatron's layout at
+    hidden 64: [tokens, batch, heads, 3 x 16], a run of 16 elements per head and token)."""
     from trainmon.monitor import stats_cpu
 
     stats_native.prepare(wait=True)
-    fields, shipped = stats.FieldSet(stats.FIELDS), stats_cpu.contiguous_records
+    fields, shipped = stats.FieldSet(stats.FIELDS), stats_cpu.in_place_records
     lam = stats._consts(F32, EPS)[0]
-    print("\n== CPU fp32, contiguous tensors, µs per tensor: contiguous route | general route | native read alone")
+    print("\n== CPU fp32, µs per tensor: in-place route | general route | native read alone (contiguous)")
+
+    def qkv(count: int) -> list:
+        bases = [torch.randn(32, 4, 4, 48) for _ in range((count + 2) // 3)]
+        return [b[..., i * 16:(i + 1) * 16] for b in bases for i in range(3)][:count]
+
+    cases = [(f"{n:9d} x {count:4d}", [torch.randn(n) for _ in range(count)]) for n, count in
+             ((2048, 800), (8192, 800), (32768, 200))]
+    cases.append(("q, k, v 8192 x  300", qkv(300)))
     try:
-        for n, count in ((2048, 800), (8192, 800), (32768, 200)):
-            ts = [torch.randn(n) for _ in range(count)]
+        for label, ts in cases:
+            count = len(ts)
             row = [median_us(lambda: stats.tensor_records(ts, EPS, fields), 40) / count]
-            stats_cpu.contiguous_records = lambda *_: ([], None)
+            stats_cpu.in_place_records = lambda *_: ([], None)
             row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 40) / count)
-            stats_cpu.contiguous_records = shipped
-            row.append(median_us(lambda: stats_native.figures(ts, lam), 40) / count)
-            print(f"  {n:9d} x {count:4d} {row[0]:10.2f} {row[1]:10.2f} {row[2]:10.2f}")
+            stats_cpu.in_place_records = shipped
+            dense = [t.contiguous() for t in ts]
+            row.append(median_us(lambda: stats_native.figures(dense, lam), 40) / count)
+            print(f"  {label} {row[0]:10.2f} {row[1]:10.2f} {row[2]:10.2f}")
     finally:
-        stats_cpu.contiguous_records = shipped
+        stats_cpu.in_place_records = shipped
 
 
 class _OpCount(TorchDispatchMode):

@@ -32,9 +32,9 @@ def native_reads(monkeypatch) -> list:
     """(dtype, tensors) of each native read, in order."""
     reads = []
 
-    def read(dtype, addresses, lengths, lam, run=stats_native.read):
+    def read(dtype, addresses, lengths, lam, runs, steps, run=stats_native.read):
         reads.append((dtype, len(addresses)))
-        return run(dtype, addresses, lengths, lam)
+        return run(dtype, addresses, lengths, lam, runs, steps)
     monkeypatch.setattr(stats_native, "read", read)
     return reads
 
@@ -74,16 +74,16 @@ def test_a_nonfinite_element_anywhere_makes_a_figure_nonfinite(dtype, numel, bad
 
 
 def test_the_engine_reads_cpu_fp32_and_fp64_through_it(native_reads):
-    """Contiguous tensors, views (copied), NaN/Inf (then the exact kernels), empty and 16-bit ones (the other
-    kernels): every record equals torch's. The contiguous fp32 tensors are read in place in one call, the fp32
-    views from their copies in one more, the fp64 one in its own."""
+    """Contiguous tensors, a transpose and a strided view, NaN/Inf (then the exact kernels), empty and 16-bit ones
+    (the other kernels): every record equals torch's. The contiguous fp32 tensors and the transpose are read in
+    place in one call, the strided view from its copy in one more, the fp64 one in its own."""
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(64, 300, generator=g)
     tensors = [torch.randn(5000, generator=g), wide[:, 1::2], wide.t(), sprinkle(torch.randn(9000, generator=g)),
                torch.randn(7, 9, generator=g).double(), torch.zeros(0), torch.randn(40, generator=g).bfloat16(),
                torch.randn(3, generator=g)]
     assert_records_of_torch(tensors)
-    assert native_reads == [(torch.float32, 3), (torch.float32, 2), (torch.float64, 1)]
+    assert native_reads == [(torch.float32, 4), (torch.float32, 1), (torch.float64, 1)]
 
 
 @pytest.mark.parametrize("dtype", stats_native.DTYPES)
@@ -101,6 +101,33 @@ def test_a_call_of_contiguous_tensors_is_one_native_read(native_reads, dtype):
     assert native_reads == [(dtype, len(tensors))]
 
 
+@pytest.mark.parametrize("dtype", stats_native.DTYPES)
+def test_views_in_runs_are_read_in_place_in_the_same_native_read(native_reads, dtype):
+    """Views whose elements lie in runs of a multiple of 16, one step apart, or in one run in some order, are read
+    where they lie, in the call's one native read: q, k and v split from one projection (runs shorter than a block,
+    several to a partial; one with a NaN/Inf, which the exact kernels read again), rows of a wide matrix (runs of
+    several blocks), a broadcast (step 0), size-1 dims among them, a transpose and a permutation (one run). Every
+    record equals torch's, and so do those of the views that lie otherwise (runs of 8, every other element), which
+    the general route copies."""
+    g = torch.Generator().manual_seed(3)
+    projection = torch.randn(33, 4, 4, 48, generator=g).to(dtype)    # 528 runs a view: two partials and 16 runs
+    q, k, v = projection[..., :16], projection[..., 16:32], projection[..., 32:]
+    v[0, 0, 0, 3], v[5, 1, 2, 7], v[9, 2, 3, 0] = float("nan"), float("inf"), float("-inf")
+    wide = torch.randn(6, 3 * BLOCK + 64, generator=g).to(dtype)
+    broadcast = torch.randn(1, 32, generator=g).to(dtype).expand(7, 32)
+    in_runs = [q, k, v, wide[:, 16:2 * BLOCK + 48], broadcast, q.unsqueeze(2), projection[3:5, :, 1:2, 16:], wide.t(),
+               projection.permute(2, 0, 3, 1)]
+    for view in in_runs:
+        assert not view.is_contiguous() and stats_native.run_layout(view) is not None
+    otherwise = [projection[..., :8], wide[:, ::2]]
+    assert all(stats_native.run_layout(view) is None for view in otherwise)
+    assert_records_of_torch(in_runs)
+    assert native_reads == [(dtype, len(in_runs))]
+    native_reads.clear()
+    assert_records_of_torch([torch.randn(100, generator=g).to(dtype), *otherwise])
+    assert native_reads[0] == (dtype, 1)
+
+
 def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(native_reads):
     """Non-contiguous views are copied side by side into a reused scratch buffer; those that do not fit in one
     fill are read in further calls, and every record still equals torch's. The contiguous tensor is read in place,
@@ -111,7 +138,7 @@ def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(native_reads
     cap = CHUNK_ELEMS["cpu"]
     # five views of 0.4 of the scratch each: fills of two, two and one
     views = [torch.randn(2, int(0.4 * cap), generator=g)[:, ::2] for _ in range(5)]
-    views[3] = sprinkle(views[3].contiguous()).t().contiguous().t()   # a NaN/Inf one: the exact kernels read it
+    views[3][0, 5], views[3][1, 7], views[3][1, 9] = float("nan"), float("inf"), float("-inf")  # the exact kernels
     tensors = [torch.randn(300, generator=g), *views]
     assert_records_of_torch(tensors)
     assert [count for _, count in native_reads] == [1, 2, 2, 1]

@@ -34,11 +34,12 @@ import struct
 import threading
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from trainmon.core import schema
 from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
-from trainmon.monitor import stats_fused
+from trainmon.monitor import stats_cpu, stats_fused
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8
@@ -189,8 +190,8 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
                    unasked_zeroed: bool = True) -> torch.Tensor:
     """float64 ``[len(tensors), N_FIELDS]`` records on the tensors' (shared) device; see module docstring.
 
-    Identical views (same storage, dtype, shape, strides) are computed once per call, except among the contiguous
-    CPU tensors the native kernel reads in place (`stats_cpu.contiguous_records`). ``fields`` may be
+    Identical views (same storage, dtype, shape, strides) are computed once per call, except among the CPU
+    tensors the native kernel reads in place (`stats_cpu.in_place_records`). ``fields`` may be
     a `FieldSet`, which carries the saturation limit (default: each dtype's largest finite value).
     ``unasked_zeroed=False``: the columns of `schema.unasked_columns` may hold the one pass's figures, for a
     caller that zeroes them where it reads them (on the host, where it costs no launch)."""
@@ -275,15 +276,14 @@ def _multi_pass_records(uniq, dev, eps, want, fields, sat) -> torch.Tensor:
 
 
 def _cpu_records(tensors, eps, want, fields, sat, unasked_zeroed) -> torch.Tensor:
-    """The records of CPU tensors: those stats_cpu.contiguous_records takes from it, the others by the general
+    """The records of CPU tensors: those stats_cpu.in_place_records takes from it, the others by the general
     route."""
-    from trainmon.monitor.stats_cpu import contiguous_records
-
     dev = tensors[0].device
-    taken, rec = contiguous_records(tensors, eps, want, _consts, lambda slow: _exact_records(slow, dev, eps, want))
+    taken, rec = stats_cpu.in_place_records(tensors, eps, want, _consts,
+                                            lambda slow: _exact_records(slow, dev, eps, want))
     if not taken:
         return _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed)
-    rec = _with_counts(rec, [tensors[i] for i in taken], dev, want, fields, sat)
+    rec = _with_counts(rec, [tensors[i] for i in taken], dev, want, fields, sat, rec.numpy())
     if len(taken) == len(tensors):
         return rec
     chosen = set(taken)
@@ -295,23 +295,24 @@ def _cpu_records(tensors, eps, want, fields, sat, unasked_zeroed) -> torch.Tenso
     return out
 
 
-def _with_counts(rec: torch.Tensor, uniq, dev, want, fields, sat) -> torch.Tensor:
-    """`rec` with its `sat` and `pinfs` columns filled, where asked for."""
+def _with_counts(rec: torch.Tensor, uniq, dev, want, fields, sat,
+                 table: Optional[np.ndarray] = None) -> torch.Tensor:
+    """`rec` with its `sat` and `pinfs` columns filled, where asked for. `table`: `rec` as a numpy array, where `rec`
+    is a plain CPU tensor made outside any compile or dispatch mode: the rows to count are found there, a few µs where
+    torch's ops on a small table take tens."""
     if "sat" in fields:
-        _fill_sat(rec, uniq, dev, want, sat)
+        _fill_sat(rec, uniq, dev, want, sat, table)
     if "pinfs" in fields:
-        _fill_pinfs(rec, uniq, dev)
+        _fill_pinfs(rec, uniq, dev, table)
     return rec
 
 
 def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
     if dev.type != "cpu":
         return _exact_records(uniq, dev, eps, want)
-    from trainmon.monitor.stats_cpu import finite_first_records
-
     cap = CHUNK_ELEMS["cpu"]
-    return finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap),
-                                lambda tensors: _exact_records(tensors, dev, eps, want))
+    return stats_cpu.finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap),
+                                          lambda tensors: _exact_records(tensors, dev, eps, want))
 
 
 def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
@@ -459,29 +460,39 @@ def _sat_counts(uniq: list[torch.Tensor], dev: torch.device, sat: FieldSet) -> t
         torch.zeros(0, dtype=torch.float64, device=dev)
 
 
-def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, want: tuple, sat: FieldSet) -> None:
+def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, want: tuple, sat: FieldSet,
+              table: Optional[np.ndarray] = None) -> None:
     """Fills the `sat` column. On CPU, where reading a value waits for no device, a tensor whose finite
     min and max (when computed) stay inside the limit has no saturated element: only the others are
-    counted, so the usual case costs no pass at all."""
+    counted, so the usual case costs no pass at all. `table`: as for `_with_counts`."""
     if dev.type == "cpu" and want[6] and want[7]:
         dtypes = {t.dtype for t in uniq}
         if len(dtypes) == 1:                          # most calls: one limit for all
             limits = sat.sat_limit(dtypes.pop())
         else:
             limit_of = {dtype: sat.sat_limit(dtype) for dtype in dtypes}
-            limits = torch.tensor([limit_of[t.dtype] for t in uniq], dtype=torch.float64)
-        reach = (rec.select(1, 7) >= limits) | (rec.select(1, 6) <= -limits)
-        rows = reach.nonzero().flatten().tolist()
+            limits = [limit_of[t.dtype] for t in uniq]
+            limits = torch.tensor(limits, dtype=torch.float64) if table is None else np.array(limits)
+        figures = rec if table is None else table
+        reach = (figures[:, 7] >= limits) | (figures[:, 6] <= -limits)
+        rows = (reach.nonzero().flatten() if table is None else np.flatnonzero(reach)).tolist()
         if rows:
             rec[rows, _SAT] = _sat_counts([uniq[i] for i in rows], dev, sat)
         return
     rec.select(1, _SAT).copy_(_sat_counts(uniq, dev, sat))
 
 
-def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device) -> None:
+def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device,
+                table: Optional[np.ndarray] = None) -> None:
     """Fills the `pinfs` column: the +Inf elements, whose sign the packed count code has no room for. Its own
-    pass, and on CPU only over the tensors holding an Inf (reading the count waits for no device there)."""
-    rows = rec.select(1, _INFS).nonzero().flatten().tolist() if dev.type == "cpu" else range(len(uniq))
+    pass, and on CPU only over the tensors holding an Inf (reading the count waits for no device there). `table`:
+    as for `_with_counts`."""
+    if dev.type != "cpu":
+        rows = range(len(uniq))
+    elif table is None:
+        rows = rec.select(1, _INFS).nonzero().flatten().tolist()
+    else:
+        rows = np.flatnonzero(table[:, _INFS]).tolist()
     rows = [u for u in rows if uniq[u].numel()]
     if not rows:
         return

@@ -82,41 +82,54 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
     return rec
 
 
-def contiguous_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
-                       exact: Callable) -> tuple[list[int], Optional[torch.Tensor]]:
-    """`finite_first_records` of those of `tensors` that are plain, contiguous and non-empty, of the first one's
-    dtype where the native kernel reads it (most of a CPU job's flush of activations), from one loop over them and
-    one native call: (their indices, their records), or ([], None). The general route looks at each tensor in
-    several loops, which for an 8 K-element activation cost about what the kernel's read of it does
-    (benchmarks/stats_kernels.py --contiguous). A tensor passed twice is read twice: looking for it would cost
-    about as much as the read."""
+def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
+                     exact: Callable) -> tuple[list[int], Optional[torch.Tensor]]:
+    """`finite_first_records` of those of `tensors` that are plain and non-empty, of the first one's dtype where the
+    native kernel reads it, and contiguous or laid out in runs it reads in place (`stats_native.run_layout`: q, k and
+    v split from one projection), from one loop over them and one native call: (their indices, their records), or
+    ([], None). That is most of a CPU job's flush of activations. The general route looks at each tensor in several
+    loops, which for an 8 K-element activation cost about what the kernel's read of it does, and copies views first
+    (benchmarks/stats_kernels.py --contiguous). A tensor passed twice is read twice: looking for it would cost about
+    as much as the read."""
     dtype = tensors[0].dtype
     if dtype not in _FAST_DTYPES or not stats_native.callable_now():
         return [], None
     plain = stats_fused.PLAIN_TENSORS
-    taken, addresses, lengths = [], [], []
+    taken, addresses, lengths, runs, steps = [], [], [], [], []
     for i, t in enumerate(tensors):
-        if type(t) in plain and t.dtype == dtype and t.is_contiguous():
+        if type(t) in plain and t.dtype == dtype:
             n = t.numel()
-            if n:
-                taken.append(i)
-                addresses.append(t.data_ptr())
-                lengths.append(n)
+            if not n:
+                continue
+            if t.is_contiguous():
+                run = step = n
+            else:
+                layout = stats_native.run_layout(t)
+                if layout is None:
+                    continue
+                run, step = layout
+            taken.append(i)
+            addresses.append(t.data_ptr())
+            lengths.append(n)
+            runs.append(run)
+            steps.append(step)
     if not taken:
         return [], None
-    figures = stats_native.read(dtype, addresses, lengths, consts(dtype, eps)[0])
+    figures = stats_native.read(dtype, addresses, lengths, consts(dtype, eps)[0], runs, steps)
     rec = torch.zeros(len(taken), N_FIELDS, dtype=torch.float64)
     table = rec.numpy()
     table[:, :len(want)] = _packed_records(np.array(lengths, dtype=np.float64), figures, want)
-    slow = _not_finite(table, list(range(len(taken))))
+    slow = _not_finite(table)
     if slow:
         rec[slow] = exact([tensors[taken[u]] for u in slow])
     return taken, rec
 
 
-def _not_finite(table: np.ndarray, rows: list[int]) -> list[int]:
-    """Those of `rows` of a records table whose assume-finite figures came out non-finite: finite sums and extremes
-    mean no element was NaN or Inf, so only these need the exact kernels."""
+def _not_finite(table: np.ndarray, rows: Optional[list[int]] = None) -> list[int]:
+    """Those of `rows` (default: all) of a records table whose assume-finite figures came out non-finite: finite sums
+    and extremes mean no element was NaN or Inf, so only these need the exact kernels."""
+    if rows is None:
+        return np.flatnonzero(~np.isfinite(table[:, 4:8]).all(1)).tolist()
     finite = np.isfinite(table[rows, 4:8]).all(1)
     return [u for u, ok in zip(rows, finite) if not ok]
 

@@ -7,7 +7,7 @@ import torch
 
 from trainmon.core.records import RecordKey
 from trainmon.monitor import stats
-from trainmon.monitor.collector import StepCollector
+from trainmon.monitor.collector import SNAPSHOT_MAX_BYTES, StepCollector
 
 FIELDS = stats.fields_for_ops(["norm", "min", "max"])
 NORM = stats.FIELDS.index("sumsq")
@@ -33,7 +33,7 @@ def sumsq(batch, name):
 
 
 def deferrable(collector, *names):
-    """Makes `names` deferred: a name's first record is reduced at once, and watched until the next batch."""
+    """Makes `names` deferred: a name's first record is read at once, and watched until the next batch."""
     for name in names:
         t = torch.ones(3)
         collector.record([key(name, t)], [t], defer=True)
@@ -86,3 +86,28 @@ def test_records_are_not_shared_across_steps(monkeypatch):
     collector.record([key("a", x)], [x], defer=True)
     collector.finish_step()
     assert any(id(x) in r for r in reads)
+
+
+def test_a_name_that_changes_in_place_is_copied_in_its_hook_and_read_with_the_batch(monkeypatch):
+    """A CPU tensor of a name that changes in place is recorded with its values in the hook: a copy taken there is
+    read with the next batch, beside the held tensors, not by a statistics call of its own. One larger than
+    SNAPSHOT_MAX_BYTES is read in its hook."""
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "held")
+    first = torch.randn(1000)
+    collector.record([key("logits", first)], [first], defer=True)
+    first.mul_(2)                                     # changed in place before the batch: read at once from now on
+    collector.finish_step().wait()
+    reads.clear()
+    logits, held, wide = torch.randn(1000), torch.randn(1000), torch.randn(SNAPSHOT_MAX_BYTES // 4 + 1)
+    expected = float(logits.double().square().sum())
+    collector.record([key("logits", logits)], [logits], defer=True)
+    logits.mul_(3)
+    collector.record([key("held", held)], [held], defer=True)
+    collector.record([key("wide", wide)], [wide], defer=True)
+    batch = collector.finish_step().wait()
+    assert sumsq(batch, "logits") == pytest.approx(expected, rel=1e-6)
+    assert sumsq(batch, "held") == pytest.approx(float(held.double().square().sum()), rel=1e-6)
+    assert sumsq(batch, "wide") == pytest.approx(float(wide.double().square().sum()), rel=1e-6)
+    assert reads[0] == [id(wide)]
+    assert len(reads) == 2 and len(reads[1]) == 2 and id(held) in reads[1] and id(logits) not in reads[1]

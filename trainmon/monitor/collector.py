@@ -15,6 +15,9 @@ from trainmon.monitor.tensor_memo import TensorMemo
 logger = logging.getLogger("trainmon")
 
 _PENDING = -1  # the block of a record not reduced yet (StepCollector._seen)
+# A CPU tensor of a name that changes in place, up to this size, is copied and its copy read with the next batch: a
+# copy costs less than a statistics call of its own (about 60-150 µs of host work, benchmarks/README.md)
+SNAPSHOT_MAX_BYTES = 1 << 20
 
 
 class StepCollector:
@@ -30,11 +33,13 @@ class StepCollector:
     reuse (see `record`).
 
     A deferred tensor that is modified in place before its batch is reduced would be reported with
-    its later values. So the first time a name is recorded it is reduced at once, and its tensor is
+    its later values. So the first time a name is recorded it is read at once, and its tensor is
     watched until the next batch: a name whose tensor changed in place by then (a loss scaled in place,
-    Megatron's logits in its fused cross-entropy) is reduced at once from then on, the others are
+    Megatron's logits in its fused cross-entropy) is read at once from then on, the others are
     deferred. A deferred tensor that changes in place later all the same has its record dropped, counted
-    in `dropped_in_place`, and its name is reduced at once from then on.
+    in `dropped_in_place`, and its name is read at once from then on. Read at once means reduced in its
+    hook, or, for a CPU tensor of up to SNAPSHOT_MAX_BYTES, copied in its hook and the copy reduced with the
+    next batch.
     """
 
     def __init__(self, eps: float, fields: stats.FieldSet, rank: int, pp_stage: int = 0,
@@ -74,6 +79,8 @@ class StepCollector:
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
         self._pending_tensors: list[torch.Tensor] = []
         self._pending_versions: list[int] = []  # per pending tensor: its version when recorded
+        # per pending tensor: (the tensor `_seen` knows it as, its version then): itself, or what it is a snapshot of
+        self._pending_seen: list[tuple[torch.Tensor, int]] = []
         self._pending_bytes = 0
         self._trial: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, version) on first sight
 
@@ -126,12 +133,10 @@ class StepCollector:
                 continue
             self._pending_bytes += tensor.nbytes
             if key.name in self._deferrable_names:
-                slot = len(self._pending_tensors)
-                self._pending_tensors.append(tensor)
-                self._pending_versions.append(version)
-                self._pending_keys.append(key)
-                self._pending_slots.append(slot)
-                self._seen.put(id(tensor), tensor, (version, _PENDING, slot))
+                self._hold(key, tensor, tensor, version)
+            elif tensor.device.type == "cpu" and tensor.nbytes <= SNAPSHOT_MAX_BYTES:
+                self._hold(key, tensor.detach().clone(), tensor, version)
+                self._watch(key.name, tensor, version)
             else:
                 now.append((key, tensor, version))
         if now:
@@ -139,10 +144,25 @@ class StepCollector:
             block = len(self._reduced) - 1
             for i, (key, tensor, version) in enumerate(now):
                 self._seen.put(id(tensor), tensor, (version, block, i))
-                if key.name not in self._eager_names:
-                    self._trial.append((key.name, tensor, version))
+                self._watch(key.name, tensor, version)
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
+
+    def _hold(self, key: RecordKey, held: torch.Tensor, tensor: torch.Tensor, version: int) -> None:
+        """Holds `held` (`tensor` itself, or a snapshot of it) for the next batch, as the record of `tensor` at
+        `version`."""
+        slot = len(self._pending_tensors)
+        self._pending_tensors.append(held)
+        self._pending_versions.append(held._version)
+        self._pending_seen.append((tensor, version))
+        self._pending_keys.append(key)
+        self._pending_slots.append(slot)
+        self._seen.put(id(tensor), tensor, (version, _PENDING, slot))
+
+    def _watch(self, name: str, tensor: torch.Tensor, version: int) -> None:
+        """Watches a name read in its hook until the next batch, unless it is known to change in place."""
+        if name not in self._eager_names:
+            self._trial.append((name, tensor, version))
 
     def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields, unasked_zeroed=False)
@@ -166,14 +186,15 @@ class StepCollector:
         self._pending_bytes = 0
         if not self._pending_keys:
             return
-        pending, versions = self._pending_tensors, self._pending_versions
+        pending, versions, seen = self._pending_tensors, self._pending_versions, self._pending_seen
         keys, slots = self._pending_keys, self._pending_slots
-        self._pending_keys, self._pending_slots, self._pending_tensors, self._pending_versions = [], [], [], []
+        self._pending_keys, self._pending_slots, self._pending_tensors = [], [], []
+        self._pending_versions, self._pending_seen = [], []
         modified = {slot for slot, (t, version) in enumerate(zip(pending, versions)) if t._version != version}
         rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False)
         self._reduced.append(rows)
         block = len(self._reduced) - 1
-        for slot, (t, version) in enumerate(zip(pending, versions)):
+        for slot, (t, version) in enumerate(seen):
             if slot in modified:
                 self._seen.pop(id(t))
             else:
@@ -206,6 +227,7 @@ class StepCollector:
             self._eager_names.add(key.name)
             self._deferrable_names.discard(key.name)
             self.dropped_in_place[key.name] = self.dropped_in_place.get(key.name, 0) + 1
+
     def record_rows(self, keys: Sequence[RecordKey], rows: torch.Tensor) -> None:
         """Adds precomputed (e.g. merged across shards) records, [len(keys), N_FIELDS]."""
         self._add(keys, rows)

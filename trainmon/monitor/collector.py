@@ -160,7 +160,7 @@ class StepCollector:
         self._seen.put(id(tensor), tensor, (version, _PENDING, slot))
 
     def _watch(self, name: str, tensor: torch.Tensor, version: int) -> None:
-        """Watches a name read in its hook until the next batch, unless it is known to change in place."""
+        """Watches a name read at once until the next batch, unless it is known to change in place."""
         if name not in self._eager_names:
             self._trial.append((name, tensor, version))
 

@@ -128,10 +128,8 @@ def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, c
 def _not_finite(table: np.ndarray, rows: Optional[list[int]] = None) -> list[int]:
     """Those of `rows` (default: all) of a records table whose assume-finite figures came out non-finite: finite sums
     and extremes mean no element was NaN or Inf, so only these need the exact kernels."""
-    if rows is None:
-        return np.flatnonzero(~np.isfinite(table[:, 4:8]).all(1)).tolist()
-    finite = np.isfinite(table[rows, 4:8]).all(1)
-    return [u for u, ok in zip(rows, finite) if not ok]
+    bad = np.flatnonzero(~np.isfinite(table[:, 4:8] if rows is None else table[rows, 4:8]).all(1)).tolist()
+    return bad if rows is None else [rows[i] for i in bad]
 
 
 def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,

@@ -7,6 +7,7 @@
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
     python benchmarks/stats_kernels.py --contiguous      # CPU fp32 flushes read in place: µs per tensor, by route
+    python benchmarks/stats_kernels.py --cold            # CPU fp32 native read from memory and in cache: ns per element
     python benchmarks/stats_kernels.py --ops-per-tensor  # launches per tensor on an accelerator: multi-pass vs one-pass
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
@@ -462,6 +463,35 @@ def contiguous_calls():
         stats_cpu.in_place_records = shipped
 
 
+def cold_reads(rounds: int = 21):
+    """ns per element of the native read (`stats_native.figures`) of a step's activations as the flush before the
+    optimizer step meets them: many tensors, each allocated apart from the next (other tensors between them), read
+    after 64 MB written elsewhere, and read again at once; next to one `_foreach_norm` pass over them (the floor),
+    likewise. Median of `rounds` interleaved rounds. Either way the set is larger than the L2 cache; how much of it the
+    64 MB push out of the last-level cache depends on that cache's size."""
+    stats_native.prepare(wait=True)
+    lam = stats._consts(F32, EPS)[0]
+    evict = torch.zeros(16 << 20)
+    print("\n== CPU fp32, ns per element: native read after 64 MB written | again; _foreach_norm after 64 MB | again")
+    for numel, count in ((2048, 2000), (8192, 900), (32768, 250)):
+        tensors, between = [], []
+        for _ in range(count):
+            tensors.append(torch.randn(numel))
+            between.append(torch.randn(numel // 3))
+        paths = {"native": lambda: stats_native.figures(tensors, lam), "_foreach_norm": lambda: c_foreach_norm(tensors)}
+        times = {(name, cold): [] for name in paths for cold in (True, False)}
+        for _ in range(rounds):
+            for name, fn in paths.items():
+                for cold in (True, False):
+                    if cold:
+                        evict.add_(1.0)
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name, cold].append(time.perf_counter() - t0)
+        per = {k: statistics.median(v) * 1e9 / (numel * count) for k, v in times.items()}
+        print(f"  {numel:7d} x {count:4d} " + " ".join(f"{per[k]:8.3f}" for k in times))
+
+
 class _OpCount(TorchDispatchMode):
     """Counts the aten ops that launch work (views excluded): on an accelerator, one kernel launch each."""
 
@@ -541,6 +571,7 @@ def main():
     ap.add_argument("--gather-sizes", action="store_true")
     ap.add_argument("--ops-per-tensor", action="store_true")
     ap.add_argument("--contiguous", action="store_true")
+    ap.add_argument("--cold", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 11
@@ -558,6 +589,9 @@ def main():
         return
     if args.contiguous:
         contiguous_calls()
+        return
+    if args.cold:
+        cold_reads()
         return
     if args.ops_per_tensor:
         ops_per_tensor(20)

@@ -12,7 +12,8 @@ from trainmon.monitor import stats_native
 from trainmon.monitor.stats import tensor_records
 
 BLOCK = stats_native.BLOCK
-SIZES = [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 1_000_003]
+# Around a block and around the lanes of one (128 bytes: 32 fp32, 16 fp64 elements), whole lanes with a tail and without
+SIZES = [1, 7, 16, 17, 31, 32, 33, 100, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 1_000_003]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,7 +5,10 @@ stats_cpu's assume-finite path needs, per fp32/fp64 tensor, its sum, sum of squa
 tensors into shared buffers for one kernel call: for the hundreds of small activations of a small model's
 step, the host work and the copy cost more than reading the data. Here a small C function, given the
 tensors' addresses and lengths, reads each tensor in place in blocks of `BLOCK` elements (partials in the
-data's type, vectorised, added in float64: the precision of the one-pass kernel's rows).
+data's type, added in float64: the precision of the one-pass kernel's rows). A block is summed in 128 bytes of
+independent lanes while the lines 4 KB ahead, and the next tensor's first ones, are requested from memory: a step's
+activations are read when the optimizer step begins, long after they were written, and there a loop that waits for
+each line in turn took half as long again (`benchmarks/stats_kernels.py --cold`, benchmarks/README.md).
 
 Not ready until built: the first request starts the build (one C compiler call, about 0.1 s) in a thread,
 and the engine's other kernels serve until it is loaded; a library an earlier run left on disk is loaded by
@@ -52,14 +55,28 @@ _SOURCE = r"""
 /* out[5 * i ...]: sum, sum of squares, min, max and count of |x| > lam of tensor i: lens[i] elements from ptrs[i],
    in runs of runs[i] contiguous elements, each run steps[i] elements after the one before (a contiguous tensor is
    one run); partials of at most BLOCK elements in the data's type, added in double. */
+#define PREFETCH 4096
+#define FIGURE(T, ABS, s, q, mn, mx, c, v) \
+    s += v; q += v * v; mn = v < mn ? v : mn; mx = v > mx ? v : mx; c += ABS(v) > l ? (T)1 : (T)0;
 #define FIGURES(NAME, T, ABS) \
+/* 128 bytes of lanes: independent figures the compiler keeps in vector registers, and the lines PREFETCH bytes \
+   ahead requested while these are summed (a read from memory otherwise waits for each line in turn). */ \
 static void NAME##_block(const T* restrict y, int64_t e, T l, T* restrict r) { \
-    T s = 0, q = 0, mn = INFINITY, mx = -INFINITY, c = 0; \
-    for (int64_t j = 0; j < e; ++j) { \
-        T v = y[j]; s += v; q += v * v; \
-        mn = v < mn ? v : mn; mx = v > mx ? v : mx; c += ABS(v) > l ? (T)1 : (T)0; \
+    enum { W = 128 / sizeof(T) }; \
+    T s[W], q[W], mn[W], mx[W], c[W]; \
+    for (int w = 0; w < W; ++w) { s[w] = q[w] = c[w] = 0; mn[w] = INFINITY; mx[w] = -INFINITY; } \
+    int64_t whole = e - e %% W; \
+    for (int64_t j = 0; j < whole; j += W) { \
+        __builtin_prefetch((const char*)(y + j) + PREFETCH); \
+        __builtin_prefetch((const char*)(y + j) + PREFETCH + 64); \
+        for (int w = 0; w < W; ++w) { T v = y[j + w]; FIGURE(T, ABS, s[w], q[w], mn[w], mx[w], c[w], v) } \
     } \
-    r[0] = s; r[1] = q; r[2] = mn; r[3] = mx; r[4] = c; \
+    for (int64_t j = whole; j < e; ++j) { T v = y[j]; FIGURE(T, ABS, s[0], q[0], mn[0], mx[0], c[0], v) } \
+    for (int w = 1; w < W; ++w) { \
+        s[0] += s[w]; q[0] += q[w]; c[0] += c[w]; \
+        mn[0] = mn[w] < mn[0] ? mn[w] : mn[0]; mx[0] = mx[w] > mx[0] ? mx[w] : mx[0]; \
+    } \
+    r[0] = s[0]; r[1] = q[0]; r[2] = mn[0]; r[3] = mx[0]; r[4] = c[0]; \
 } \
 /* `count` runs of `run` elements (a multiple of LANES), `step` apart: one partial in lanes, whose fixed width \
    keeps the figures in vector registers across runs. */ \
@@ -70,8 +87,7 @@ static void NAME##_runs(const T* restrict x, int64_t run, int64_t step, int64_t 
         const T* y = x + k * step; \
         for (int64_t j = 0; j < run; j += LANES) { \
             for (int w = 0; w < LANES; ++w) { \
-                T v = y[j + w]; s[w] += v; q[w] += v * v; \
-                mn[w] = v < mn[w] ? v : mn[w]; mx[w] = v > mx[w] ? v : mx[w]; c[w] += ABS(v) > l ? (T)1 : (T)0; \
+                T v = y[j + w]; FIGURE(T, ABS, s[w], q[w], mn[w], mx[w], c[w], v) \
             } \
         } \
     } \
@@ -85,6 +101,8 @@ void NAME(int64_t n, const uint64_t* ptrs, const int64_t* lens, const int64_t* r
           double lam, double* out) { \
     for (int64_t i = 0; i < n; ++i) { \
         const T* x = (const T*)ptrs[i]; \
+        /* the next tensor lies elsewhere: its first lines are requested now */ \
+        if (i + 1 < n) for (int p = 0; p < PREFETCH; p += 64) __builtin_prefetch((const char*)ptrs[i + 1] + p); \
         int64_t len = lens[i], run = runs[i], step = steps[i]; \
         double s = 0, q = 0, c = 0, mn = INFINITY, mx = -INFINITY; \
         T r[5]; \

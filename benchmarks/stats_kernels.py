@@ -7,7 +7,7 @@
     python benchmarks/stats_kernels.py --call-cost       # µs of host time per generated-kernel call, by path
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
     python benchmarks/stats_kernels.py --contiguous      # CPU fp32 flushes read in place: µs per tensor, by route
-    python benchmarks/stats_kernels.py --cold            # CPU fp32 native read from memory and in cache: ns per element
+    python benchmarks/stats_kernels.py --cold            # CPU fp32 native read after 64 MB written elsewhere, and again: ns/element
     python benchmarks/stats_kernels.py --ops-per-tensor  # launches per tensor on an accelerator: multi-pass vs one-pass
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and

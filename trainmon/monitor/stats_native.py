@@ -56,6 +56,7 @@ _SOURCE = r"""
    in runs of runs[i] contiguous elements, each run steps[i] elements after the one before (a contiguous tensor is
    one run); partials of at most BLOCK elements in the data's type, added in double. */
 #define PREFETCH 4096
+/* one element v into the figures s, q, mn, mx and c (l: the threshold of the function that uses it) */
 #define FIGURE(T, ABS, s, q, mn, mx, c, v) \
     s += v; q += v * v; mn = v < mn ? v : mn; mx = v > mx ? v : mx; c += ABS(v) > l ? (T)1 : (T)0;
 #define FIGURES(NAME, T, ABS) \

@@ -56,47 +56,48 @@ _SOURCE = r"""
    in runs of runs[i] contiguous elements, each run steps[i] elements after the one before (a contiguous tensor is
    one run); partials of at most BLOCK elements in the data's type, added in double. */
 #define PREFETCH 4096
-/* one element v into the figures s, q, mn, mx and c (l: the threshold of the function that uses it) */
-#define FIGURE(T, ABS, s, q, mn, mx, c, v) \
-    s += v; q += v * v; mn = v < mn ? v : mn; mx = v > mx ? v : mx; c += ABS(v) > l ? (T)1 : (T)0;
+/* one element v into lane w of the figures (LANES_OPEN's; l: the threshold of the function that uses it) */
+#define FIGURE(T, ABS, w, v) \
+    s[w] += v; q[w] += v * v; mn[w] = v < mn[w] ? v : mn[w]; mx[w] = v > mx[w] ? v : mx[w]; \
+    c[w] += ABS(v) > l ? (T)1 : (T)0;
+/* W lanes of the five figures, empty; and their merge into r[0..4] */
+#define LANES_OPEN(T, W) \
+    T s[W], q[W], mn[W], mx[W], c[W]; \
+    for (int w = 0; w < W; ++w) { s[w] = q[w] = c[w] = 0; mn[w] = INFINITY; mx[w] = -INFINITY; }
+#define LANES_CLOSE(W, r) \
+    for (int w = 1; w < W; ++w) { \
+        s[0] += s[w]; q[0] += q[w]; c[0] += c[w]; \
+        mn[0] = mn[w] < mn[0] ? mn[w] : mn[0]; mx[0] = mx[w] > mx[0] ? mx[w] : mx[0]; \
+    } \
+    r[0] = s[0]; r[1] = q[0]; r[2] = mn[0]; r[3] = mx[0]; r[4] = c[0];
 #define FIGURES(NAME, T, ABS) \
 /* 128 bytes of lanes: independent figures the compiler keeps in vector registers, and the lines PREFETCH bytes \
    ahead requested while these are summed (a read from memory otherwise waits for each line in turn). */ \
 static void NAME##_block(const T* restrict y, int64_t e, T l, T* restrict r) { \
     enum { W = 128 / sizeof(T) }; \
-    T s[W], q[W], mn[W], mx[W], c[W]; \
-    for (int w = 0; w < W; ++w) { s[w] = q[w] = c[w] = 0; mn[w] = INFINITY; mx[w] = -INFINITY; } \
+    LANES_OPEN(T, W) \
     int64_t whole = e - e %% W; \
     for (int64_t j = 0; j < whole; j += W) { \
         __builtin_prefetch((const char*)(y + j) + PREFETCH); \
         __builtin_prefetch((const char*)(y + j) + PREFETCH + 64); \
-        for (int w = 0; w < W; ++w) { T v = y[j + w]; FIGURE(T, ABS, s[w], q[w], mn[w], mx[w], c[w], v) } \
+        for (int w = 0; w < W; ++w) { T v = y[j + w]; FIGURE(T, ABS, w, v) } \
     } \
-    for (int64_t j = whole; j < e; ++j) { T v = y[j]; FIGURE(T, ABS, s[0], q[0], mn[0], mx[0], c[0], v) } \
-    for (int w = 1; w < W; ++w) { \
-        s[0] += s[w]; q[0] += q[w]; c[0] += c[w]; \
-        mn[0] = mn[w] < mn[0] ? mn[w] : mn[0]; mx[0] = mx[w] > mx[0] ? mx[w] : mx[0]; \
-    } \
-    r[0] = s[0]; r[1] = q[0]; r[2] = mn[0]; r[3] = mx[0]; r[4] = c[0]; \
+    for (int64_t j = whole; j < e; ++j) { T v = y[j]; FIGURE(T, ABS, 0, v) } \
+    LANES_CLOSE(W, r) \
 } \
 /* `count` runs of `run` elements (a multiple of LANES), `step` apart: one partial in lanes, whose fixed width \
    keeps the figures in vector registers across runs. */ \
 static void NAME##_runs(const T* restrict x, int64_t run, int64_t step, int64_t count, T l, T* restrict r) { \
-    T s[LANES], q[LANES], mn[LANES], mx[LANES], c[LANES]; \
-    for (int w = 0; w < LANES; ++w) { s[w] = q[w] = c[w] = 0; mn[w] = INFINITY; mx[w] = -INFINITY; } \
+    LANES_OPEN(T, LANES) \
     for (int64_t k = 0; k < count; ++k) { \
         const T* y = x + k * step; \
         for (int64_t j = 0; j < run; j += LANES) { \
             for (int w = 0; w < LANES; ++w) { \
-                T v = y[j + w]; FIGURE(T, ABS, s[w], q[w], mn[w], mx[w], c[w], v) \
+                T v = y[j + w]; FIGURE(T, ABS, w, v) \
             } \
         } \
     } \
-    for (int w = 1; w < LANES; ++w) { \
-        s[0] += s[w]; q[0] += q[w]; c[0] += c[w]; \
-        mn[0] = mn[w] < mn[0] ? mn[w] : mn[0]; mx[0] = mx[w] > mx[0] ? mx[w] : mx[0]; \
-    } \
-    r[0] = s[0]; r[1] = q[0]; r[2] = mn[0]; r[3] = mx[0]; r[4] = c[0]; \
+    LANES_CLOSE(LANES, r) \
 } \
 void NAME(int64_t n, const uint64_t* ptrs, const int64_t* lens, const int64_t* runs, const int64_t* steps, \
           double lam, double* out) { \

@@ -14,7 +14,6 @@ from trainmon.monitor.tensor_memo import TensorMemo
 
 logger = logging.getLogger("trainmon")
 
-_PENDING = -1  # the block of a record not reduced yet (StepCollector._seen)
 # A CPU tensor of a name that changes in place, up to this size, is copied and its copy read with the next batch: a
 # copy costs less than a statistics call of its own (about 60-150 µs of host work, benchmarks/README.md)
 SNAPSHOT_MAX_BYTES = 1 << 20
@@ -70,17 +69,17 @@ class StepCollector:
         # The per-tensor bookkeeping of a step holds numbers (TensorMemo, parallel lists), not an object per
         # tensor for Python's garbage collector.
         # id -> (version, block, slot) of the deferred tensors recorded this step: the record is row `slot` of
-        # `_reduced[block]`, or pending slot `slot` where block is _PENDING
+        # `_reduced[block]`, or, where block is ~b (negative), row `slot` of batch b (`_batch_blocks`), which a flush
+        # reduces without touching these entries
         self._seen = TensorMemo()
         self._reduced: list[torch.Tensor] = []  # the record rows of each batch reduced this step
+        self._batch_blocks: list[int] = []  # per batch of held tensors reduced this step: its block in _reduced
         self._call_index = 0
         self._indexed = TensorMemo()  # call_index_of: (family, name, vpp, micro, id) -> index
         self._pending_keys: list[RecordKey] = []
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
         self._pending_tensors: list[torch.Tensor] = []
         self._pending_versions: list[int] = []  # per pending tensor: its version when recorded
-        # per pending tensor: (the tensor `_seen` knows it as, its version then): itself, or what it is a snapshot of
-        self._pending_seen: list[tuple[torch.Tensor, int]] = []
         self._pending_bytes = 0
         self._trial: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, version) on first sight
 
@@ -128,7 +127,7 @@ class StepCollector:
         for key, tensor in zip(keys, tensors):
             version = tensor._version
             seen = self._seen.get(id(tensor), tensor)
-            if seen is not None and seen[0] == version:
+            if seen is not None and seen[0] == version:  # unchanged since: its record serves
                 self._reuse(key, seen[1], seen[2])
                 continue
             self._pending_bytes += tensor.nbytes
@@ -154,10 +153,9 @@ class StepCollector:
         slot = len(self._pending_tensors)
         self._pending_tensors.append(held)
         self._pending_versions.append(held._version)
-        self._pending_seen.append((tensor, version))
         self._pending_keys.append(key)
         self._pending_slots.append(slot)
-        self._seen.put(id(tensor), tensor, (version, _PENDING, slot))
+        self._seen.put(id(tensor), tensor, (version, ~len(self._batch_blocks), slot))
 
     def _watch(self, name: str, tensor: torch.Tensor, version: int) -> None:
         """Watches a name read at once until the next batch, unless it is known to change in place."""
@@ -170,43 +168,41 @@ class StepCollector:
         self._add([k for k, _ in items], rows)
 
     def _reuse(self, key: RecordKey, block: int, slot: int) -> None:
-        if block == _PENDING:  # share its slot
-            self._pending_keys.append(key)
-            self._pending_slots.append(slot)
-        else:
-            self._add([key], self._reduced[block].narrow(0, slot, 1))
+        if block < 0:
+            batch = ~block
+            if batch == len(self._batch_blocks):  # still pending: share its slot
+                self._pending_keys.append(key)
+                self._pending_slots.append(slot)
+                return
+            block = self._batch_blocks[batch]
+        self._add([key], self._reduced[block].narrow(0, slot, 1))
 
     def flush_pending(self) -> None:
         """Reduces every pending tensor in one batch, and lets go of the tensors held since the last one.
 
         Their records stay in `_seen` for the rest of the step, behind a weak reference: an `id` reused by
-        another tensor once one has died does not match.
+        another tensor once one has died does not match. The record of a tensor modified in place since it was held
+        is dropped; its entry there no longer matches its version.
         """
         self._end_trial()
         self._pending_bytes = 0
         if not self._pending_keys:
             return
-        pending, versions, seen = self._pending_tensors, self._pending_versions, self._pending_seen
+        pending, versions = self._pending_tensors, self._pending_versions
         keys, slots = self._pending_keys, self._pending_slots
-        self._pending_keys, self._pending_slots, self._pending_tensors = [], [], []
-        self._pending_versions, self._pending_seen = [], []
+        self._pending_keys, self._pending_slots, self._pending_tensors, self._pending_versions = [], [], [], []
         modified = {slot for slot, (t, version) in enumerate(zip(pending, versions)) if t._version != version}
         rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False)
         self._reduced.append(rows)
-        block = len(self._reduced) - 1
-        for slot, (t, version) in enumerate(seen):
-            if slot in modified:
-                self._seen.pop(id(t))
-            else:
-                self._seen.put(id(t), t, (version, block, slot))
-        kept = [i for i, slot in enumerate(slots) if slot not in modified]
-        if len(kept) < len(keys):
-            self._drop_modified([keys[i] for i, slot in enumerate(slots) if slot in modified])
-        if kept:
-            picked = [slots[i] for i in kept]
-            if picked != list(range(len(pending))):     # else every row in its key's order, as they are
-                rows = rows.index_select(0, stats._meta(picked, rows.device))
-            self._add([keys[i] for i in kept], rows)
+        self._batch_blocks.append(len(self._reduced) - 1)
+        if modified:
+            self._drop_modified([key for key, slot in zip(keys, slots) if slot in modified])
+            kept = [i for i, slot in enumerate(slots) if slot not in modified]
+            keys, slots = [keys[i] for i in kept], [slots[i] for i in kept]
+        if keys:
+            if slots != list(range(len(pending))):     # else every row in its key's order, as they are
+                rows = rows.index_select(0, stats._meta(slots, rows.device))
+            self._add(keys, rows)
 
     def _end_trial(self) -> None:
         """Sorts the names first seen since the last batch into those reduced at once and the deferrable."""

@@ -95,31 +95,32 @@ def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, c
     if dtype not in _FAST_DTYPES or not stats_native.callable_now():
         return [], None
     plain = stats_fused.PLAIN_TENSORS
-    taken, addresses, lengths, runs, steps = [], [], [], [], []
-    for i, t in enumerate(tensors):
-        if type(t) in plain and t.dtype == dtype:
-            n = t.numel()
-            if not n:
-                continue
-            if t.is_contiguous():
-                run = step = n
-            else:
-                layout = stats_native.run_layout(t)
-                if layout is None:
-                    continue
-                run, step = layout
-            taken.append(i)
-            addresses.append(t.data_ptr())
-            lengths.append(n)
-            runs.append(run)
-            steps.append(step)
-    if not taken:
-        return [], None
+    lengths = [t.numel() for t in tensors]
+    if set(map(type, tensors)).issubset(plain) and {t.dtype for t in tensors} == {dtype} and \
+            all(map(torch.Tensor.is_contiguous, tensors)) and 0 not in lengths:
+        # most calls (a flush of activations: hundreds of tensors): every one taken, read whole
+        taken, runs, steps = range(len(tensors)), lengths, lengths
+        addresses = [t.data_ptr() for t in tensors]
+    else:
+        taken, addresses, runs, steps = [], [], [], []
+        for i, t in enumerate(tensors):
+            if type(t) in plain and t.dtype == dtype and lengths[i]:
+                layout = (lengths[i], lengths[i]) if t.is_contiguous() else stats_native.run_layout(t)
+                if layout is not None:
+                    taken.append(i)
+                    addresses.append(t.data_ptr())
+                    runs.append(layout[0])
+                    steps.append(layout[1])
+        if not taken:
+            return [], None
+        lengths = [lengths[i] for i in taken]
     figures = stats_native.read(dtype, addresses, lengths, consts(dtype, eps)[0], runs, steps)
-    rec = torch.zeros(len(taken), N_FIELDS, dtype=torch.float64)
-    table = rec.numpy()
-    table[:, :len(want)] = _packed_records(np.array(lengths, dtype=np.float64), figures, want)
-    slow = _not_finite(table)
+    # Few array ops from here: the read has just pushed their code and data out of the caches, where the first call
+    # of each costs several times its usual few µs.
+    table = np.zeros((len(taken), N_FIELDS))
+    _pack(table, lengths, figures, want)
+    rec = torch.from_numpy(table)
+    slow = [] if np.isfinite(figures[:, :4]).all() else _not_finite(table)
     if slow:
         rec[slow] = exact([tensors[taken[u]] for u in slow])
     return taken, rec
@@ -350,9 +351,18 @@ def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.nd
     """[n, 8] records from the element counts, the `_FIGURES` columns and a last one, the count of
     |x| >= eps; fields not in `want` hold 0."""
     rec = np.zeros((len(count), 8))
+    _pack(rec, count, values, want)
+    return rec
+
+
+def _pack(rec: np.ndarray, count, values: np.ndarray, want: tuple) -> None:
+    """`_packed_records` into the first 8 columns of `rec`, zeros (`count`: an array or a list)."""
     rec[:, 0] = count
     if want[3]:
-        rec[:, 3] = count - values[:, 4]
+        rec[:, 3] = rec[:, 0] - values[:, 4]
+    if all(want[4:8]):
+        rec[:, 4:8] = values[:, :4]
+        return
     # Detection needs a finite check of every element: the sum (always computed) provides it, and is
     # kept where it is not finite even when its figure is not wanted.
     total = values[:, 0]
@@ -360,7 +370,6 @@ def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.nd
     for field, column in ((5, 1), (6, 2), (7, 3)):
         if want[field]:
             rec[:, field] = values[:, column]
-    return rec
 
 
 def _assume_finite_native(tensors: Sequence[torch.Tensor], want: tuple, lam: float,

@@ -32,10 +32,6 @@ class TensorMemo:
         self._refs[key] = weakref.ref(tensor)     # the tensor's one plain weak reference, made once
         self._values[key] = value
 
-    def pop(self, key: Hashable) -> None:
-        self._refs.pop(key, None)
-        self._values.pop(key, None)
-
     def clear(self) -> None:
         self._refs.clear()
         self._values.clear()

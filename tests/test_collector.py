@@ -111,3 +111,34 @@ def test_a_name_that_changes_in_place_is_copied_in_its_hook_and_read_with_the_ba
     assert sumsq(batch, "wide") == pytest.approx(float(wide.double().square().sum()), rel=1e-6)
     assert reads[0] == [id(wide)]
     assert len(reads) == 2 and len(reads[1]) == 2 and id(held) in reads[1] and id(logits) not in reads[1]
+
+
+def test_records_of_earlier_batches_serve_after_later_ones(monkeypatch):
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "a", "b", "a_again", "b_again")
+    collector.finish_step()
+    reads.clear()
+    x, y = torch.randn(100), torch.randn(200)
+    collector.record([key("a", x)], [x], defer=True)
+    collector.flush_pending()
+    collector.record([key("b", y)], [y], defer=True)
+    collector.flush_pending()
+    collector.record([key("a_again", x), key("b_again", y)], [x, y], defer=True)
+    batch = collector.finish_step().wait()
+    assert reads == [[id(x)], [id(y)]]                # each read once, in its own batch
+    assert sumsq(batch, "a") == sumsq(batch, "a_again") == pytest.approx(float(x.double().square().sum()), rel=1e-6)
+    assert sumsq(batch, "b") == sumsq(batch, "b_again") == pytest.approx(float(y.double().square().sum()), rel=1e-6)
+
+
+def test_a_held_tensor_changed_before_its_batch_is_dropped_and_read_again_in_its_new_values(monkeypatch):
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "a", "a_again")
+    collector.finish_step()
+    x = torch.randn(100)
+    collector.record([key("a", x)], [x], defer=True)
+    x.mul_(2)                                         # after it was held: its record would show the new values
+    collector.flush_pending()
+    collector.record([key("a_again", x)], [x], defer=True)
+    batch = collector.finish_step().wait()
+    assert "a" not in [k.name for k in batch.keys] and collector.dropped_in_place == {"a": 1}
+    assert sumsq(batch, "a_again") == pytest.approx(float(x.double().square().sum()), rel=1e-6)

@@ -83,10 +83,10 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
 
 
 def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, consts: Callable,
-                     exact: Callable) -> tuple[list[int], Optional[torch.Tensor]]:
+                     exact: Callable) -> tuple[Sequence[int], Optional[torch.Tensor]]:
     """`finite_first_records` of those of `tensors` that are plain and non-empty, of the first one's dtype where the
     native kernel reads it, and contiguous or laid out in runs it reads in place (`stats_native.run_layout`: q, k and
-    v split from one projection), from one loop over them and one native call: (their indices, their records), or
+    v split from one projection), from one look at each and one native call: (their indices, their records), or
     ([], None). That is most of a CPU job's flush of activations. The general route looks at each tensor in several
     loops, which for an 8 K-element activation cost about what the kernel's read of it does, and copies views first
     (benchmarks/stats_kernels.py --contiguous). A tensor passed twice is read twice: looking for it would cost about

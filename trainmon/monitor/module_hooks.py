@@ -32,7 +32,7 @@ import collections
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -48,6 +48,15 @@ from trainmon.monitor.tensor_select import floating_leaves, input_places, input_
 logger = logging.getLogger("trainmon")
 
 
+class CallNames(NamedTuple):
+    """The names of one call of a module in a forward pass, and of its leaves: made once per module and call
+    position, and the same string objects every step (their hashes, taken by every record's key, are kept)."""
+
+    call: str  # the module's name; "<name>#k" for its k-th call after the first in one forward pass
+    output: str  # "<call>.output"
+    input: str  # "<call>.input"
+
+
 @dataclass
 class WatchedModule:
     """A module whose activations are recorded, with its `targets` entry (tuple selectors)."""
@@ -60,9 +69,10 @@ class WatchedModule:
     input_grad_sel: Optional[object] = None
     output_grad_sel: Optional[object] = None
     calls_in_micro: tuple = (None, 0)  # (which forward pass, number of calls of the module seen in it)
-    # (step, micro_step, call name) of calls run without grad, whose grads come when activation
+    # (step, micro_step, CallNames) of calls run without grad, whose grads come when activation
     # checkpointing runs them again inside backward.
     unrecomputed: collections.deque = field(default_factory=collections.deque)
+    call_names: list = field(default_factory=list)  # CallNames of its first, second, ... call in a forward pass
     # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded.
     open_calls: list = field(default_factory=list)
     grad_recorders: tuple = ()  # (the tap's grads, an output's grad, a node's grads) callbacks, guarded
@@ -77,7 +87,7 @@ class WatchedModule:
 @dataclass(slots=True)
 class _Call:
     """One recorded module call, from its forward pre-hook on: where its records go in the call order, and where
-    its input grads are recorded (their `micro` and `suffixes` set when its inputs are tapped, `name` when its
+    its input grads are recorded (their `micro` and `suffixes` set when its inputs are tapped, `names` when its
     forward returns)."""
 
     watched: WatchedModule
@@ -88,7 +98,7 @@ class _Call:
     # (tapped input's position, output leaf name) of outputs that are the tap's own aliases (a module returning
     # its input: Megatron's IdentityOp, dropout with p = 0): their grad is the one the tap sees
     output_grads: tuple = ()
-    name: Optional[str] = None
+    names: Optional[CallNames] = None
     source: Optional[tuple] = None  # (grad_fn, output_nr, tensor, version) of its input, where it is not tapped
 
 
@@ -177,12 +187,16 @@ class ActivationHooks(Hooks):
             watched.unrecomputed.clear()
             watched.output_grad_hooks.clear()
 
-    def _call_name(self, watched: WatchedModule, forward_pass: tuple) -> str:
+    @staticmethod
+    def _call_names(watched: WatchedModule, forward_pass: tuple) -> CallNames:
         last_pass, calls = watched.calls_in_micro
         calls = calls + 1 if last_pass == forward_pass else 1
         watched.calls_in_micro = (forward_pass, calls)
-        # A module called several times in one forward pass gets one record per call.
-        return watched.name if calls == 1 else f"{watched.name}#{calls - 1}"
+        names = watched.call_names
+        while len(names) < calls:  # a module called several times in one forward pass gets one record per call
+            call = watched.name if not names else f"{watched.name}#{len(names)}"
+            names.append(CallNames(call, f"{call}.output", f"{call}.input"))
+        return names[calls - 1]
 
     def _target(self) -> Optional[StepCollector]:
         """The collector of the running forward pass: the step's for training, the evaluation one (if any)
@@ -246,12 +260,12 @@ class ActivationHooks(Hooks):
             training = state.training_forward
             collector = state.collector if training else state.eval_collector
             micro = (state.forward_micro if training else state.eval_pass)(watched.vpp_stage)
-            name = self._call_name(watched, (collector.step, training, micro))
-            prefix = f"{name}.output"
+            names = self._call_names(watched, (collector.step, training, micro))
+            prefix = names.output
             # Records and grad taps select the same leaves unless their `targets` selectors differ.
             output_leaves = floating_leaves(output, watched.output_sel, prefix) if self.forward else None
             if training and self.backward and torch.is_grad_enabled():
-                call.name = name
+                call.names = names
                 shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
                 grad_leaves = output_leaves if shared else floating_leaves(output, watched.output_grad_sel, prefix)
                 if call.source is not None:
@@ -263,12 +277,12 @@ class ActivationHooks(Hooks):
                         watched.untapped = _readable_untapped(watched, call, aliases, grad_leaves)
                 self._hook_output_grads(watched, micro, grad_leaves)
             elif training and self.backward:
-                watched.unrecomputed.append((collector.step, micro, name))
+                watched.unrecomputed.append((collector.step, micro, names))
             if self.forward:
                 inputs = input_values(args, kwargs)
                 for i, t in enumerate(inputs):
                     inputs[i] = getattr(t, _ROOT, t)
-                self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, name, micro,
+                self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, names.input, micro,
                                          call.input_index, inputs, output_leaves)
 
         return forward_hook
@@ -282,13 +296,13 @@ class ActivationHooks(Hooks):
         """
         step = self.state.collector.step
         while watched.unrecomputed:
-            first_step, micro, name = watched.unrecomputed.popleft()
+            first_step, micro, names = watched.unrecomputed.popleft()
             if first_step == step:
                 break
         else:
             return
-        call.name, call.micro = name, micro  # its input grads, if tapped, are recorded under the first run's name
-        self._hook_output_grads(watched, micro, floating_leaves(output, watched.output_grad_sel, f"{name}.output"))
+        call.names, call.micro = names, micro  # its input grads, if tapped, are recorded under the first run's name
+        self._hook_output_grads(watched, micro, floating_leaves(output, watched.output_grad_sel, names.output))
 
     def _hook_input_node(self, watched: WatchedModule, call: _Call, micro: int, grad_leaves: list) -> list:
         """Hooks the node that takes an untapped call's input; returns the output leaves left for output-grad hooks.
@@ -296,7 +310,7 @@ class ActivationHooks(Hooks):
         its first call did not) cannot tell its input's grad from what other consumers add to it: it is not
         recorded, said once, counted in run.json, and the module's later calls are tapped."""
         (node, output_nr, tensor, version), call.source = call.source, None
-        input_leaf = f"{call.name}.input{call.suffixes[0]}"
+        input_leaf = call.names.input + call.suffixes[0]
         # An input modified in place has a new node; where it is a view, its old node has left the graph.
         taking = _taking_node(grad_leaves, node, output_nr) if tensor._version == version else None
         if taking is NO_CONSUMER:  # no grad reaches the input from this call
@@ -352,7 +366,7 @@ class ActivationHooks(Hooks):
         node pre-hook would have run before the tap's backward). Where some of them got a grad, autograd hands the
         others as zeros: an input's zero grad is what a full backward hook reports too; an output that is an input
         and reached nothing is recorded with that zero grad, where a full backward hook reports none."""
-        if call.name is None:
+        if call.names is None:
             return
         named = []
         for i, leaf_name in call.output_grads:
@@ -360,7 +374,7 @@ class ActivationHooks(Hooks):
                 named.append((leaf_name, grads[i]))
         for suffix, grad in zip(call.suffixes, grads):
             if grad is not None:
-                named.append((f"{call.name}.input{suffix}", grad))
+                named.append((call.names.input + suffix, grad))
         self._record_grads(call.watched, call.micro, named)
 
     def _record_grads(self, watched: WatchedModule, micro: int, named_grads: list) -> None:
@@ -370,23 +384,23 @@ class ActivationHooks(Hooks):
         keys, grads = [], []
         for leaf_name, grad in named_grads:
             index = collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad)
-            keys.append(record_key(ACTV_GRAD, leaf_name, vpp, micro, index, tuple(grad.shape), str(grad.dtype)))
+            keys.append(record_key(ACTV_GRAD, leaf_name, vpp, micro, index, grad.shape, str(grad.dtype)))
             grads.append(grad)
         collector.record(keys, grads, defer=True)
 
-    def _record_activations(self, collector: StepCollector, family: str, watched: WatchedModule, name: str,
+    def _record_activations(self, collector: StepCollector, family: str, watched: WatchedModule, input_prefix: str,
                             micro: int, input_index: int, inputs: list, output_leaves: list) -> None:
-        input_leaves = floating_leaves(inputs, watched.input_sel, f"{name}.input")
+        input_leaves = floating_leaves(inputs, watched.input_sel, input_prefix)
         if not (input_leaves or output_leaves):
             return
         vpp = watched.vpp_stage
         keys, tensors = [], []
         for leaf_name, t in input_leaves:
-            keys.append(record_key(family, leaf_name, vpp, micro, input_index, tuple(t.shape), str(t.dtype)))
+            keys.append(record_key(family, leaf_name, vpp, micro, input_index, t.shape, str(t.dtype)))
             tensors.append(t)
         for leaf_name, t in output_leaves:
             index = collector.call_index_of(family, leaf_name, vpp, micro, t)
-            keys.append(record_key(family, leaf_name, vpp, micro, index, tuple(t.shape), str(t.dtype)))
+            keys.append(record_key(family, leaf_name, vpp, micro, index, t.shape, str(t.dtype)))
             tensors.append(getattr(t, _ROOT, t))  # an input returned as it came: the input's record serves
         collector.record(keys, tensors, defer=True)
 

@@ -283,9 +283,10 @@ def _cpu_records(tensors, eps, want, fields, sat, unasked_zeroed) -> torch.Tenso
                                             lambda slow: _exact_records(slow, dev, eps, want))
     if not taken:
         return _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed)
-    if len(taken) == len(tensors):
-        return _with_counts(rec, tensors, dev, want, fields, sat, rec.numpy())
-    rec = _with_counts(rec, [tensors[i] for i in taken], dev, want, fields, sat, rec.numpy())
+    whole = len(taken) == len(tensors)
+    rec = _with_counts(rec, tensors if whole else [tensors[i] for i in taken], dev, want, fields, sat, rec.numpy())
+    if whole:
+        return rec
     chosen = set(taken)
     rest = [i for i in range(len(tensors)) if i not in chosen]
     out = torch.empty(len(tensors), N_FIELDS, dtype=torch.float64)

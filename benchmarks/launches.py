@@ -9,13 +9,19 @@ spread of row partials); the compiled kernels' own calls are counted as `kernel:
                                                                   # the model's graph run op by op
     python benchmarks/launches.py --tiers full --batch-mb 0 --compile inductor --layers 2   # its fused kernels
                                                                   # counted as `inductor::kernel`
+
+With `--host-steps N`, the training thread's CPU time a step (median of N steps after the counted one) against
+`none`'s, too: at a model small enough that its own compute is cheap (`--hidden 64 --batch 2`), what a tier adds
+is the host work that sets a GPU step's pace once the host is the bottleneck (benchmarks/README.md, "On a GPU").
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import statistics
 import tempfile
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,8 +37,9 @@ NO_LAUNCH = {"aten::view", "aten::_unsafe_view", "aten::narrow", "aten::select",
              "aten::empty_like", "aten::result_type"}
 
 
-def step_ops(tier: str, args) -> collections.Counter:
-    """The top-level aten ops of one step after warm-up (an op called by another launches through it)."""
+def step_ops(tier: str, args) -> tuple[collections.Counter, float]:
+    """The top-level aten ops of one step after warm-up (an op called by another launches through it), and the
+    training thread's median CPU ms a step over `args.host_steps` steps after it (0 without them)."""
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
     from trainmon.monitor import stat_kernels
 
@@ -66,11 +73,16 @@ def step_ops(tier: str, args) -> collections.Counter:
             step(1)
     finally:
         stat_kernels.run = run
+    host_ms = []
+    for i in range(args.host_steps):
+        start = time.thread_time()
+        step(i)
+        host_ms.append((time.thread_time() - start) * 1e3)
     if monitor is not None:
         monitor.stop()
     return kernel_calls + collections.Counter(
         _launch_name(e.name) for e in prof.events() if _launch_name(e.name) and
-        (e.cpu_parent is None or not _launch_name(e.cpu_parent.name)))
+        (e.cpu_parent is None or not _launch_name(e.cpu_parent.name))), statistics.median(host_ms or [0.0])
 
 
 def _launch_name(event: str):
@@ -90,6 +102,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences a step")
     ap.add_argument("--compile", metavar="BACKEND", help="torch.compile the model with this backend (aot_eager: "
                     "the graph's ops are counted as eager ones are)")
+    ap.add_argument("--host-steps", type=int, default=0, help="steps timed for the host's CPU time a step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch._inductor.config.cpp.enable_kernel_profile = True   # each generated kernel's call in the profile
@@ -97,17 +110,19 @@ def main() -> None:
     stats_fused.cpu_as_accelerator = True
     accelerators_spread = stats_fused._spread       # the accelerators' combine, on the CPU
     stats_fused._spread = lambda device, most_rows: accelerators_spread(torch.device("cuda"), most_rows)
-    base = step_ops("none", args)
+    base, base_ms = step_ops("none", args)
     compiled = "" if args.compile is None else f", compiled with {args.compile}"
+    host = f", host {base_ms:.1f} ms a step" if args.host_steps else ""
     print(f"TinyGPT bf16{compiled}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, "
           f"stats_batch_mb {args.batch_mb}; none: {sum(n for op, n in base.items() if op not in NO_LAUNCH)} "
-          f"launches a step")
+          f"launches a step{host}")
     for tier in args.tiers.split(","):
-        ops = step_ops(tier, args)
+        ops, ms = step_ops(tier, args)
         extra = {op: ops[op] - base[op] for op in set(ops) | set(base) if op not in NO_LAUNCH}
         top = ", ".join(f"{op.split('::')[-1]} {n}"
                         for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:10] if n)
-        print(f"  {tier:8s} +{sum(extra.values())} launches a step ({top})")
+        host = f", host +{ms - base_ms:.1f} ms a step ({ms / base_ms:.2f}x)" if args.host_steps else ""
+        print(f"  {tier:8s} +{sum(extra.values())} launches a step{host} ({top})")
 
 
 if __name__ == "__main__":

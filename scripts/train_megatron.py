@@ -41,6 +41,9 @@ def parse_args(argv=None):
     parser.add_argument("--fp16", action="store_true", help="fp16 model (Float16Module), fp32 main params, "
                         "dynamic loss scaling")
     parser.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
+    parser.add_argument("--deallocate-outputs", action="store_true",
+                        help="deallocate_pipeline_outputs (as Megatron-LM sets it): a stage's output tensor gets a "
+                             "one-element dummy as its .data once sent")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--mbs", type=int, default=4)
@@ -85,7 +88,7 @@ def setup(args):
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         # Under VPP on 2 stages a stage's previous and next stage are the same rank; a batched p2p then posts two
         # sends to one peer, which gloo matches to the receives in posting order: activations and grads swap.
-        batch_p2p_comm=vpp is None,
+        batch_p2p_comm=vpp is None, deallocate_pipeline_outputs=args.deallocate_outputs,
         **(dict(num_moe_experts=args.moe_experts, expert_model_parallel_size=args.ep, moe_router_topk=2,
                 moe_ffn_hidden_size=args.hidden, moe_token_dispatcher_type=args.dispatcher,
                 moe_grouped_gemm=False) if args.moe_experts else {}),

@@ -142,3 +142,58 @@ def test_a_held_tensor_changed_before_its_batch_is_dropped_and_read_again_in_its
     batch = collector.finish_step().wait()
     assert "a" not in [k.name for k in batch.keys] and collector.dropped_in_place == {"a": 1}
     assert sumsq(batch, "a_again") == pytest.approx(float(x.double().square().sum()), rel=1e-6)
+
+
+def test_a_held_tensor_whose_data_is_replaced_is_not_read_and_its_name_is_read_in_its_hook_after(monkeypatch):
+    """Megatron's deallocated pipeline outputs: `out.data = torch.empty(1)` after the send leaves `_version` as it was.
+    The held tensor's record would describe that one uninitialised element."""
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "stage.output", "next.input")
+    collector.finish_step()
+    reads.clear()
+    out = torch.randn(1000)
+    collector.record([key("stage.output", out)], [out], defer=True)
+    out.data = torch.full((1,), 3.0)
+    collector.flush_pending()
+    collector.record([key("next.input", out)], [out], defer=True)   # the entry of the batch serves it no more
+    batch = collector.finish_step().wait()
+    assert "stage.output" not in [k.name for k in batch.keys] and collector.dropped_in_place == {"stage.output": 1}
+    assert all(id(out) not in r for r in reads[:1]) and any(id(out) in r for r in reads[1:])
+    assert sumsq(batch, "next.input") == 9.0          # its values now, read
+    again = torch.randn(1000)
+    expected = float(again.double().square().sum())
+    collector.record([key("stage.output", again)], [again], defer=True)   # copied in its hook from now on
+    again.data = torch.empty(1)
+    batch = collector.finish_step().wait()
+    assert sumsq(batch, "stage.output") == pytest.approx(expected, rel=1e-6) and collector.dropped_in_place == {
+        "stage.output": 1}
+
+
+def test_a_held_tensor_whose_storage_is_freed_is_not_read(monkeypatch):
+    """FSDP2 frees a parameter's unsharded storage with `untyped_storage().resize_(0)`: the tensor keeps its shape and
+    version, and its data pointer points at nothing; reading it there would read memory given back."""
+    collector, reads = collector_reading(monkeypatch)
+    deferrable(collector, "freed", "kept")
+    collector.finish_step()
+    reads.clear()
+    freed, kept = torch.randn(1 << 16), torch.randn(1000)
+    collector.record([key("freed", freed), key("kept", kept)], [freed, kept], defer=True)
+    freed.untyped_storage().resize_(0)
+    batch = collector.finish_step().wait()
+    assert [k.name for k in batch.keys] == ["kept"] and collector.dropped_in_place == {"freed": 1}
+    assert sumsq(batch, "kept") == pytest.approx(float(kept.double().square().sum()), rel=1e-6)
+    assert len(reads) == 1 and id(freed) not in reads[0]
+
+
+def test_a_name_whose_data_is_replaced_on_first_sight_is_read_in_its_hook(monkeypatch):
+    collector, _ = collector_reading(monkeypatch)
+    out = torch.randn(100)
+    collector.record([key("stage.output", out)], [out], defer=True)   # first sight: read at once, watched
+    out.data = torch.empty(1)
+    collector.finish_step()
+    out = torch.randn(100)
+    expected = float(out.double().square().sum())
+    collector.record([key("stage.output", out)], [out], defer=True)   # copied in its hook, read with the batch
+    out.data = torch.empty(1)
+    batch = collector.finish_step().wait()
+    assert sumsq(batch, "stage.output") == pytest.approx(expected, rel=1e-6) and collector.dropped_in_place == {}

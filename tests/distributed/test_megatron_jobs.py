@@ -109,6 +109,20 @@ def test_pipeline_parallel_2(tmp_path):
             assert (low, high) == received[dst][key][1:] and norm == pytest.approx(received[dst][key][0], rel=1e-6), key
 
 
+def test_deallocated_pipeline_outputs_are_recorded_with_the_values_sent(tmp_path):
+    """Megatron-LM's `deallocate_pipeline_outputs`: once a stage has sent its output, the output tensor's `.data` is a
+    one-element dummy, with `_version` as it was. The stage's output is recorded with the values it sent (its p2p
+    send's own record), not the dummy's."""
+    run, _ = run_job(tmp_path, 2, "--pp", "2", "--xy", "--cc", "--deallocate-outputs")
+    outputs = read_family(os.path.join(run, "rank_0"), "actv")
+    outputs = outputs[outputs.name == "decoder.output"]
+    assert len(outputs) == 3 * 2                        # steps × micro-batches
+    sent = comm_rows(run, 0, "isend")                   # stage 0 sends only its outputs
+    for step in (0, 1, 2):
+        recorded = sorted((r.min, r.max) for r in outputs.itertuples() if r.step == step)
+        assert recorded == sorted((low, high) for (s, _), (_, low, high) in sent.items() if s == step), step
+
+
 def test_virtual_pipeline_2_by_2(tmp_path):
     """Interleaved schedule: each stage holds two model chunks (vpp_stage 0 and 1)."""
     run, coords = run_job(tmp_path, 2, "--pp", "2", "--vpp", "2")

@@ -10,6 +10,7 @@ from trainmon.core import schema
 from trainmon.core.records import RecordKey, StepBatch
 from trainmon.monitor import in_graph, stats
 from trainmon.monitor.accelerator import copy_done_event
+from trainmon.monitor.stats_fused import PLAIN_TENSORS
 from trainmon.monitor.tensor_memo import TensorMemo
 
 logger = logging.getLogger("trainmon")
@@ -35,8 +36,9 @@ class StepCollector:
     its later values. So the first time a name is recorded it is read at once, and its tensor is
     watched until the next batch: a name whose tensor changed in place by then (a loss scaled in place,
     Megatron's logits in its fused cross-entropy) is read at once from then on, the others are
-    deferred. A deferred tensor that changes in place later all the same has its record dropped, counted
-    in `dropped_in_place`, and its name is read at once from then on. Read at once means reduced in its
+    deferred. A deferred tensor that changes in place later all the same, or whose data is replaced or freed
+    (`_data_address`), has its record dropped, counted in `dropped_in_place`, and its name is read at once
+    from then on. Read at once means reduced in its
     hook, or, for a CPU tensor of up to SNAPSHOT_MAX_BYTES, copied in its hook and the copy reduced with the
     next batch.
     """
@@ -80,8 +82,9 @@ class StepCollector:
         self._pending_slots: list[int] = []  # per pending key: index into _pending_tensors
         self._pending_tensors: list[torch.Tensor] = []
         self._pending_versions: list[int] = []  # per pending tensor: its version when recorded
+        self._pending_addresses: list[int] = []  # per pending tensor: its _data_address when recorded
         self._pending_bytes = 0
-        self._trial: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, version) on first sight
+        self._trial: list[tuple[str, torch.Tensor, int, int]] = []  # (name, tensor, version, address), first sight
 
     def next_call_index(self) -> int:
         """Reserves the ordering position of one hooked event."""
@@ -153,6 +156,7 @@ class StepCollector:
         slot = len(self._pending_tensors)
         self._pending_tensors.append(held)
         self._pending_versions.append(held._version)
+        self._pending_addresses.append(_data_address(held))
         self._pending_keys.append(key)
         self._pending_slots.append(slot)
         self._seen.put(id(tensor), tensor, (version, ~len(self._batch_blocks), slot))
@@ -160,7 +164,7 @@ class StepCollector:
     def _watch(self, name: str, tensor: torch.Tensor, version: int) -> None:
         """Watches a name read at once until the next batch, unless it is known to change in place."""
         if name not in self._eager_names:
-            self._trial.append((name, tensor, version))
+            self._trial.append((name, tensor, version, _data_address(tensor)))
 
     def _reduce_now(self, items: Sequence[tuple[RecordKey, torch.Tensor]]) -> None:
         rows = stats.tensor_records([t for _, t in items], self.eps, self.fields, unasked_zeroed=False)
@@ -182,16 +186,24 @@ class StepCollector:
 
         Their records stay in `_seen` for the rest of the step, behind a weak reference: an `id` reused by
         another tensor once one has died does not match. The record of a tensor modified in place since it was held
-        is dropped; its entry there no longer matches its version.
+        is dropped; its entry there no longer matches its version. One whose data was replaced or freed is not read
+        at all, and its entry there is made to match nothing.
         """
         self._end_trial()
         self._pending_bytes = 0
         if not self._pending_keys:
             return
-        pending, versions = self._pending_tensors, self._pending_versions
+        pending, versions, addresses = self._pending_tensors, self._pending_versions, self._pending_addresses
         keys, slots = self._pending_keys, self._pending_slots
-        self._pending_keys, self._pending_slots, self._pending_tensors, self._pending_versions = [], [], [], []
-        modified = {slot for slot, (t, version) in enumerate(zip(pending, versions)) if t._version != version}
+        self._pending_keys, self._pending_slots, self._pending_tensors = [], [], []
+        self._pending_versions, self._pending_addresses = [], []
+        modified = {slot for slot, (t, version, address) in enumerate(zip(pending, versions, addresses))
+                    if t._version != version or _data_address(t) != address}
+        for slot in modified:
+            t = pending[slot]
+            if _data_address(t) != addresses[slot]:  # replaced or freed: never read (the address may be given back)
+                self._seen.put(id(t), t, _NEVER)
+                pending[slot] = torch.empty(0, dtype=t.dtype, device=t.device)
         rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False)
         self._reduced.append(rows)
         self._batch_blocks.append(len(self._reduced) - 1)
@@ -206,8 +218,8 @@ class StepCollector:
 
     def _end_trial(self) -> None:
         """Sorts the names first seen since the last batch into those reduced at once and the deferrable."""
-        for name, tensor, version in self._trial:
-            if tensor._version != version:
+        for name, tensor, version, address in self._trial:
+            if tensor._version != version or _data_address(tensor) != address:
                 self._eager_names.add(name)
                 self._deferrable_names.discard(name)
             elif name not in self._eager_names:
@@ -217,8 +229,9 @@ class StepCollector:
     def _drop_modified(self, keys: Sequence[RecordKey]) -> None:
         for key in keys:
             if key.name not in self._eager_names:
-                logger.warning("trainmon: %s changed in place before its statistics were computed; its record of "
-                               "step %s is dropped (counted in run.json) and it is reduced in its hook from now on",
+                logger.warning("trainmon: %s changed in place, or had its data replaced or freed, before its statistics "
+                               "were computed; its record of step %s is dropped (counted in run.json) and it is "
+                               "reduced in its hook from now on",
                                key.name, self.step)
             self._eager_names.add(key.name)
             self._deferrable_names.discard(key.name)
@@ -270,6 +283,16 @@ class StepCollector:
             batch.host_scalar_names = tuple(n for n, _ in tensor_scalars)
         self._reset()
         return batch
+
+
+_NEVER = (-1, 0, 0)  # a `_seen` entry no version matches
+
+
+def _data_address(t: torch.Tensor) -> int:
+    """Where a plain tensor's data lies now (0 for a tensor subclass, which has none of its own). A framework that
+    replaces a tensor's data (`t.data = ...`: Megatron's deallocated pipeline outputs) or frees its storage
+    (`untyped_storage().resize_(0)`: FSDP2's unsharded parameters) moves it, and leaves `_version` as it was."""
+    return t.data_ptr() if type(t) in PLAIN_TENSORS else 0
 
 
 def _to_host(flat: torch.Tensor):

@@ -8,6 +8,7 @@
     python benchmarks/stats_kernels.py --gather-sizes    # CPU bf16 and fp32: µs per tensor, shared calls vs own calls
     python benchmarks/stats_kernels.py --contiguous      # CPU fp32 flushes read in place: µs per tensor, by route
     python benchmarks/stats_kernels.py --cold            # CPU fp32 native read after 64 MB written elsewhere, and again: ns/element
+    python benchmarks/stats_kernels.py --arrival         # CPU fp32: a tensor read right after it is written vs in a batch
     python benchmarks/stats_kernels.py --ops-per-tensor  # launches per tensor on an accelerator: multi-pass vs one-pass
 
 Single thread (torch.set_num_threads(1)).  Every round times every candidate once (interleaved), and
@@ -492,6 +493,39 @@ def cold_reads(rounds: int = 21):
         print(f"  {numel:7d} x {count:4d} " + " ".join(f"{per[k]:8.3f}" for k in times))
 
 
+def arrival_reads(rounds: int = 11):
+    """Per tensor, µs and ns per element of a CPU fp32 tensor's figures read in its hook right after it was written
+    (`stats.RecordsOnArrival.take`, host work included), against its share of one native read of the batch (32 MB of
+    such tensors, each written in turn, then read together, as the flush before the optimizer step meets them).
+    Median of `rounds` interleaved rounds."""
+    stats_native.prepare(wait=True)
+    lam = stats._consts(F32, EPS)[0]
+    arrivals = stats.RecordsOnArrival(EPS, stats.fields_for_ops(DESIGN_OPS))
+    arrivals.MIN_ELEMENTS = 1
+    print("\n== CPU fp32, per tensor: read on arrival µs, ns/element | in a batch µs, ns/element")
+    for numel in (2048, 8192, 16384, 65536, 262144, 1048576):
+        count = max(8, (32 << 20) // (4 * numel))
+        sources = [torch.randn(numel) for _ in range(count)]
+        outputs = [torch.empty(numel) for _ in range(count)]
+        on_arrival, batched = [], []
+        for _ in range(rounds):
+            spent = 0
+            for x, y in zip(sources, outputs):
+                torch.mul(x, 2.0, out=y)
+                t0 = time.perf_counter_ns()
+                arrivals.take(y)
+                spent += time.perf_counter_ns() - t0
+            arrivals.records()
+            on_arrival.append(spent / count)
+            for x, y in zip(sources, outputs):
+                torch.mul(x, 2.0, out=y)
+            t0 = time.perf_counter_ns()
+            stats_native.figures(outputs, lam)
+            batched.append((time.perf_counter_ns() - t0) / count)
+        a, b = statistics.median(on_arrival), statistics.median(batched)
+        print(f"  {numel:8d} x {count:5d}   {a / 1e3:8.2f} {a / numel:6.3f} | {b / 1e3:8.2f} {b / numel:6.3f}")
+
+
 class _OpCount(TorchDispatchMode):
     """Counts the aten ops that launch work (views excluded): on an accelerator, one kernel launch each."""
 
@@ -572,6 +606,7 @@ def main():
     ap.add_argument("--ops-per-tensor", action="store_true")
     ap.add_argument("--contiguous", action="store_true")
     ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--arrival", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds = 3 if args.quick else 11
@@ -592,6 +627,9 @@ def main():
         return
     if args.cold:
         cold_reads()
+        return
+    if args.arrival:
+        arrival_reads()
         return
     if args.ops_per_tensor:
         ops_per_tensor(20)

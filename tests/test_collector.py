@@ -2,6 +2,8 @@
 again; a changed or different tensor is."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -17,15 +19,18 @@ def key(name: str, t: torch.Tensor) -> RecordKey:
     return RecordKey("actv", name, 0, 0, 0, tuple(t.shape), str(t.dtype))
 
 
-def collector_reading(monkeypatch):
-    """A collector whose batches never fill, and the tensors each call of the engine read (by identity)."""
+def collector_reading(monkeypatch, on_arrival: bool = False, fields=FIELDS):
+    """A collector whose batches never fill, and the tensors each call of the engine read (by identity). Without
+    `on_arrival` every tensor takes the held path, none is read on arrival (`stats.RecordsOnArrival`)."""
     reads = []
+    if not on_arrival:
+        monkeypatch.setattr(stats.RecordsOnArrival, "MIN_ELEMENTS", 1 << 62)
 
     def tensor_records(tensors, eps, fields, engine=stats.tensor_records, **options):
         reads.append([id(t) for t in tensors])
         return engine(tensors, eps, fields, **options)
     monkeypatch.setattr(stats, "tensor_records", tensor_records)
-    return StepCollector(1e-8, FIELDS, rank=0, batch_bytes=1 << 30), reads
+    return StepCollector(1e-8, fields, rank=0, batch_bytes=1 << 30), reads
 
 
 def sumsq(batch, name):
@@ -197,3 +202,72 @@ def test_a_name_whose_data_is_replaced_on_first_sight_is_read_in_its_hook(monkey
     out.data = torch.empty(1)
     batch = collector.finish_step().wait()
     assert sumsq(batch, "stage.output") == pytest.approx(expected, rel=1e-6) and collector.dropped_in_place == {}
+
+
+def assert_records_equal_the_engines(batch, expected: dict) -> None:
+    """Each named record of `batch` equals the engine's record of the values given for it (read in one batch)."""
+    names = list(expected)
+    want = stats.tensor_records([expected[n] for n in names], 1e-8, FIELDS)
+    got = {k.name: row for k, row in zip(batch.keys, batch.values)}
+    for name, row in zip(names, want):
+        assert list(got[name]) == pytest.approx(row.tolist(), rel=1e-6), name
+
+
+def test_a_large_cpu_tensor_is_read_on_arrival_not_held(monkeypatch):
+    """A CPU activation of RecordsOnArrival.MIN_ELEMENTS or more is read in its hook, while its data is in the
+    caches: no engine call reads it, the collector keeps no reference to it, and a change in place after its hook
+    neither drops nor alters its record. Recorded again after that change, it is read again."""
+    collector, reads = collector_reading(monkeypatch, on_arrival=True)
+    deferrable(collector, "small")
+    collector.finish_step()
+    reads.clear()
+    g = torch.Generator().manual_seed(5)
+    big, small = torch.randn(3, stats.RecordsOnArrival.MIN_ELEMENTS, generator=g), torch.randn(100, generator=g)
+    before = big.clone()
+    collector.record([key("big.output", big), key("small", small)], [big, small], defer=True)
+    alive = weakref.ref(big)
+    big.mul_(2)
+    collector.record([key("next.input", big)], [big], defer=True)
+    after = big.clone()
+    del big
+    assert alive() is None                            # not held until the batch: its memory goes when the model's does
+    batch = collector.finish_step().wait()
+    assert reads == [[id(small)]] and collector.dropped_in_place == {}
+    assert_records_equal_the_engines(batch, {"big.output": before, "next.input": after, "small": small})
+
+
+def test_a_record_read_on_arrival_serves_the_same_tensor_after_its_batch(monkeypatch):
+    """A batch's rows are its held tensors' and then those read on arrival: a tensor recorded again, unchanged,
+    after its batch was reduced reuses the right row, whichever way it was read; so does one recorded again before
+    the batch."""
+    collector, reads = collector_reading(monkeypatch, on_arrival=True)
+    deferrable(collector, "held", "held_again")
+    collector.finish_step()
+    reads.clear()
+    g = torch.Generator().manual_seed(6)
+    n = stats.RecordsOnArrival.MIN_ELEMENTS
+    first, held, second = torch.randn(n, generator=g), torch.randn(50, generator=g), torch.randn(2 * n, generator=g)
+    collector.record([key("first", first), key("held", held)], [first, held], defer=True)
+    collector.record([key("second", second), key("first_again", first)], [second, first], defer=True)
+    collector.flush_pending()
+    collector.record([key("second_again", second), key("held_again", held)], [second, held], defer=True)
+    batch = collector.finish_step().wait()
+    assert reads == [[id(held)]]
+    assert_records_equal_the_engines(batch, {"first": first, "first_again": first, "second": second,
+                                             "second_again": second, "held": held, "held_again": held})
+
+
+def test_a_tensor_whose_figures_are_not_its_record_takes_the_engine(monkeypatch):
+    """A tensor holding a NaN or an Inf, or reaching the saturation limit, needs the exact kernels or a count of its
+    own: its read on arrival is not kept, and the engine reads it in its hook, with the other names' batch."""
+    collector, reads = collector_reading(monkeypatch, on_arrival=True, fields=stats.fields_for_ops(
+        ["norm", "min", "max", "sat"], sat_threshold=100.0))
+    n = stats.RecordsOnArrival.MIN_ELEMENTS
+    nan, loud, quiet = torch.randn(n), torch.randn(n), torch.randn(n)
+    nan[n // 2], loud[3] = float("nan"), 150.0
+    collector.record([key("nan", nan), key("loud", loud), key("quiet", quiet)], [nan, loud, quiet], defer=True)
+    batch = collector.finish_step().wait()
+    assert sorted(map(len, reads)) == [2] and id(quiet) not in reads[0]
+    got = {k.name: dict(zip(stats.FIELDS, row)) for k, row in zip(batch.keys, batch.values)}
+    assert got["nan"]["nans"] == 1 and got["nan"]["count"] == n - 1
+    assert got["loud"]["sat"] == 1 and got["quiet"]["sat"] == 0 and got["quiet"]["count"] == n

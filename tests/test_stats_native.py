@@ -9,7 +9,7 @@ import torch
 
 from test_stats import ALL, check, sprinkle
 from trainmon.monitor import stats_native
-from trainmon.monitor.stats import tensor_records
+from trainmon.monitor.stats import RecordsOnArrival, fields_for_ops, tensor_records
 
 BLOCK = stats_native.BLOCK
 # Around a block and around the lanes of one (128 bytes: 32 fp32, 16 fp64 elements), whole lanes with a tail and without
@@ -216,3 +216,42 @@ def test_cc_may_name_a_compiler_behind_a_wrapper(fresh_state, monkeypatch, tmp_p
     assert (tmp_path / "figures.so").exists()
     x = torch.randn(5000)
     check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8)
+
+
+@pytest.mark.parametrize("dtype", stats_native.DTYPES)
+def test_records_on_arrival_equal_torchs(dtype):
+    """Tensors read one call each as they arrive (contiguous, q/k/v views in runs, a transpose, 300 of them: more than
+    the first figures buffer holds) have the records of torch's direct computation, in the order they were taken;
+    the next `records` holds only those taken after."""
+    n = RecordsOnArrival.MIN_ELEMENTS
+    g = torch.Generator().manual_seed(4)
+    projection = torch.randn(8, n // 64, 3, 64, generator=g).to(dtype)
+    tensors = [projection[:, :, 0], projection[:, :, 2], projection.transpose(0, 1)]
+    tensors += [(torch.randn(n + i, generator=g) * (i + 1)).to(dtype) for i in range(297)]
+    arrivals = RecordsOnArrival(1e-3, ALL)
+    assert [arrivals.take(t) for t in tensors] == list(range(300))
+    for row, t in zip(arrivals.records(), tensors):
+        check(row, t, 1e-3)
+    assert arrivals.take(tensors[5]) == 0 and len(arrivals.records()) == 1
+
+
+def test_a_tensor_is_taken_on_arrival_only_where_its_figures_are_its_whole_record():
+    """Not taken: a NaN or an Inf anywhere (the exact kernels count them), an element at the saturation limit where
+    `sat` is asked for, fewer than MIN_ELEMENTS elements, a 16-bit dtype, a view the kernel cannot read in place.
+    Nothing is kept for them."""
+    n = RecordsOnArrival.MIN_ELEMENTS
+    with_sat = RecordsOnArrival(1e-3, fields_for_ops(["norm", "sat"], sat_threshold=10.0))
+    without = RecordsOnArrival(1e-3, fields_for_ops(["norm"]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, n // 2, n - 1):
+            t = torch.randn(n)
+            t[at] = bad
+            assert with_sat.take(t) == without.take(t) == -1, (bad, at)
+    loud = torch.randn(n)
+    loud[9] = -10.0
+    assert with_sat.take(loud) == -1 and without.take(loud) == 0
+    wide = torch.randn(64, 2 * n)
+    for t in (torch.randn(n - 1), torch.randn(n).bfloat16(), torch.randn(n).half(), wide[:, ::2]):
+        assert with_sat.take(t) == -1, (t.dtype, t.shape)
+    assert with_sat.take(torch.randn(n).double()) == 0
+    assert with_sat.taken == 1 and without.taken == 1

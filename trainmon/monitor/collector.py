@@ -27,7 +27,9 @@ class StepCollector:
     held until `batch_bytes` of them are pending and then reduced in one batch, because the engine's
     cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
     small enough to be reduced while still in the last-level cache, and held tensors keep the
-    allocator from reusing their memory for the rest of the step, so larger batches cost more. A
+    allocator from reusing their memory for the rest of the step, so larger batches cost more. On the CPU a
+    large activation is not held: it is read in its hook by one native call, while its data is still in the
+    nearer caches (`stats.RecordsOnArrival`), and its record joins the next batch's. A
     tensor object recorded twice within a step (a module's output is the next module's input, a block's
     output the next block's) is reduced once, unless it changed in between; only activations get that
     reuse (see `record`).
@@ -60,6 +62,7 @@ class StepCollector:
         self.input_grads_not_recorded: dict[str, int] = {}  # per name: input grads of calls not recorded (module_hooks)
         self._eager_names: set[str] = set()
         self._deferrable_names: set[str] = set()
+        self._arrivals = stats.RecordsOnArrival(eps, fields)
         self._reset()
 
     def _reset(self) -> None:
@@ -71,11 +74,13 @@ class StepCollector:
         # The per-tensor bookkeeping of a step holds numbers (TensorMemo, parallel lists), not an object per
         # tensor for Python's garbage collector.
         # id -> (version, block, slot) of the deferred tensors recorded this step: the record is row `slot` of
-        # `_reduced[block]`, or, where block is ~b (negative), row `slot` of batch b (`_batch_blocks`), which a flush
-        # reduces without touching these entries
+        # `_reduced[block]`, or, where block is ~b (negative), `slot` of batch b (`_batch_blocks`), which a flush
+        # reduces without touching these entries. A batch's slots are its held tensors' (from 0), then, as ~a, the
+        # records read on arrival (`_arrivals`, row a of theirs).
         self._seen = TensorMemo()
         self._reduced: list[torch.Tensor] = []  # the record rows of each batch reduced this step
-        self._batch_blocks: list[int] = []  # per batch of held tensors reduced this step: its block in _reduced
+        self._batch_blocks: list[int] = []  # per batch reduced this step: its block in _reduced
+        self._batch_held: list[int] = []  # per batch reduced this step: its held tensors, whose rows come first
         self._call_index = 0
         self._indexed = TensorMemo()  # call_index_of: (family, name, vpp, micro, id) -> index
         self._pending_keys: list[RecordKey] = []
@@ -133,6 +138,12 @@ class StepCollector:
             if seen is not None and seen[0] == version:  # unchanged since: its record serves
                 self._reuse(key, seen[1], seen[2])
                 continue
+            row = self._arrivals.take(tensor)
+            if row >= 0:                                # read now: its record joins the next batch's
+                self._pending_keys.append(key)
+                self._pending_slots.append(~row)
+                self._seen.put(id(tensor), tensor, (version, ~len(self._batch_blocks), ~row))
+                continue
             self._pending_bytes += tensor.nbytes
             if key.name in self._deferrable_names:
                 self._hold(key, tensor, tensor, version)
@@ -179,6 +190,8 @@ class StepCollector:
                 self._pending_slots.append(slot)
                 return
             block = self._batch_blocks[batch]
+            if slot < 0:
+                slot = self._batch_held[batch] + ~slot
         self._add([key], self._reduced[block].narrow(0, slot, 1))
 
     def flush_pending(self) -> None:
@@ -204,15 +217,20 @@ class StepCollector:
             if _data_address(t) != addresses[slot]:  # replaced or freed: never read (the address may be given back)
                 self._seen.put(id(t), t, _NEVER)
                 pending[slot] = torch.empty(0, dtype=t.dtype, device=t.device)
-        rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False)
+        rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False) if pending else None
+        if self._arrivals.taken:                        # records read on arrival
+            arrived = self._arrivals.records()
+            rows = arrived if rows is None else torch.cat([rows, arrived])
+            slots = [slot if slot >= 0 else len(pending) + ~slot for slot in slots]
         self._reduced.append(rows)
         self._batch_blocks.append(len(self._reduced) - 1)
+        self._batch_held.append(len(pending))
         if modified:
             self._drop_modified([key for key, slot in zip(keys, slots) if slot in modified])
             kept = [i for i, slot in enumerate(slots) if slot not in modified]
             keys, slots = [keys[i] for i in kept], [slots[i] for i in kept]
         if keys:
-            if slots != list(range(len(pending))):     # else every row in its key's order, as they are
+            if slots != list(range(len(rows))):        # else every row in its key's order, as they are
                 rows = rows.index_select(0, stats._meta(slots, rows.device))
             self._add(keys, rows)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import threading
 from typing import Iterable, Optional, Sequence
 
@@ -39,7 +40,7 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
-from trainmon.monitor import stats_cpu, stats_fused
+from trainmon.monitor import stats_cpu, stats_fused, stats_native
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8
@@ -205,12 +206,82 @@ def tensor_records(tensors: Sequence[torch.Tensor], eps: float, fields: frozense
     if len(tensors) == 0:
         return torch.zeros(0, N_FIELDS, dtype=torch.float64)
     dev = tensors[0].device
-    # eps == 0: nothing is |x| < 0, the zeros field is exactly 0 without a pass
-    want = tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS[:_PACKED])
+    want = _wanted(fields, eps)
     with torch.no_grad():  # records are never differentiated: no graph from tensors that require grad, no detach each
         if dev.type == "cpu":
             return _cpu_records(tensors, eps, want, fields, sat, unasked_zeroed)
         return _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed)
+
+
+def _wanted(fields: frozenset[str], eps: float) -> tuple:
+    """Per packed field, whether it is computed (eps == 0: nothing is |x| < 0, the zeros field is exactly 0 without a
+    pass)."""
+    return tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS[:_PACKED])
+
+
+class RecordsOnArrival:
+    """The records of CPU tensors read as they arrive, one call each, while their data is still in the caches.
+
+    Records in batches (`tensor_records` of many tensors) cost little host work per tensor, but read tensors whose
+    data went out of the caches since they were written: about 0.25-0.3 ns an element on the benchmark model,
+    against 0.08-0.18 for a tensor read right after it was written (benchmarks/README.md). A tensor of
+    `MIN_ELEMENTS` or more repays a call of its own (about 2 µs of host work). `take` reads one; `records` gives the
+    records of those taken since the last `records`.
+    """
+
+    MIN_ELEMENTS = 1 << 13
+
+    def __init__(self, eps: float, fields: frozenset[str]):
+        sat = fields if isinstance(fields, FieldSet) else FieldSet()
+        self._want = _wanted(frozenset(fields), eps)
+        self._lam = {dtype: _consts(dtype, eps)[0] for dtype in stats_native.DTYPES}
+        # a tensor whose extremes reach the limit needs a count of its own (`_fill_sat`): not taken
+        self._limit = {dtype: sat.sat_limit(dtype) if "sat" in fields else sys.float_info.max
+                       for dtype in stats_native.DTYPES}
+        self._figures = np.empty((256, 5))
+        self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
+        self._lengths: list[int] = []
+
+    def take(self, t: torch.Tensor) -> int:
+        """Reads `t`'s figures now where it is a plain CPU tensor of `MIN_ELEMENTS` or more the native kernel reads in
+        place, and they make its whole record (finite, unsaturated): its row among those taken since the last
+        `records`; else -1, and nothing is kept."""
+        if type(t) not in stats_fused.PLAIN_TENSORS or not t.is_cpu:
+            return -1
+        n = t.numel()
+        if n < self.MIN_ELEMENTS:
+            return -1
+        if t.is_contiguous():
+            run = step = n
+        else:
+            layout = stats_native.run_layout(t)
+            if layout is None:
+                return -1
+            run, step = layout
+        read = stats_native.one(t.dtype)
+        if read is None:
+            return -1
+        row = len(self._lengths)
+        if row == len(self._figures):
+            self._figures = np.concatenate([self._figures, np.empty_like(self._figures)])
+            self._address = self._figures.ctypes.data
+        if not read(t.data_ptr(), n, run, step, self._lam[t.dtype], self._limit[t.dtype],
+                    self._address + 40 * row):
+            return -1
+        self._lengths.append(n)
+        return row
+
+    @property
+    def taken(self) -> int:
+        """The tensors taken since the last `records`."""
+        return len(self._lengths)
+
+    def records(self) -> torch.Tensor:
+        """float64 [k, N_FIELDS]: the records of the k tensors taken since the last call, in their rows' order."""
+        table = np.zeros((len(self._lengths), N_FIELDS))
+        stats_cpu.pack_figures(table, self._lengths, self._figures[:len(self._lengths)], self._want)
+        self._lengths = []
+        return torch.from_numpy(table)
 
 
 def _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed) -> torch.Tensor:

@@ -118,7 +118,7 @@ def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, c
     # Few array ops from here: the read has just pushed their code and data out of the caches, where the first call
     # of each costs several times its usual few µs.
     table = np.zeros((len(taken), N_FIELDS))
-    _pack(table, lengths, figures, want)
+    pack_figures(table, lengths, figures, want)
     rec = torch.from_numpy(table)
     slow = [] if np.isfinite(figures[:, :4]).all() else _not_finite(table)
     if slow:
@@ -351,11 +351,11 @@ def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.nd
     """[n, 8] records from the element counts, the `_FIGURES` columns and a last one, the count of
     |x| >= eps; fields not in `want` hold 0."""
     rec = np.zeros((len(count), 8))
-    _pack(rec, count, values, want)
+    pack_figures(rec, count, values, want)
     return rec
 
 
-def _pack(rec: np.ndarray, count, values: np.ndarray, want: tuple) -> None:
+def pack_figures(rec: np.ndarray, count, values: np.ndarray, want: tuple) -> None:
     """`_packed_records` into the first 8 columns of `rec`, zeros (`count`: an array or a list)."""
     rec[:, 0] = count
     if want[3]:

@@ -8,7 +8,9 @@ tensors' addresses and lengths, reads each tensor in place in blocks of `BLOCK` 
 data's type, added in float64: the precision of the one-pass kernel's rows). A block is summed in 128 bytes of
 independent lanes while the lines 4 KB ahead, and the next tensor's first ones, are requested from memory: a step's
 activations are read when the optimizer step begins, long after they were written, and there a loop that waits for
-each line in turn took half as long again (`benchmarks/stats_kernels.py --cold`, benchmarks/README.md).
+each line in turn took half as long again (`benchmarks/stats_kernels.py --cold`, benchmarks/README.md). A second
+function reads one tensor and says whether its figures are its whole record (`one`): the collector reads a large
+activation with it in its hook, while the data is still in the caches (`stats.RecordsOnArrival`).
 
 Not ready until built: the first request starts the build (one C compiler call, about 0.1 s) in a thread,
 and the engine's other kernels serve until it is loaded; a library an earlier run left on disk is loaded by
@@ -50,12 +52,15 @@ LANES = 16
 _SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 #define BLOCK %(block)d
 #define LANES %(lanes)d
 /* out[5 * i ...]: sum, sum of squares, min, max and count of |x| > lam of tensor i: lens[i] elements from ptrs[i],
    in runs of runs[i] contiguous elements, each run steps[i] elements after the one before (a contiguous tensor is
    one run); partials of at most BLOCK elements in the data's type, added in double. */
 #define PREFETCH 4096
+/* whether v is finite, from its bits: the build lets the compiler take isfinite() as always true */
+static int finite_bits(double v) { uint64_t b; memcpy(&b, &v, 8); return ((b >> 52) & 0x7ff) != 0x7ff; }
 /* one element v into lane w of the figures (LANES_OPEN's; l: the threshold of the function that uses it) */
 #define FIGURE(T, ABS, w, v) \
     s[w] += v; q[w] += v * v; mn[w] = v < mn[w] ? v : mn[w]; mx[w] = v > mx[w] ? v : mx[w]; \
@@ -99,31 +104,38 @@ static void NAME##_runs(const T* restrict x, int64_t run, int64_t step, int64_t 
     } \
     LANES_CLOSE(LANES, r) \
 } \
+/* one tensor's figures into o[0..4] */ \
+static void NAME##_tensor(const T* x, int64_t len, int64_t run, int64_t step, double lam, double* o) { \
+    double s = 0, q = 0, c = 0, mn = INFINITY, mx = -INFINITY; \
+    T r[5]; \
+    /* a view's runs shorter than a block: as many whole runs to a partial as a block holds */ \
+    int shorter = run < BLOCK && run < len; \
+    int64_t per = shorter ? BLOCK / run : 1; \
+    for (int64_t at = 0, from = 0; at < len; at += per * run, from += per * step) { \
+        for (int64_t b = 0; b < run; b += BLOCK) { \
+            if (shorter) \
+                NAME##_runs(x + from, run, step, (len - at) / run < per ? (len - at) / run : per, (T)lam, r); \
+            else \
+                NAME##_block(x + from + b, run - b < BLOCK ? run - b : BLOCK, (T)lam, r); \
+            s += r[0]; q += r[1]; c += r[4]; \
+            mn = r[2] < mn ? r[2] : mn; mx = r[3] > mx ? r[3] : mx; \
+        } \
+    } \
+    o[0] = s; o[1] = q; o[2] = mn; o[3] = mx; o[4] = c; \
+} \
 void NAME(int64_t n, const uint64_t* ptrs, const int64_t* lens, const int64_t* runs, const int64_t* steps, \
           double lam, double* out) { \
     for (int64_t i = 0; i < n; ++i) { \
-        const T* x = (const T*)ptrs[i]; \
         /* the next tensor lies elsewhere: its first lines are requested now */ \
         if (i + 1 < n) for (int p = 0; p < PREFETCH; p += 64) __builtin_prefetch((const char*)ptrs[i + 1] + p); \
-        int64_t len = lens[i], run = runs[i], step = steps[i]; \
-        double s = 0, q = 0, c = 0, mn = INFINITY, mx = -INFINITY; \
-        T r[5]; \
-        /* a view's runs shorter than a block: as many whole runs to a partial as a block holds */ \
-        int shorter = run < BLOCK && run < len; \
-        int64_t per = shorter ? BLOCK / run : 1; \
-        for (int64_t at = 0, from = 0; at < len; at += per * run, from += per * step) { \
-            for (int64_t b = 0; b < run; b += BLOCK) { \
-                if (shorter) \
-                    NAME##_runs(x + from, run, step, (len - at) / run < per ? (len - at) / run : per, (T)lam, r); \
-                else \
-                    NAME##_block(x + from + b, run - b < BLOCK ? run - b : BLOCK, (T)lam, r); \
-                s += r[0]; q += r[1]; c += r[4]; \
-                mn = r[2] < mn ? r[2] : mn; mx = r[3] > mx ? r[3] : mx; \
-            } \
-        } \
-        double* o = out + 5 * i; \
-        o[0] = s; o[1] = q; o[2] = mn; o[3] = mx; o[4] = c; \
+        NAME##_tensor((const T*)ptrs[i], lens[i], runs[i], steps[i], lam, out + 5 * i); \
     } \
+} \
+/* NAME's figures of one tensor into o[0..4]; 1 where they are exact and its record needs nothing more: all four \
+   finite (no NaN or Inf among the elements) and no element as far as `limit` from 0 (none saturated) */ \
+int NAME##_one(const T* x, int64_t len, int64_t run, int64_t step, double lam, double limit, double* o) { \
+    NAME##_tensor(x, len, run, step, lam, o); \
+    return finite_bits(o[0]) && finite_bits(o[1]) && finite_bits(o[2]) && finite_bits(o[3]) && o[2] > -limit && o[3] < limit; \
 }
 FIGURES(figures_float32, float, fabsf)
 FIGURES(figures_float64, double, fabs)
@@ -135,6 +147,7 @@ DTYPES = (torch.float32, torch.float64)
 enabled = True                                      # tests of the other kernels turn it off
 _state = {"state": None}                            # None | "building" | "ready" | "failed"
 _functions: dict = {}                               # dtype -> the loaded C function
+_one_functions: dict = {}                           # dtype -> its function of one tensor (`one`)
 _lock = threading.Lock()
 
 
@@ -184,6 +197,13 @@ def figures(tensors: Sequence[torch.Tensor], lam: float) -> np.ndarray:
     # From lists: a generator costs a resumption per tensor.
     lengths = [t.numel() for t in tensors]
     return read(tensors[0].dtype, [t.data_ptr() for t in tensors], lengths, lam, lengths, lengths)
+
+
+def one(dtype: torch.dtype):
+    """The library's function of one tensor of `dtype`, where it may be called now (`callable_now`), else None:
+    `f(address, length, run, step, lam, limit, out)` writes the tensor's `figures` (5 float64) at the address `out`
+    and returns 1 where they are its exact record: every element finite and none with |x| >= `limit`."""
+    return _one_functions.get(dtype) if callable_now() else None
 
 
 def read(dtype: torch.dtype, addresses: list[int], lengths: list[int], lam: float, runs: list[int],
@@ -266,10 +286,18 @@ def _finish(path: Path) -> None:
             function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_double, ctypes.c_void_p]
             function.restype = None
             _functions[dtype] = function
+            one = getattr(library, f"figures_{str(dtype).split('.')[1]}_one")
+            one.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_double, ctypes.c_double, ctypes.c_void_p]
+            one.restype = ctypes.c_int
+            _one_functions[dtype] = one
             sample = torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=dtype)
             got = figures([sample, sample[1:]], 0.5)
             if not np.array_equal(got, [[2.0, 14.0, -2.0, 3.0, 3.0], [1.0, 13.0, -2.0, 3.0, 2.0]]):
                 raise RuntimeError(f"the {dtype} figures of a sample came out {got.tolist()}")
+            alone = np.empty(5)
+            clean = [one(sample.data_ptr(), 4, 4, 4, 0.5, limit, alone.ctypes.data) for limit in (4.0, 3.0)]
+            if clean != [1, 0] or not np.array_equal(alone, got[0]):
+                raise RuntimeError(f"the {dtype} figures of one sample came out {alone.tolist()}, {clean}")
         _state["state"] = "ready"
     except Exception as exc:
         path.unlink(missing_ok=True)

@@ -220,13 +220,14 @@ def _wanted(fields: frozenset[str], eps: float) -> tuple:
 
 
 class RecordsOnArrival:
-    """The records of CPU tensors read as they arrive, one call each, while their data is still in the caches.
+    """The records of CPU tensors read as they arrive, one native call each, while their data is in the nearer caches.
 
-    Records in batches (`tensor_records` of many tensors) cost little host work per tensor, but read tensors whose
-    data went out of the caches since they were written: about 0.25-0.3 ns an element on the benchmark model,
-    against 0.08-0.18 for a tensor read right after it was written (benchmarks/README.md). A tensor of
-    `MIN_ELEMENTS` or more repays a call of its own (about 2 µs of host work). `take` reads one; `records` gives the
-    records of those taken since the last `records`.
+    A batch (`tensor_records` of many tensors) costs little host work per tensor, but holds each tensor until it is
+    reduced: the allocator cannot give that memory to the model's next tensors, and the flush checks each one. A
+    tensor read in its hook costs one call (2-3 µs of host work) and reads at about the speed of its share of a
+    batch (`benchmarks/stats_kernels.py --arrival`): from `MIN_ELEMENTS` up, within about 1 µs of that share, which
+    the hold it saves repays (benchmarks/README.md). `take` reads one; `records` gives the records of those taken
+    since the last `records`.
     """
 
     MIN_ELEMENTS = 1 << 13

@@ -63,6 +63,8 @@ class StepCollector:
         self._eager_names: set[str] = set()
         self._deferrable_names: set[str] = set()
         self._arrivals = stats.RecordsOnArrival(eps, fields)
+        # no smaller tensor is taken (fp32, its smallest dtype): the others skip the call
+        self._arrival_bytes = stats.RecordsOnArrival.MIN_ELEMENTS * 4
         self._reset()
 
     def _reset(self) -> None:
@@ -138,13 +140,15 @@ class StepCollector:
             if seen is not None and seen[0] == version:  # unchanged since: its record serves
                 self._reuse(key, seen[1], seen[2])
                 continue
-            row = self._arrivals.take(tensor)
-            if row >= 0:                                # read now: its record joins the next batch's
-                self._pending_keys.append(key)
-                self._pending_slots.append(~row)
-                self._seen.put(id(tensor), tensor, (version, ~len(self._batch_blocks), ~row))
-                continue
-            self._pending_bytes += tensor.nbytes
+            nbytes = tensor.nbytes
+            if nbytes >= self._arrival_bytes:
+                row = self._arrivals.take(tensor)
+                if row >= 0:                            # read now: its record joins the next batch's
+                    self._pending_keys.append(key)
+                    self._pending_slots.append(~row)
+                    self._seen.put(id(tensor), tensor, (version, ~len(self._batch_blocks), ~row))
+                    continue
+            self._pending_bytes += nbytes
             if key.name in self._deferrable_names:
                 self._hold(key, tensor, tensor, version)
             elif tensor.device.type == "cpu" and tensor.nbytes <= SNAPSHOT_MAX_BYTES:
@@ -230,7 +234,7 @@ class StepCollector:
             kept = [i for i, slot in enumerate(slots) if slot not in modified]
             keys, slots = [keys[i] for i in kept], [slots[i] for i in kept]
         if keys:
-            if slots != list(range(len(rows))):        # else every row in its key's order, as they are
+            if slots != list(range(rows.shape[0])):    # else every row in its key's order, as they are
                 rows = rows.index_select(0, stats._meta(slots, rows.device))
             self._add(keys, rows)
 

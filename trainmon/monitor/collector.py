@@ -151,7 +151,7 @@ class StepCollector:
             self._pending_bytes += nbytes
             if key.name in self._deferrable_names:
                 self._hold(key, tensor, tensor, version)
-            elif tensor.device.type == "cpu" and tensor.nbytes <= SNAPSHOT_MAX_BYTES:
+            elif tensor.device.type == "cpu" and nbytes <= SNAPSHOT_MAX_BYTES:
                 self._hold(key, tensor.detach().clone(), tensor, version)
                 self._watch(key.name, tensor, version)
             else:

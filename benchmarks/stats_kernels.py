@@ -495,12 +495,12 @@ def cold_reads(rounds: int = 21):
 
 def arrival_reads(rounds: int = 11):
     """Per tensor, µs and ns per element of a CPU fp32 tensor's figures read in its hook right after it was written
-    (`stats.RecordsOnArrival.take`, host work included), against its share of one native read of the batch (32 MB of
+    (`stats_cpu.RecordsOnArrival.take`, host work included), against its share of one native read of the batch (32 MB of
     such tensors, each written in turn, then read together, as the flush before the optimizer step meets them).
     Median of `rounds` interleaved rounds."""
     stats_native.prepare(wait=True)
     lam = stats._consts(F32, EPS)[0]
-    arrivals = stats.RecordsOnArrival(EPS, stats.fields_for_ops(DESIGN_OPS))
+    arrivals = stats.records_on_arrival(EPS, stats.fields_for_ops(DESIGN_OPS))
     arrivals.MIN_ELEMENTS = 1
     print("\n== CPU fp32, per tensor: read on arrival µs, ns/element | in a batch µs, ns/element")
     for numel in (2048, 8192, 16384, 65536, 262144, 1048576):

@@ -9,7 +9,8 @@ import torch
 
 from test_stats import ALL, check, sprinkle
 from trainmon.monitor import stats_native
-from trainmon.monitor.stats import RecordsOnArrival, fields_for_ops, tensor_records
+from trainmon.monitor.stats import fields_for_ops, records_on_arrival, tensor_records
+from trainmon.monitor.stats_cpu import RecordsOnArrival
 
 BLOCK = stats_native.BLOCK
 # Around a block and around the lanes of one (128 bytes: 32 fp32, 16 fp64 elements), whole lanes with a tail and without
@@ -228,7 +229,7 @@ def test_records_on_arrival_equal_torchs(dtype):
     projection = torch.randn(8, n // 64, 3, 64, generator=g).to(dtype)
     tensors = [projection[:, :, 0], projection[:, :, 2], projection.transpose(0, 1)]
     tensors += [(torch.randn(n + i, generator=g) * (i + 1)).to(dtype) for i in range(297)]
-    arrivals = RecordsOnArrival(1e-3, ALL)
+    arrivals = records_on_arrival(1e-3, ALL)
     assert [arrivals.take(t) for t in tensors] == list(range(300))
     for row, t in zip(arrivals.records(), tensors):
         check(row, t, 1e-3)
@@ -240,8 +241,8 @@ def test_a_tensor_is_taken_on_arrival_only_where_its_figures_are_its_whole_recor
     `sat` is asked for, fewer than MIN_ELEMENTS elements, a 16-bit dtype, a view the kernel cannot read in place.
     Nothing is kept for them."""
     n = RecordsOnArrival.MIN_ELEMENTS
-    with_sat = RecordsOnArrival(1e-3, fields_for_ops(["norm", "sat"], sat_threshold=10.0))
-    without = RecordsOnArrival(1e-3, fields_for_ops(["norm"]))
+    with_sat = records_on_arrival(1e-3, fields_for_ops(["norm", "sat"], sat_threshold=10.0))
+    without = records_on_arrival(1e-3, fields_for_ops(["norm"]))
     for bad in (float("nan"), float("inf"), -float("inf")):
         for at in (0, n // 2, n - 1):
             t = torch.randn(n)

@@ -29,7 +29,7 @@ class StepCollector:
     small enough to be reduced while still in the last-level cache, and held tensors keep the
     allocator from reusing their memory for the rest of the step, so larger batches cost more. On the CPU a
     large activation is not held: it is read in its hook by one native call, while its data is still in the
-    nearer caches (`stats.RecordsOnArrival`), and its record joins the next batch's. A
+    nearer caches (`stats_cpu.RecordsOnArrival`), and its record joins the next batch's. A
     tensor object recorded twice within a step (a module's output is the next module's input, a block's
     output the next block's) is reduced once, unless it changed in between; only activations get that
     reuse (see `record`).
@@ -62,9 +62,8 @@ class StepCollector:
         self.input_grads_not_recorded: dict[str, int] = {}  # per name: input grads of calls not recorded (module_hooks)
         self._eager_names: set[str] = set()
         self._deferrable_names: set[str] = set()
-        self._arrivals = stats.RecordsOnArrival(eps, fields)
-        # no smaller tensor is taken (fp32, its smallest dtype): the others skip the call
-        self._arrival_bytes = stats.RecordsOnArrival.MIN_ELEMENTS * 4
+        self._arrivals = stats.records_on_arrival(eps, fields)
+        self._arrival_bytes = self._arrivals.min_bytes  # smaller tensors skip the call
         self._reset()
 
     def _reset(self) -> None:
@@ -251,9 +250,9 @@ class StepCollector:
     def _drop_modified(self, keys: Sequence[RecordKey]) -> None:
         for key in keys:
             if key.name not in self._eager_names:
-                logger.warning("trainmon: %s changed in place, or had its data replaced or freed, before its statistics "
-                               "were computed; its record of step %s is dropped (counted in run.json) and it is "
-                               "reduced in its hook from now on",
+                logger.warning("trainmon: %s changed in place, or had its data replaced or freed, before its "
+                               "statistics were computed; its record of step %s is dropped (counted in run.json) and "
+                               "it is reduced in its hook from now on",
                                key.name, self.step)
             self._eager_names.add(key.name)
             self._deferrable_names.discard(key.name)

@@ -219,70 +219,14 @@ def _wanted(fields: frozenset[str], eps: float) -> tuple:
     return tuple(f in fields and (f != "zeros" or eps > 0) for f in FIELDS[:_PACKED])
 
 
-class RecordsOnArrival:
-    """The records of CPU tensors read as they arrive, one native call each, while their data is in the nearer caches.
-
-    A batch (`tensor_records` of many tensors) costs little host work per tensor, but holds each tensor until it is
-    reduced: the allocator cannot give that memory to the model's next tensors, and the flush checks each one. A
-    tensor read in its hook costs one call (2-3 µs of host work) and reads at about the speed of its share of a
-    batch (`benchmarks/stats_kernels.py --arrival`): from `MIN_ELEMENTS` up, within about 1 µs of that share, which
-    the hold it saves repays (benchmarks/README.md). `take` reads one; `records` gives the records of those taken
-    since the last `records`.
-    """
-
-    MIN_ELEMENTS = 1 << 13
-
-    def __init__(self, eps: float, fields: frozenset[str]):
-        sat = fields if isinstance(fields, FieldSet) else FieldSet()
-        self._want = _wanted(frozenset(fields), eps)
-        self._lam = {dtype: _consts(dtype, eps)[0] for dtype in stats_native.DTYPES}
-        # a tensor whose extremes reach the limit needs a count of its own (`_fill_sat`): not taken
-        self._limit = {dtype: sat.sat_limit(dtype) if "sat" in fields else sys.float_info.max
-                       for dtype in stats_native.DTYPES}
-        self._figures = np.empty((256, 5))
-        self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
-        self._lengths: list[int] = []
-
-    def take(self, t: torch.Tensor) -> int:
-        """Reads `t`'s figures now where it is a plain CPU tensor of `MIN_ELEMENTS` or more the native kernel reads in
-        place, and they make its whole record (finite, unsaturated): its row among those taken since the last
-        `records`; else -1, and nothing is kept."""
-        if type(t) not in stats_fused.PLAIN_TENSORS or not t.is_cpu:
-            return -1
-        n = t.numel()
-        if n < self.MIN_ELEMENTS:
-            return -1
-        if t.is_contiguous():
-            run = step = n
-        else:
-            layout = stats_native.run_layout(t)
-            if layout is None:
-                return -1
-            run, step = layout
-        read = stats_native.one(t.dtype)
-        if read is None:
-            return -1
-        row = len(self._lengths)
-        if row == len(self._figures):
-            self._figures = np.concatenate([self._figures, np.empty_like(self._figures)])
-            self._address = self._figures.ctypes.data
-        if not read(t.data_ptr(), n, run, step, self._lam[t.dtype], self._limit[t.dtype],
-                    self._address + 40 * row):
-            return -1
-        self._lengths.append(n)
-        return row
-
-    @property
-    def taken(self) -> int:
-        """The tensors taken since the last `records`."""
-        return len(self._lengths)
-
-    def records(self) -> torch.Tensor:
-        """float64 [k, N_FIELDS]: the records of the k tensors taken since the last call, in their rows' order."""
-        table = np.zeros((len(self._lengths), N_FIELDS))
-        stats_cpu.pack_figures(table, self._lengths, self._figures[:len(self._lengths)], self._want)
-        self._lengths = []
-        return torch.from_numpy(table)
+def records_on_arrival(eps: float, fields: frozenset[str]) -> stats_cpu.RecordsOnArrival:
+    """The reader of CPU tensors' records in their hooks (`stats_cpu.RecordsOnArrival`) for `eps` and `fields` (a
+    `FieldSet` carries the saturation limit)."""
+    sat = fields if isinstance(fields, FieldSet) else FieldSet()
+    # a tensor whose extremes reach the limit needs a count of its own (`_fill_sat`): not taken
+    limits = {dtype: sat.sat_limit(dtype) if "sat" in fields else sys.float_info.max for dtype in stats_native.DTYPES}
+    return stats_cpu.RecordsOnArrival(_wanted(frozenset(fields), eps),
+                                      {dtype: _consts(dtype, eps)[0] for dtype in stats_native.DTYPES}, limits)
 
 
 def _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed) -> torch.Tensor:

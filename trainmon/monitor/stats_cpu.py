@@ -39,6 +39,71 @@ ONE_PASS_MIN = 1 << 13
 GATHER_MAX = 1 << 15
 
 
+class RecordsOnArrival:
+    """The records of CPU tensors read as they arrive, one native call each, while their data is in the nearer caches.
+
+    A batch (`stats.tensor_records` of many tensors) costs little host work per tensor, but holds each tensor until
+    it is reduced: the allocator cannot give that memory to the model's next tensors, and the flush checks each one.
+    A tensor read in its hook costs one call (2-3 µs of host work) and reads at about the speed of its share of a
+    batch (`benchmarks/stats_kernels.py --arrival`): from `MIN_ELEMENTS` up, within about 1 µs of that share, which
+    the hold it saves repays (benchmarks/README.md). `take` reads one; `records` gives the records of those taken
+    since the last `records`.
+    """
+
+    MIN_ELEMENTS = 1 << 13
+
+    def __init__(self, want: tuple, lam: dict, limit: dict):
+        """`want`: per packed field, whether it is computed; `lam` and `limit` per dtype: the zeros threshold (the
+        largest value below eps) and the saturation limit a taken tensor's elements stay within."""
+        self._want, self._lam, self._limit = want, lam, limit
+        # no tensor of fewer bytes is taken (fp32 is the smallest dtype read): a caller may skip the call
+        self.min_bytes = self.MIN_ELEMENTS * 4
+        self._figures = np.empty((256, 5))
+        self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
+        self._lengths: list[int] = []
+
+    def take(self, t: torch.Tensor) -> int:
+        """Reads `t`'s figures now where it is a plain CPU tensor of `MIN_ELEMENTS` or more the native kernel reads in
+        place, and they make its whole record (finite, unsaturated): its row among those taken since the last
+        `records`; else -1, and nothing is kept."""
+        if type(t) not in stats_fused.PLAIN_TENSORS or not t.is_cpu:
+            return -1
+        n = t.numel()
+        if n < self.MIN_ELEMENTS:
+            return -1
+        if t.is_contiguous():
+            run = step = n
+        else:
+            layout = stats_native.run_layout(t)
+            if layout is None:
+                return -1
+            run, step = layout
+        read = stats_native.one(t.dtype)
+        if read is None:
+            return -1
+        row = len(self._lengths)
+        if row == len(self._figures):
+            self._figures = np.concatenate([self._figures, np.empty_like(self._figures)])
+            self._address = self._figures.ctypes.data
+        if not read(t.data_ptr(), n, run, step, self._lam[t.dtype], self._limit[t.dtype],
+                    self._address + 40 * row):
+            return -1
+        self._lengths.append(n)
+        return row
+
+    @property
+    def taken(self) -> int:
+        """The tensors taken since the last `records`."""
+        return len(self._lengths)
+
+    def records(self) -> torch.Tensor:
+        """float64 [k, N_FIELDS]: the records of the k tensors taken since the last call, in their rows' order."""
+        table = np.zeros((len(self._lengths), N_FIELDS))
+        pack_figures(table, self._lengths, self._figures[:len(self._lengths)], self._want)
+        self._lengths = []
+        return torch.from_numpy(table)
+
+
 def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
                          consts: Callable, workspace: Callable, exact: Callable) -> torch.Tensor:
     """float64 [len(uniq), N_FIELDS] records of CPU tensors, the fields of `want` filled (the packed ones,

@@ -10,7 +10,7 @@ independent lanes while the lines 4 KB ahead, and the next tensor's first ones, 
 activations are read when the optimizer step begins, long after they were written, and there a loop that waits for
 each line in turn took half as long again (`benchmarks/stats_kernels.py --cold`, benchmarks/README.md). A second
 function reads one tensor and says whether its figures are its whole record (`one`): the collector reads a large
-activation with it in its hook, while the data is still in the caches (`stats.RecordsOnArrival`).
+activation with it in its hook, while the data is still in the caches (`stats_cpu.RecordsOnArrival`).
 
 Not ready until built: the first request starts the build (one C compiler call, about 0.1 s) in a thread,
 and the engine's other kernels serve until it is loaded; a library an earlier run left on disk is loaded by
@@ -135,7 +135,8 @@ void NAME(int64_t n, const uint64_t* ptrs, const int64_t* lens, const int64_t* r
    finite (no NaN or Inf among the elements) and no element as far as `limit` from 0 (none saturated) */ \
 int NAME##_one(const T* x, int64_t len, int64_t run, int64_t step, double lam, double limit, double* o) { \
     NAME##_tensor(x, len, run, step, lam, o); \
-    return finite_bits(o[0]) && finite_bits(o[1]) && finite_bits(o[2]) && finite_bits(o[3]) && o[2] > -limit && o[3] < limit; \
+    return finite_bits(o[0]) && finite_bits(o[1]) && finite_bits(o[2]) && finite_bits(o[3]) && \
+        o[2] > -limit && o[3] < limit; \
 }
 FIGURES(figures_float32, float, fabsf)
 FIGURES(figures_float64, double, fabs)
@@ -287,7 +288,8 @@ def _finish(path: Path) -> None:
             function.restype = None
             _functions[dtype] = function
             one = getattr(library, f"figures_{str(dtype).split('.')[1]}_one")
-            one.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_double, ctypes.c_double, ctypes.c_void_p]
+            one.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_double, ctypes.c_double,
+                            ctypes.c_void_p]
             one.restype = ctypes.c_int
             _one_functions[dtype] = one
             sample = torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=dtype)

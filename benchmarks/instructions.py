@@ -9,13 +9,19 @@ over `--steps` steps after `--warmup` (only those steps run inside the one call 
     instructions per hooked call = (tier's instructions per step - none's) / hooked calls per step
 
 `bare hook` is `frameworks.py`'s reference (a forward hook and a grad-node pre-hook per module, one reduction
-each); `× bare` divides by its figure. The writer thread is left out. Timing a
+each); `× bare` divides by its figure. The writer thread is left out.
+
+`--job megatron` counts a step of Megatron-Core instead, in one process: the shape one rank of `frameworks.py`'s
+`megatron-pp2-vpp2-small` runs (hidden 64, 4 layers, 4 micro-batches of 4 × 32 tokens), its activations of 8 K
+elements and more, with Megatron's own modules and autograd functions. It reports the instructions a tier adds a step
+(about 1,070 hooked calls of several kinds: no one figure per call). Timing a
 change on a shared machine needs many runs to see 5%; two counts of the same code differ by well under
 1%. A run under callgrind takes minutes (importing torch alone, about two), about 50 times its native time.
 On x86 the native statistics library is built without AVX-512 for the count (`$CC` with `-mno-avx512f`, unless
 `$CC` is set): valgrind 3.19 stops at the first AVX-512 instruction.
 
     python benchmarks/instructions.py --tiers none,sentinel,full,"bare hook"
+    python benchmarks/instructions.py --job megatron --tiers none,full --parallel 2
     PYTHONPATH=/path/to/other/checkout python benchmarks/instructions.py --tiers none,full   # that trainmon
 """
 from __future__ import annotations
@@ -32,7 +38,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from frameworks import BARE, TIERS, micro_chain
+from frameworks import BARE, SCRIPTS, TIERS, micro_chain
+from overhead import tier_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -55,13 +62,52 @@ def child(tier: str, calls: int, steps: int, warmup: int) -> None:
     shutil.rmtree(out_dir, ignore_errors=True)
 
 
+def megatron_child(tier: str, steps: int, warmup: int) -> None:
+    """Trains one process of Megatron-Core (see the module doc) under the tier; the counted steps run inside
+    `functools.reduce`."""
+    import random
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(random.randint(20000, 40000)), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    sys.path.insert(0, SCRIPTS)
+    import torch.distributed as dist
+    import train_megatron
+
+    with tempfile.TemporaryDirectory(prefix="trainmon_callgrind_") as tmp:
+        config = tier_config(tier, ["db"], None, tiers=TIERS)
+        config_path = "none"
+        if config is not None:
+            config_path = os.path.join(tmp, "config.json")
+            with open(config_path, "w") as f:
+                json.dump(config, f)
+        os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(tmp, "out")
+        args = train_megatron.parse_args(["--hidden", "64", "--layers", "4", "--micro-batches", "4",
+                                          "--config", config_path])
+        chunks, optimizer = train_megatron.setup(args)
+        monitor = None
+        if config is not None:
+            from trainmon import TrainerMon
+            from trainmon.monitor import stats_native
+
+            monitor = TrainerMon(config_path)
+            monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
+            stats_native.prepare(wait=True)
+        data = train_megatron.data_iterators(args, chunks)
+        for _ in range(warmup):
+            train_megatron.train_step(args, chunks, optimizer, data)
+        functools.reduce(lambda *_: train_megatron.train_step(args, chunks, optimizer, data), range(steps), None)
+        if monitor is not None:
+            monitor.stop()
+        dist.destroy_process_group()
+
+
 def count(tier: str, args) -> dict:
     """Runs one tier under callgrind; the training thread's instructions per counted step."""
     with tempfile.TemporaryDirectory(prefix="trainmon_callgrind_") as tmp:
         out = os.path.join(tmp, "callgrind.out")
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
                "--separate-threads=yes", f"--callgrind-out-file={out}", sys.executable, __file__, "--child", tier,
-               "--calls", str(args.calls), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--job", args.job, "--calls", str(args.calls), "--steps", str(args.steps), "--warmup", str(args.warmup)]
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)}
         if platform.machine() == "x86_64" and not env.get("CC", "").strip():
@@ -79,6 +125,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiers", default=f"none,sentinel,full,{BARE}",
                         help=f"comma-separated, of {', '.join([*TIERS, BARE])}; none is added if missing")
+    parser.add_argument("--job", choices=["chain", "megatron"], default="chain", help="what is trained (module doc)")
     parser.add_argument("--calls", type=int, default=200, help="parameter-free modules in the chain")
     parser.add_argument("--steps", type=int, default=4, help="counted steps")
     parser.add_argument("--warmup", type=int, default=6)
@@ -87,7 +134,10 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.calls, args.steps, args.warmup)
+        if args.job == "megatron":
+            megatron_child(args.child, args.steps, args.warmup)
+        else:
+            child(args.child, args.calls, args.steps, args.warmup)
         return 0
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (its callgrind tool counts the instructions)")
@@ -95,12 +145,17 @@ def main() -> int:
     unknown = [t for t in tiers if t not in TIERS and t != BARE]
     if unknown:
         parser.error(f"unknown tier {unknown}; choose from {', '.join([*TIERS, BARE])}")
+    if args.job == "megatron" and BARE in tiers:
+        parser.error(f"{BARE!r} is the chain's reference: it has no Megatron job")
     if "none" not in tiers:
         tiers.insert(0, "none")
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda tier: count(tier, args), tiers))
-    hooked_calls = 2 * (args.calls + 2)  # the chain, its Linear and the Sequential, forward and backward
     base = next(r for r in rows if r["tier"] == "none")["training_per_step"]
+    if args.job == "megatron":
+        print_megatron(rows, base, args)
+        return 0
+    hooked_calls = 2 * (args.calls + 2)  # the chain, its Linear and the Sequential, forward and backward
     for r in rows:
         r["per_hooked_call"] = (r["training_per_step"] - base) / hooked_calls if r["tier"] != "none" else None
     bare = next((r["per_hooked_call"] for r in rows if r["tier"] == BARE), None)
@@ -114,10 +169,26 @@ def main() -> int:
         times_bare = f"{per_call / bare:.2f}" if per_call is not None and bare else "-"
         print(f"| {r['tier']} | {r['training_per_step'] / 1e6:.1f} M | {r['training_per_step'] / base:.3f} "
               f"| {'-' if per_call is None else f'{per_call / 1e3:.1f} K'} | {times_bare} |")
+    write_json(rows, args)
+    return 0
+
+
+def print_megatron(rows: list[dict], base: float, args) -> None:
+    print(f"Instructions of the training thread per step ({args.steps} counted after {args.warmup}), one process of "
+          f"Megatron-Core (hidden 64, 4 layers, 4 micro-batches); trainmon from "
+          f"{os.environ.get('PYTHONPATH') or ROOT}.\n")
+    print("| tier | per step | × none | added a step |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        per_step = r["training_per_step"]
+        print(f"| {r['tier']} | {per_step / 1e6:.2f} M | {per_step / base:.3f} | {(per_step - base) / 1e6:.2f} M |")
+    write_json(rows, args)
+
+
+def write_json(rows: list[dict], args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": sys.argv, "pythonpath": os.environ.get("PYTHONPATH"), "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def fresh_state(monkeypatch):
     """This process as one that has not asked for the library yet."""
     monkeypatch.setattr(stats_native, "_state", {"state": None})
     monkeypatch.setattr(stats_native, "_functions", {})
+    monkeypatch.setattr(stats_native, "_one_functions", {})
 
 
 @pytest.fixture
@@ -215,6 +216,39 @@ def test_cc_may_name_a_compiler_behind_a_wrapper(fresh_state, monkeypatch, tmp_p
     monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")
     assert stats_native.prepare(wait=True)
     assert (tmp_path / "figures.so").exists()
+    x = torch.randn(5000)
+    check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8)
+
+
+@pytest.mark.parametrize("headers", [True, False], ids=["extension", "ctypes"])
+def test_one_tensor_is_read_alike_called_directly_or_through_ctypes(fresh_state, monkeypatch, tmp_path, headers):
+    """Built with this Python's headers (on Linux), the library is also an extension module whose one-tensor read
+    Python calls directly; built without them, it is called through ctypes. Both read a tensor as torch does, and
+    refuse one holding a NaN."""
+    import ctypes
+    if not headers:
+        monkeypatch.setattr(stats_native, "_flags", lambda: stats_native._FLAGS)
+    extension = "-DTRAINMON_PY" in stats_native._flags()
+    monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")
+    assert stats_native.prepare(wait=True)
+    for dtype in stats_native.DTYPES:
+        one = stats_native.one(dtype)
+        assert isinstance(one, ctypes._CFuncPtr) != extension
+        x = torch.randn(10_000, dtype=dtype)
+        out = np.empty(5)
+        assert one(x.data_ptr(), x.numel(), x.numel(), x.numel(), 0.5, 1e300, out.ctypes.data) == 1
+        np.testing.assert_allclose(out, float64_figures(x, 0.5), rtol=1e-5)
+        x[77] = float("nan")
+        assert one(x.data_ptr(), x.numel(), x.numel(), x.numel(), 0.5, 1e300, out.ctypes.data) == 0
+
+
+def test_headers_that_do_not_build_leave_the_library_to_ctypes(fresh_state, monkeypatch, tmp_path):
+    """Python's headers found but unusable: the library is built again without the extension module's part."""
+    import ctypes
+    monkeypatch.setattr(stats_native, "_flags", lambda: [*stats_native._FLAGS, "-DTRAINMON_PY", f"-I{tmp_path}"])
+    monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")
+    assert stats_native.prepare(wait=True)
+    assert isinstance(stats_native.one(torch.float32), ctypes._CFuncPtr)
     x = torch.randn(5000)
     check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8)
 

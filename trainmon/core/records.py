@@ -78,26 +78,27 @@ class RecordKey(NamedTuple):
         return PHASES.get(self.family, "unknown")
 
 
-_KEYS: dict = {}                # every key made by `record_key`, by its fields
+_KEYS: dict = {}                # every key made by `record_key`, by the fields it was given
 _KEYS_MAX = 1 << 17
 
 
 def record_key(family: str, name: str, vpp_stage: int, micro_step: Optional[int], call_index: int, shape: tuple,
-               dtype: str) -> RecordKey:
+               dtype) -> RecordKey:
     """The RecordKey of these fields: the same object whenever they recur. `shape` may be a `torch.Size` (a tuple,
-    equal to and hashed as the plain one the key keeps), which hooks pass as a tensor gives it.
+    equal to and hashed as the plain one the key keeps), and `dtype` a `torch.dtype` (the key keeps its name), which
+    hooks pass as a tensor gives them: the name, made anew by each `str(dtype)`, is made only for a new key.
 
     Hooks make a key per recorded tensor, and the writer holds a step's keys long enough for Python's garbage
     collector to move them to its oldest generation, whose full collections then come every few dozen steps
     and take a pause proportional to the whole heap. A run's keys repeat from step to step, so one object
     per key is made once.
     """
-    key = _KEYS.get((family, name, vpp_stage, micro_step, call_index, shape, dtype))
+    fields = (family, name, vpp_stage, micro_step, call_index, shape, dtype)
+    key = _KEYS.get(fields)
     if key is None:
         if len(_KEYS) >= _KEYS_MAX:             # keys that do not repeat (shapes that change every step)
             _KEYS.clear()
-        key = RecordKey(family, name, vpp_stage, micro_step, call_index, tuple(shape), dtype)
-        _KEYS[key] = key
+        key = _KEYS[fields] = RecordKey(family, name, vpp_stage, micro_step, call_index, tuple(shape), str(dtype))
     return key
 
 

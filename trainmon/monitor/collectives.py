@@ -316,7 +316,7 @@ class CollectiveMonitor(Hooks):
         if not named:
             return
         collector = self.state.collector
-        keys = [record_key(COMM, name, 0, None, collector.next_call_index(), tuple(t.shape), str(t.dtype))
+        keys = [record_key(COMM, name, 0, None, collector.next_call_index(), tuple(t.shape), t.dtype)
                 for name, t in named]
         collector.record(keys, [t.detach() for _, t in named])
 

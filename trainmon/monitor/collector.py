@@ -224,7 +224,8 @@ class StepCollector:
         if self._arrivals.taken:                        # records read on arrival
             arrived = self._arrivals.records()
             rows = arrived if rows is None else torch.cat([rows, arrived])
-            slots = [slot if slot >= 0 else len(pending) + ~slot for slot in slots]
+            held = len(pending)
+            slots = [slot if slot >= 0 else held + ~slot for slot in slots]
         self._reduced.append(rows)
         self._batch_blocks.append(len(self._reduced) - 1)
         self._batch_held.append(len(pending))

@@ -87,12 +87,12 @@ class WatchedModule:
 @dataclass(slots=True)
 class _Call:
     """One recorded module call, from its forward pre-hook on: where its records go in the call order, and where
-    its input grads are recorded (their `micro` and `suffixes` set when its inputs are tapped, `names` when its
-    forward returns)."""
+    its input grads are recorded (their `suffixes` set when its inputs are tapped, `names` when its forward
+    returns)."""
 
     watched: WatchedModule
     input_index: int  # call index of its input records, taken when the call started
-    micro: int = 0
+    micro: int  # its forward pass of the step: the training micro-step, or the evaluation pass
     suffixes: tuple = ()  # leaf-name suffix per tapped input ("" or "_<i>")
     tapped_places: tuple = ()  # input_places of the tapped inputs
     # (tapped input's position, output leaf name) of outputs that are the tap's own aliases (a module returning
@@ -215,10 +215,11 @@ class ActivationHooks(Hooks):
             if collector is None:
                 watched.open_calls.append(None)
                 return None
-            call = _Call(watched, collector.next_call_index())
+            training = state.training_forward
+            call = _Call(watched, collector.next_call_index(),
+                         (state.forward_micro if training else state.eval_pass)(watched.vpp_stage))
             watched.open_calls.append(call)
-            if self.backward and state.training_forward and torch.is_grad_enabled():
-                call.micro = state.forward_micro(watched.vpp_stage)
+            if self.backward and training and torch.is_grad_enabled():
                 return self._tap_inputs(call, args, kwargs)
             return None
 
@@ -257,9 +258,8 @@ class ActivationHooks(Hooks):
             if in_backward():  # activation checkpointing runs the forward again
                 self._hook_recomputed(watched, call, output)
                 return  # its activations were recorded when it first ran
-            training = state.training_forward
+            training, micro = state.training_forward, call.micro
             collector = state.collector if training else state.eval_collector
-            micro = (state.forward_micro if training else state.eval_pass)(watched.vpp_stage)
             names = self._call_names(watched, (collector.step, training, micro))
             prefix = names.output
             # Records and grad taps select the same leaves unless their `targets` selectors differ.
@@ -384,7 +384,7 @@ class ActivationHooks(Hooks):
         keys, grads = [], []
         for leaf_name, grad in named_grads:
             index = collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad)
-            keys.append(record_key(ACTV_GRAD, leaf_name, vpp, micro, index, grad.shape, str(grad.dtype)))
+            keys.append(record_key(ACTV_GRAD, leaf_name, vpp, micro, index, grad.shape, grad.dtype))
             grads.append(grad)
         collector.record(keys, grads, defer=True)
 
@@ -396,11 +396,11 @@ class ActivationHooks(Hooks):
         vpp = watched.vpp_stage
         keys, tensors = [], []
         for leaf_name, t in input_leaves:
-            keys.append(record_key(family, leaf_name, vpp, micro, input_index, t.shape, str(t.dtype)))
+            keys.append(record_key(family, leaf_name, vpp, micro, input_index, t.shape, t.dtype))
             tensors.append(t)
         for leaf_name, t in output_leaves:
             index = collector.call_index_of(family, leaf_name, vpp, micro, t)
-            keys.append(record_key(family, leaf_name, vpp, micro, index, t.shape, str(t.dtype)))
+            keys.append(record_key(family, leaf_name, vpp, micro, index, t.shape, t.dtype))
             tensors.append(getattr(t, _ROOT, t))  # an input returned as it came: the input's record serves
         collector.record(keys, tensors, defer=True)
 

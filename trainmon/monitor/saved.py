@@ -145,7 +145,7 @@ class SavedVariables(Hooks):
     def _record(self, family: str, name: str, micro: int, tensor: torch.Tensor, phase: str) -> None:
         collector = self.state.collector
         index = collector.next_call_index()
-        key = record_key(family, name, 0, micro, index, tuple(tensor.shape), str(tensor.dtype))
+        key = record_key(family, name, 0, micro, index, tuple(tensor.shape), tensor.dtype)
         # Deferred like activations: a variable the script changes in place before the batch is reduced
         # is read at once from then on (StepCollector).
         collector.record([key], [tensor], defer=True)

@@ -225,7 +225,7 @@ class NanSentinel(Hooks):
         if tensor.numel():
             if index is None:
                 index = self.state.collector.call_index_of(family, name, vpp_stage, micro, tensor)
-            key = record_key(family, name, vpp_stage, micro, index, tuple(tensor.shape), str(tensor.dtype))
+            key = record_key(family, name, vpp_stage, micro, index, tuple(tensor.shape), tensor.dtype)
             self.probes.add(key, tensor)
 
     def _probe_weights(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
@@ -234,7 +234,7 @@ class NanSentinel(Hooks):
         leaves = [(name, tensor.detach()) for name, tensor in leaves if tensor is not None and tensor.numel()]
         if leaves:
             next_call_index = self.state.collector.next_call_index
-            keys = [record_key(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), str(t.dtype))
+            keys = [record_key(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), t.dtype)
                     for name, t in leaves]
             self.probes.add_norms(keys, [local_shard(t) for _, t in leaves])
 

@@ -135,4 +135,4 @@ def _key(collector, family: str, watched: WatchedParam, piece, micro) -> RecordK
     shape = watched.shape if watched.shape is not None else tuple(watched.param.shape)
     dtype = piece.dtype if piece is not None else watched.param.dtype
     return record_key(family, watched.name, watched.vpp_stage, micro, collector.next_call_index(),
-                      tuple(shape), str(dtype))
+                      tuple(shape), dtype)

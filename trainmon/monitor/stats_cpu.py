@@ -44,10 +44,10 @@ class RecordsOnArrival:
 
     A batch (`stats.tensor_records` of many tensors) costs little host work per tensor, but holds each tensor until
     it is reduced: the allocator cannot give that memory to the model's next tensors, and the flush checks each one.
-    A tensor read in its hook costs one call (2-3 µs of host work) and reads at about the speed of its share of a
-    batch (`benchmarks/stats_kernels.py --arrival`): from `MIN_ELEMENTS` up, within about 1 µs of that share, which
-    the hold it saves repays (benchmarks/README.md). `take` reads one; `records` gives the records of those taken
-    since the last `records`.
+    A tensor read in its hook costs one call (about 1 µs of host work where the library is an extension module, 2-3
+    through ctypes) and reads at about the speed of its share of a batch (`benchmarks/stats_kernels.py --arrival`):
+    from `MIN_ELEMENTS` up, it costs no more than that share, and it saves the hold (benchmarks/README.md). `take`
+    reads one; `records` gives the records of those taken since the last `records`.
     """
 
     MIN_ELEMENTS = 1 << 13
@@ -55,12 +55,15 @@ class RecordsOnArrival:
     def __init__(self, want: tuple, lam: dict, limit: dict):
         """`want`: per packed field, whether it is computed; `lam` and `limit` per dtype: the zeros threshold (the
         largest value below eps) and the saturation limit a taken tensor's elements stay within."""
-        self._want, self._lam, self._limit = want, lam, limit
+        self._want = want
+        self._bounds = {dtype: (lam[dtype], limit[dtype]) for dtype in lam}
         # no tensor of fewer bytes is taken (fp32 is the smallest dtype read): a caller may skip the call
         self.min_bytes = self.MIN_ELEMENTS * 4
         self._figures = np.empty((256, 5))
         self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
         self._lengths: list[int] = []
+        # (shape, strides) -> (run, step) or None, of the views seen: a model's views repeat every micro-step
+        self._layouts: dict = {}
 
     def take(self, t: torch.Tensor) -> int:
         """Reads `t`'s figures now where it is a plain CPU tensor of `MIN_ELEMENTS` or more the native kernel reads in
@@ -71,22 +74,24 @@ class RecordsOnArrival:
         n = t.numel()
         if n < self.MIN_ELEMENTS:
             return -1
-        if t.is_contiguous():
-            run = step = n
-        else:
-            layout = stats_native.run_layout(t)
-            if layout is None:
-                return -1
-            run, step = layout
         read = stats_native.one(t.dtype)
         if read is None:
             return -1
+        if t.is_contiguous():
+            run = step = n
+        else:
+            where = (t.shape, t.stride())
+            layout = self._layouts.get(where, False)
+            if layout is False:
+                layout = self._layouts[where] = stats_native.run_layout(t)
+            if layout is None:
+                return -1
+            run, step = layout
         row = len(self._lengths)
         if row == len(self._figures):
             self._figures = np.concatenate([self._figures, np.empty_like(self._figures)])
             self._address = self._figures.ctypes.data
-        if not read(t.data_ptr(), n, run, step, self._lam[t.dtype], self._limit[t.dtype],
-                    self._address + 40 * row):
+        if not read(t.data_ptr(), n, run, step, *self._bounds[t.dtype], self._address + 40 * row):
             return -1
         self._lengths.append(n)
         return row

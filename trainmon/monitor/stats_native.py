@@ -10,7 +10,10 @@ independent lanes while the lines 4 KB ahead, and the next tensor's first ones, 
 activations are read when the optimizer step begins, long after they were written, and there a loop that waits for
 each line in turn took half as long again (`benchmarks/stats_kernels.py --cold`, benchmarks/README.md). A second
 function reads one tensor and says whether its figures are its whole record (`one`): the collector reads a large
-activation with it in its hook, while the data is still in the caches (`stats_cpu.RecordsOnArrival`).
+activation with it in its hook, while the data is still in the caches (`stats_cpu.RecordsOnArrival`). Where this
+Python's headers are installed (Linux), the library is also built as an extension module, and Python calls that
+function directly: through ctypes, whose conversion of its seven arguments costs about 1 µs, a call took as long as
+reading an 8 K-element tensor. The batch function is called through ctypes (a few calls a step).
 
 Not ready until built: the first request starts the build (one C compiler call, about 0.1 s) in a thread,
 and the engine's other kernels serve until it is loaded; a library an earlier run left on disk is loaded by
@@ -26,19 +29,22 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
 import logging
 import os
 import platform
 import shlex
 import shutil
 import subprocess
+import sys
+import sysconfig
 import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _len_torch_dispatch_stack
 
 from trainmon.monitor.stat_kernels import hardware
 from trainmon.monitor.stats_fused import PLAIN_TENSORS
@@ -49,7 +55,12 @@ BLOCK = 4096                                        # elements per partial: the 
 # A view is read in place where its runs are whole multiples of LANES elements (a head of q, k or v split from one
 # projection: 64 or 128, 16 at hidden 64); others are copied by torch first (stats_cpu).
 LANES = 16
+_MODULE = "trainmon_figures"  # the library's name as a Python extension module
 _SOURCE = r"""
+#ifdef TRAINMON_PY
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#endif
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -140,7 +151,29 @@ int NAME##_one(const T* x, int64_t len, int64_t run, int64_t step, double lam, d
 }
 FIGURES(figures_float32, float, fabsf)
 FIGURES(figures_float64, double, fabs)
-""" % {"block": BLOCK, "lanes": LANES}
+#ifdef TRAINMON_PY
+/* NAME_one for Python: its seven arguments taken as they come (ctypes converts each through an object of its own:
+   about a microsecond a call, as long as reading an 8 K-element tensor) */
+#define ONE_PY(NAME) \
+static PyObject* NAME##_py(PyObject* self, PyObject* const* a, Py_ssize_t n) { \
+    if (n != 7) { PyErr_SetString(PyExc_TypeError, #NAME " takes 7 arguments"); return NULL; } \
+    uint64_t x = PyLong_AsUnsignedLongLong(a[0]), o = PyLong_AsUnsignedLongLong(a[6]); \
+    int64_t len = PyLong_AsLongLong(a[1]), run = PyLong_AsLongLong(a[2]), step = PyLong_AsLongLong(a[3]); \
+    double lam = PyFloat_AsDouble(a[4]), limit = PyFloat_AsDouble(a[5]); \
+    if (PyErr_Occurred()) return NULL; \
+    return PyLong_FromLong(NAME((const void*)(uintptr_t)x, len, run, step, lam, limit, \
+                                (double*)(uintptr_t)o)); \
+}
+ONE_PY(figures_float32_one)
+ONE_PY(figures_float64_one)
+static PyMethodDef methods[] = {
+    {"figures_float32_one", (PyCFunction)(void (*)(void))figures_float32_one_py, METH_FASTCALL, NULL},
+    {"figures_float64_one", (PyCFunction)(void (*)(void))figures_float64_one_py, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "%(module)s", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_%(module)s(void) { return PyModule_Create(&module); }
+#endif
+""" % {"block": BLOCK, "lanes": LANES, "module": _MODULE}
 _FLAGS = ["-O3", "-march=native", "-ffinite-math-only", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.float64)
@@ -167,7 +200,8 @@ def ready() -> bool:
 def callable_now() -> bool:
     """Whether the library may be called now: it is ready, and no compile traces and no dispatch mode watches the
     call (the library would bypass both)."""
-    return ready() and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+    return (_state["state"] == "ready" and enabled or ready()) and not _len_torch_dispatch_stack() \
+        and not torch.compiler.is_compiling()
 
 
 def usable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -201,10 +235,14 @@ def figures(tensors: Sequence[torch.Tensor], lam: float) -> np.ndarray:
 
 
 def one(dtype: torch.dtype):
-    """The library's function of one tensor of `dtype`, where it may be called now (`callable_now`), else None:
+    """The library's function of one plain tensor of `dtype`, where it may be called now, else None:
     `f(address, length, run, step, lam, limit, out)` writes the tensor's `figures` (5 float64) at the address `out`
-    and returns 1 where they are its exact record: every element finite and none with |x| >= `limit`."""
-    return _one_functions.get(dtype) if callable_now() else None
+    and returns 1 where they are its exact record: every element finite and none with |x| >= `limit`. Of
+    `callable_now`'s conditions, compile is not asked: the tensors a compile traces are subclasses (fake, functional),
+    never plain."""
+    if _len_torch_dispatch_stack() or not (_state["state"] == "ready" and enabled or ready()):
+        return None
+    return _one_functions.get(dtype)
 
 
 def read(dtype: torch.dtype, addresses: list[int], lengths: list[int], lam: float, runs: list[int],
@@ -265,8 +303,14 @@ def _build(path: Optional[Path]) -> None:
         partial = path.with_suffix(f".{os.getpid()}.partial.so")
         source.write_text(_SOURCE)
         try:
-            done = subprocess.run([*_compiler(), *_FLAGS, "-o", str(partial), str(source)], capture_output=True,
-                                  text=True, timeout=300)
+            attempts = [_flags()]
+            if attempts[0] != _FLAGS:               # headers that do not build: without the extension module's part
+                attempts.append(_FLAGS)
+            for flags in attempts:
+                done = subprocess.run([*_compiler(), *flags, "-o", str(partial), str(source)], capture_output=True,
+                                      text=True, timeout=300)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 raise RuntimeError((done.stderr.strip().splitlines() or ["no message"])[-1])
             os.replace(partial, path)               # whole or absent, for every process that looks
@@ -282,15 +326,20 @@ def _finish(path: Path) -> None:
     """Loads the library and checks it on a sample; a damaged one is removed (the next run builds it again)."""
     try:
         library = ctypes.CDLL(str(path))
+        module = None
+        if hasattr(library, f"PyInit_{_MODULE}"):     # built with this Python's headers: `one` is called directly
+            loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
+            module = loader.create_module(importlib.machinery.ModuleSpec(_MODULE, loader, origin=str(path)))
         for dtype in DTYPES:
             function = getattr(library, f"figures_{str(dtype).split('.')[1]}")
             function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_double, ctypes.c_void_p]
             function.restype = None
             _functions[dtype] = function
-            one = getattr(library, f"figures_{str(dtype).split('.')[1]}_one")
-            one.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_double, ctypes.c_double,
-                            ctypes.c_void_p]
-            one.restype = ctypes.c_int
+            one = getattr(module or library, f"figures_{str(dtype).split('.')[1]}_one")
+            if module is None:
+                one.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_double, ctypes.c_double,
+                                ctypes.c_void_p]
+                one.restype = ctypes.c_int
             _one_functions[dtype] = one
             sample = torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=dtype)
             got = figures([sample, sample[1:]], 0.5)
@@ -313,6 +362,16 @@ def _refuse(exc: BaseException) -> None:
                        "used", type(exc).__name__, exc)
 
 
+def _flags() -> list[str]:
+    """The compiler's flags; where this Python's headers are at hand on Linux (an extension module leaves Python's
+    symbols to the process there), also those that make the library an extension module whose `one` Python calls
+    without ctypes."""
+    include = sysconfig.get_paths().get("include")
+    if not sys.platform.startswith("linux") or not include or not os.path.exists(os.path.join(include, "Python.h")):
+        return _FLAGS
+    return [*_FLAGS, "-DTRAINMON_PY", f"-I{include}"]
+
+
 def _compiler() -> Optional[list[str]]:
     """The C compiler's command: `$CC` (which may hold a wrapper, "ccache gcc"), else the first of cc, gcc, clang."""
     if os.environ.get("CC", "").strip():
@@ -328,5 +387,6 @@ def _library() -> Optional[Path]:
     compiler = _compiler()
     if compiler is None:
         return None
-    recipe = "\n".join([_SOURCE, " ".join(_FLAGS), " ".join(compiler), platform.machine(), hardware("cpu")])
+    recipe = "\n".join([_SOURCE, " ".join(_flags()), " ".join(compiler), platform.machine(), hardware("cpu"),
+                        sysconfig.get_config_var("SOABI") or ""])
     return Path(cache_dir()) / "trainmon" / f"figures-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.so"

@@ -43,6 +43,7 @@ class _Location:
     inner: torch.optim.Optimizer
     group: dict
     grad_range: Optional[tuple]  # (start, end) of main_grad.view(-1) that this rank owns, or None: all of it
+    counts: bool  # whether this rank's piece counts (`MegatronAdapter._locate`)
 
 
 class MegatronAdapter(MegatronPlacement):
@@ -82,19 +83,18 @@ class MegatronAdapter(MegatronPlacement):
             for model_param, (gi, go) in opt.model_param_group_index_map.items():
                 main = inner.param_groups[gi]["params"][go]
                 param_range = opt._get_model_param_range_map(model_param)["param"]
-                self._where[id(model_param)] = _Location(main, inner, inner.param_groups[gi],
-                                                         (param_range.start, param_range.end))
+                self._locate(model_param, main, inner, inner.param_groups[gi], (param_range.start, param_range.end))
         elif kind == "Float16OptimizerWithFloat16Params":
             for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for model_param, main in zip(model_group, main_group):
-                    self._where[id(model_param)] = _Location(main, inner, group_of[id(main)], None)
+                    self._locate(model_param, main, inner, group_of[id(main)], None)
             for group in opt.fp32_from_fp32_groups:
                 for p in group:
-                    self._where[id(p)] = _Location(p, inner, group_of[id(p)], None)
+                    self._locate(p, p, inner, group_of[id(p)], None)
         elif kind == "FP32Optimizer":
             for group in inner.param_groups:
                 for p in group["params"]:
-                    self._where[id(p)] = _Location(p, inner, group, None)
+                    self._locate(p, p, inner, group, None)
         else:
             raise ValueError(f"set_monitor: Megatron optimizer {kind} is not supported; supported are "
                              "DistributedOptimizer, Float16OptimizerWithFloat16Params and FP32Optimizer")
@@ -103,10 +103,11 @@ class MegatronAdapter(MegatronPlacement):
         """TP shards all count; a TP duplicate counts on (expert) TP rank 0 only."""
         return bool(getattr(param, "tensor_model_parallel", False)) or self.axes(param).tp_rank == 0
 
-    def _counts(self, param, where: _Location) -> bool:
-        """Whether this rank's piece of `param` counts; whole replicas on every (expert) DP rank (no
-        DistributedOptimizer) count on its DP rank 0 only."""
-        return self._counts_tp(param) and (where.grad_range is not None or self.axes(param).dp_rank == 0)
+    def _locate(self, param, main: torch.Tensor, inner, group: dict, grad_range: Optional[tuple]) -> None:
+        """Notes where the optimizer keeps `param`, and whether this rank's piece of it counts: whole replicas on
+        every (expert) DP rank (no DistributedOptimizer) count on its DP rank 0 only."""
+        counts = self._counts_tp(param) and (grad_range is not None or self.axes(param).dp_rank == 0)
+        self._where[id(param)] = _Location(main, inner, group, grad_range, counts)
 
     # ------------------------------------------------------------------------------- pieces
     def step_owner(self):
@@ -117,7 +118,7 @@ class MegatronAdapter(MegatronPlacement):
         for w in params:
             where = self._where.get(id(w.param))
             grad = where.main.grad if where is not None else None
-            out.append(_counted(grad, self._counts(w.param, where)) if grad is not None else None)
+            out.append(_counted(grad, where.counts) if grad is not None else None)
         return out
 
     def inner_steps(self, params):
@@ -138,7 +139,7 @@ class MegatronAdapter(MegatronPlacement):
         return (norm, max_norm) if applied and norm is not None else None
 
     def main_params(self, params):
-        return [_counted(where.main, self._counts(w.param, where))
+        return [_counted(where.main, where.counts)
                 if (where := self._where.get(id(w.param))) is not None else None for w in params]
 
     def adam_pieces(self, params):
@@ -149,8 +150,7 @@ class MegatronAdapter(MegatronPlacement):
             if "exp_avg" not in state:
                 out.append(None)
                 continue
-            counts = self._counts(w.param, where)
-            out.append(AdamPiece(_counted(state["exp_avg"], counts), _counted(state["exp_avg_sq"], counts),
+            out.append(AdamPiece(_counted(state["exp_avg"], where.counts), _counted(state["exp_avg_sq"], where.counts),
                                  state["step"], tuple(where.group["betas"]), where.group["eps"]))
         return out
 

@@ -151,41 +151,34 @@ def main() -> int:
         tiers.insert(0, "none")
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda tier: count(tier, args), tiers))
-    base = next(r for r in rows if r["tier"] == "none")["training_per_step"]
-    if args.job == "megatron":
-        print_megatron(rows, base, args)
-        return 0
-    hooked_calls = 2 * (args.calls + 2)  # the chain, its Linear and the Sequential, forward and backward
-    for r in rows:
-        r["per_hooked_call"] = (r["training_per_step"] - base) / hooked_calls if r["tier"] != "none" else None
-    bare = next((r["per_hooked_call"] for r in rows if r["tier"] == BARE), None)
-    print(f"Instructions of the training thread per step ({args.steps} counted after {args.warmup}), a chain of "
-          f"{args.calls} modules, {hooked_calls} hooked calls a step; trainmon from "
-          f"{os.environ.get('PYTHONPATH') or ROOT}.\n")
-    print("| tier | per step | × none | per hooked call | × bare |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        per_call = r["per_hooked_call"]
-        times_bare = f"{per_call / bare:.2f}" if per_call is not None and bare else "-"
-        print(f"| {r['tier']} | {r['training_per_step'] / 1e6:.1f} M | {r['training_per_step'] / base:.3f} "
-              f"| {'-' if per_call is None else f'{per_call / 1e3:.1f} K'} | {times_bare} |")
-    write_json(rows, args)
+    report(rows, args)
     return 0
 
 
-def print_megatron(rows: list[dict], base: float, args) -> None:
-    print(f"Instructions of the training thread per step ({args.steps} counted after {args.warmup}), one process of "
-          f"Megatron-Core (hidden 64, 4 layers, 4 micro-batches); trainmon from "
-          f"{os.environ.get('PYTHONPATH') or ROOT}.\n")
-    print("| tier | per step | × none | added a step |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        per_step = r["training_per_step"]
-        print(f"| {r['tier']} | {per_step / 1e6:.2f} M | {per_step / base:.3f} | {(per_step - base) / 1e6:.2f} M |")
-    write_json(rows, args)
-
-
-def write_json(rows: list[dict], args) -> None:
+def report(rows: list[dict], args) -> None:
+    """Prints the counts; per hooked call on the chain, whose hooked calls a step are known."""
+    base = next(r for r in rows if r["tier"] == "none")["training_per_step"]
+    if args.job == "megatron":
+        what = "one process of Megatron-Core (hidden 64, 4 layers, 4 micro-batches)"
+        columns = ["added a step"]
+        cells = [[f"{(r['training_per_step'] - base) / 1e6:.2f} M"] for r in rows]
+    else:
+        hooked_calls = 2 * (args.calls + 2)  # the chain, its Linear and the Sequential, forward and backward
+        what = f"a chain of {args.calls} modules, {hooked_calls} hooked calls a step"
+        columns = ["per hooked call", "× bare"]
+        for r in rows:
+            r["per_hooked_call"] = (r["training_per_step"] - base) / hooked_calls if r["tier"] != "none" else None
+        bare = next((r["per_hooked_call"] for r in rows if r["tier"] == BARE), None)
+        cells = [["-" if call is None else f"{call / 1e3:.1f} K",
+                  f"{call / bare:.2f}" if call is not None and bare else "-"]
+                 for call in (r["per_hooked_call"] for r in rows)]
+    print(f"Instructions of the training thread per step ({args.steps} counted after {args.warmup}), {what}; "
+          f"trainmon from {os.environ.get('PYTHONPATH') or ROOT}.\n")
+    print("| " + " | ".join(["tier", "per step", "× none", *columns]) + " |")
+    print("|" + " --- |" * (3 + len(columns)))
+    for r, more in zip(rows, cells):
+        print(f"| {r['tier']} | {r['training_per_step'] / 1e6:.1f} M | {r['training_per_step'] / base:.3f} | "
+              + " | ".join(more) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": sys.argv, "pythonpath": os.environ.get("PYTHONPATH"), "rows": rows}, f, indent=1)

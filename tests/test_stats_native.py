@@ -242,10 +242,18 @@ def test_one_tensor_is_read_alike_called_directly_or_through_ctypes(fresh_state,
         assert one(x.data_ptr(), x.numel(), x.numel(), x.numel(), 0.5, 1e300, out.ctypes.data) == 0
 
 
-def test_headers_that_do_not_build_leave_the_library_to_ctypes(fresh_state, monkeypatch, tmp_path):
-    """Python's headers found but unusable: the library is built again without the extension module's part."""
+@pytest.mark.parametrize("fault", ["headers that do not build", "a module Python does not load"])
+def test_an_extension_module_that_fails_leaves_the_library_to_ctypes(fresh_state, monkeypatch, tmp_path, fault):
+    """Python's headers found but unusable: the library is built again without the extension module's part; built,
+    but refused by Python's loader: ctypes calls it. Either way the records are torch's."""
     import ctypes
-    monkeypatch.setattr(stats_native, "_flags", lambda: [*stats_native._FLAGS, "-DTRAINMON_PY", f"-I{tmp_path}"])
+    import importlib.machinery
+    if fault == "headers that do not build":
+        monkeypatch.setattr(stats_native, "_flags", lambda: [*stats_native._FLAGS, "-DTRAINMON_PY", f"-I{tmp_path}"])
+    else:
+        def refuse(loader, spec):
+            raise ImportError("refused")
+        monkeypatch.setattr(importlib.machinery.ExtensionFileLoader, "create_module", refuse)
     monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")
     assert stats_native.prepare(wait=True)
     assert isinstance(stats_native.one(torch.float32), ctypes._CFuncPtr)

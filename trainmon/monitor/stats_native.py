@@ -329,7 +329,10 @@ def _finish(path: Path) -> None:
         module = None
         if hasattr(library, f"PyInit_{_MODULE}"):     # built with this Python's headers: `one` is called directly
             loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
-            module = loader.create_module(importlib.machinery.ModuleSpec(_MODULE, loader, origin=str(path)))
+            try:
+                module = loader.create_module(importlib.machinery.ModuleSpec(_MODULE, loader, origin=str(path)))
+            except ImportError:                     # not loadable as a module here: ctypes calls it
+                module = None
         for dtype in DTYPES:
             function = getattr(library, f"figures_{str(dtype).split('.')[1]}")
             function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_double, ctypes.c_void_p]

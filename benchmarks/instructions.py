@@ -38,7 +38,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from frameworks import BARE, SCRIPTS, TIERS, micro_chain
+from frameworks import BARE, SCRIPTS, TIERS, free_port, micro_chain
 from overhead import tier_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,10 +65,7 @@ def child(tier: str, calls: int, steps: int, warmup: int) -> None:
 def megatron_child(tier: str, steps: int, warmup: int) -> None:
     """Trains one process of Megatron-Core (see the module doc) under the tier; the counted steps run inside
     `functools.reduce`."""
-    import random
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(random.randint(20000, 40000)), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     sys.path.insert(0, SCRIPTS)
     import torch.distributed as dist
     import train_megatron

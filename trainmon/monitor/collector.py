@@ -220,15 +220,15 @@ class StepCollector:
             if _data_address(t) != addresses[slot]:  # replaced or freed: never read (the address may be given back)
                 self._seen.put(id(t), t, _NEVER)
                 pending[slot] = torch.empty(0, dtype=t.dtype, device=t.device)
-        rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False) if pending else None
+        held = len(pending)
+        rows = stats.tensor_records(pending, self.eps, self.fields, unasked_zeroed=False) if held else None
         if self._arrivals.taken:                        # records read on arrival
             arrived = self._arrivals.records()
             rows = arrived if rows is None else torch.cat([rows, arrived])
-            held = len(pending)
             slots = [slot if slot >= 0 else held + ~slot for slot in slots]
         self._reduced.append(rows)
         self._batch_blocks.append(len(self._reduced) - 1)
-        self._batch_held.append(len(pending))
+        self._batch_held.append(held)
         if modified:
             self._drop_modified([key for key, slot in zip(keys, slots) if slot in modified])
             kept = [i for i, slot in enumerate(slots) if slot not in modified]

@@ -62,8 +62,6 @@ class RecordsOnArrival:
         self._figures = np.empty((256, 5))
         self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
         self._lengths: list[int] = []
-        # (shape, strides) -> (run, step) or None, of the views seen: a model's views repeat every micro-step
-        self._layouts: dict = {}
 
     def take(self, t: torch.Tensor) -> int:
         """Reads `t`'s figures now where it is a plain CPU tensor of `MIN_ELEMENTS` or more the native kernel reads in
@@ -80,10 +78,7 @@ class RecordsOnArrival:
         if t.is_contiguous():
             run = step = n
         else:
-            where = (t.shape, t.stride())
-            layout = self._layouts.get(where, False)
-            if layout is False:
-                layout = self._layouts[where] = stats_native.run_layout(t)
+            layout = stats_native.run_layout(t)
             if layout is None:
                 return -1
             run, step = layout

@@ -200,8 +200,7 @@ def ready() -> bool:
 def callable_now() -> bool:
     """Whether the library may be called now: it is ready, and no compile traces and no dispatch mode watches the
     call (the library would bypass both)."""
-    return (_state["state"] == "ready" and enabled or ready()) and not _len_torch_dispatch_stack() \
-        and not torch.compiler.is_compiling()
+    return ready() and not _len_torch_dispatch_stack() and not torch.compiler.is_compiling()
 
 
 def usable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -263,8 +262,23 @@ def run_layout(t: torch.Tensor) -> Optional[tuple[int, int]]:
     each `step` elements after the one before, where runs are whole multiples of LANES elements (q, k and v split
     from one projection: a run per head and token), or in one run (a transpose or permutation of a contiguous
     tensor); None otherwise. The figures do not depend on the order of the elements, so the dims are taken from the
-    largest stride to the smallest, broadcast dims (stride 0) first."""
-    dims = sorted([(stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1], reverse=True)
+    largest stride to the smallest, broadcast dims (stride 0) first. Remembered by (shape, strides): a model's views
+    repeat every micro-step."""
+    where = (t.shape, t.stride())
+    layout = _layouts.get(where, False)
+    if layout is False:
+        if len(_layouts) >= _LAYOUTS_MAX:          # shapes that do not repeat
+            _layouts.clear()
+        layout = _layouts[where] = _run_layout(*where)
+    return layout
+
+
+_layouts: dict = {}                                 # run_layout's answers by (shape, strides)
+_LAYOUTS_MAX = 1 << 12
+
+
+def _run_layout(shape: tuple, strides: tuple) -> Optional[tuple[int, int]]:
+    dims = sorted([(stride, size) for size, stride in zip(shape, strides) if size != 1], reverse=True)
     if dims and dims[-1][0] == 0:
         broadcast = [dim for dim in dims if dim[0] == 0]
         dims = broadcast + dims[:-len(broadcast)]

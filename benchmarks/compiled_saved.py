@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from gpu import GPU_TIERS
+from gpu import GPU_TIERS, add_model_arguments
 from overhead import attach_monitor, tier_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,13 +88,7 @@ def saved_bytes(args, tier: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiers", default="none,sentinel,full")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--dtype", default="bfloat16")
+    add_model_arguments(parser, layers=2, vocab=1024)
     parser.add_argument("--sdpa", choices=("default", "flash"), default="default")
     parser.add_argument("--keep-setting", action="store_true",
                         help="leave the partitioner's setting as it is where trainmon turns it off")

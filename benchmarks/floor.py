@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from gpu import GPU_TIERS
+from gpu import GPU_TIERS, MODEL_SHAPE, add_model_arguments
 from overhead import attach_monitor, tier_config
 
 FAMILIES = ("engine", "sentinel")
@@ -81,14 +81,8 @@ def count_reads(tier: str, args, seq: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiers", default="sentinel,wg,wg+xy,full,all")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tiers", default="sentinel,wg,wg+xy,full,all", help="tiers of gpu.py, comma-separated")
+    add_model_arguments(ap)
     ap.add_argument("--fit-seqs", default="16,32", help="the two sequence lengths the CPU runs (batch 1)")
     ap.add_argument("--bandwidth-tbs", type=float, default=3.35, help="device memory bandwidth, TB/s (H100 SXM)")
     ap.add_argument("--none-step-ms", type=float, default=78.7,
@@ -105,7 +99,7 @@ def main() -> int:
           f"`none` {args.none_step_ms} ms a step")
     print(f"{'tier':9} {'fixed GB':>9} {'tokens GB':>10} {'engine GB':>10} {'sentinel GB':>12} {'floor ms':>9} "
           f"{'floor x':>8}")
-    shape = [f"--{name}={getattr(args, name)}" for name in ("dtype", "layers", "hidden", "heads", "seq", "vocab")]
+    shape = [f"--{name}={getattr(args, name)}" for name in MODEL_SHAPE if name != "batch"]   # the child's batch is 1
     for tier in args.tiers.split(","):
         runs = []
         for seq in (short, long):

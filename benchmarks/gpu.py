@@ -192,16 +192,23 @@ def _records_written(out_dir: str) -> int:
     return total
 
 
+# TinyGPT's shape in the GPU runs: a GPU-sized step
+MODEL_SHAPE = {"dtype": "bfloat16", "layers": 12, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 8, "vocab": 32000}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
+    """The options of TinyGPT's shape, defaulting to the GPU runs' (MODEL_SHAPE) where `defaults` does not say."""
+    shape = {**MODEL_SHAPE, **defaults}
+    parser.add_argument("--dtype", default=shape["dtype"], help="the model's dtype")
+    for name, what in (("layers", "transformer layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("seq", "sequence length"), ("batch", "sequences a step"), ("vocab", "vocabulary size")):
+        parser.add_argument(f"--{name}", type=int, default=shape[name], help=what)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tiers", default=",".join(TIERS), help="the tiers of eager mode")

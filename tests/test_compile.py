@@ -286,17 +286,24 @@ def _bytes_held_for_backward(write_config, config: dict | None) -> int:
     return sum(storages.values())
 
 
+@pytest.fixture
+def no_autograd_cache():
+    """Each compile partitioned anew. Through the config's own patch: pytest's monkeypatch deletes, at undo, a
+    config attribute that it read through the module's `__getattr__` (pytest 9.2)."""
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 @pytest.mark.parametrize("session_flag", [True, False], ids=["compile-session-flag", "no-compile-session-flag"])
 @pytest.mark.parametrize("tier", ["sentinel", "activations"])
 def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(output_dir, write_config, monkeypatch,
-                                                                             tier, session_flag):
+                                                                             no_autograd_cache, tier, session_flag):
     """trainmon's op in the graph made AOTAutograd's partitioner save fp32 products of LayerNorm and GELU that it
     recomputes from their bf16 inputs unmonitored (see in_graph); the setting it turns off for that is back after.
 
     Without the flag torch holds for a whole compile (releases before it, such as the GPU runs' 2.11, which held
     2.33 GB more), `torch.compiler.is_compiling()` is False in the op's fake implementation, which Dynamo runs
     untraced."""
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)   # partitioned in this test
     if not session_flag and hasattr(torch.compiler, "_compile_session_context"):
         monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
     setting = torch._functorch.config.ban_recompute_used_far_apart
@@ -304,10 +311,10 @@ def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(out
     assert torch._functorch.config.ban_recompute_used_far_apart == setting
 
 
-def test_the_partition_setting_is_back_after_each_compile_across_a_dynamo_reset(output_dir, write_config, monkeypatch):
+def test_the_partition_setting_is_back_after_each_compile_across_a_dynamo_reset(output_dir, write_config,
+                                                                              no_autograd_cache):
     """`torch._dynamo.reset()` (which `_bytes_held_for_backward` calls first) drops the callbacks that run at a
     compile's end: the one that puts the partitioner's setting back is registered again by the next compile."""
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     setting = torch._functorch.config.ban_recompute_used_far_apart
     held = [_bytes_held_for_backward(write_config, TIERS["sentinel"]) for _ in range(2)]
     assert held[0] == held[1]

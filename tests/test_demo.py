@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from process_group import run
 from trainmon.demo import DEMO_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,8 +17,7 @@ def test_configs_demo_json_is_the_embedded_default():
 
 def _demo(tmp_path, *args) -> str:
     env = {**os.environ, "MONITOR_OUTPUT_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "trainmon.cli", "demo", *args], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = run([sys.executable, "-m", "trainmon.cli", "demo", *args], timeout=300, env=env)  # its daemon ends with it
     assert out.returncode == 0, out.stderr
     return out.stdout
 

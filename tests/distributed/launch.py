@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+from process_group import run
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 300
 
@@ -25,7 +27,7 @@ def torchrun(script: str, nproc: int, args: list[str], output_dir, env: dict | N
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", os.path.join(HERE, script)] + args
     try:
-        done = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        done = run(cmd, TIMEOUT_S, env=full_env)  # the ranks end with torchrun, whatever ends it
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"{script} {args} hung for {TIMEOUT_S}s:\n{err.stdout}\n{err.stderr}") from None
     output = done.stdout + done.stderr

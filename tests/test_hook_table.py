@@ -1,12 +1,15 @@
 """The hook table: which groups a config installs, each behind the HookGroup interface, and msprobe's
-TrainerMon arguments that trainmon does not use refused with the reason."""
+TrainerMon arguments that trainmon does not use accepted with one warning each, saying why."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 from training import make_model, run_steps
 from trainmon import TrainerMon
+from trainmon.trainer_mon import UNUSED_MSPROBE_ARGUMENTS, UnusedArgumentWarning
 from trainmon.hook_table import GROUPS
 from trainmon.monitor.hook_group import HookGroup
 
@@ -48,11 +51,32 @@ def test_a_rank_outside_module_ranks_installs_no_activation_hooks(output_dir, wr
     assert "ActivationHooks" not in groups and "SavedVariables" not in groups
 
 
-@pytest.mark.parametrize("argument, value, reason", [
-    ("process_group", object(), "module_ranks"),
-    ("params_have_main_grad", True, "as its adapter finds them"),
-])
-def test_msprobe_arguments_trainmon_does_not_use_are_refused(write_config, argument, value, reason):
-    with pytest.raises(ValueError, match=reason):
-        TrainerMon(write_config(), **{argument: value})
-    TrainerMon(write_config(), **{argument: None})  # msprobe's default passes
+# msprobe's documented calls: TrainerMon(config_file_path, process_group=None, params_have_main_grad=True, opt_ty=None)
+MSPROBE_CALLS = [
+    ((), {}),
+    ((), {"params_have_main_grad": False}),
+    ((), {"params_have_main_grad": True}),
+    ((None,), {}),
+    ((None, True), {}),
+    ((), {"process_group": None, "params_have_main_grad": True, "opt_ty": None}),
+    ((None, False, "Megatron_DistributedOptimizer"), {}),
+]
+
+
+@pytest.mark.parametrize("args, kwargs", MSPROBE_CALLS)
+def test_every_form_of_msprobes_call_trains_a_step_and_warns_once_per_argument_given(output_dir, write_config,
+                                                                                      args, kwargs):
+    names = ["process_group", "params_have_main_grad", "opt_ty"][:len(args)] + list(kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = TrainerMon(write_config(wg_distribution=True, format=["db"]), *args, **kwargs)
+    said = [str(w.message) for w in caught if w.category is UnusedArgumentWarning]
+    assert len(said) == len(names)
+    for name, text in zip(names, said):
+        assert f"TrainerMon({name}=...)" in text and UNUSED_MSPROBE_ARGUMENTS[name] in text
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor.set_monitor(model, optimizer=optimizer)
+    run_steps(model, optimizer, 1)
+    monitor.stop()
+    assert monitor.step == 1

@@ -5,6 +5,7 @@ import atexit
 import dataclasses
 import functools
 import logging
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -38,6 +39,7 @@ from trainmon.writers.shutdown import SigtermDrain
 from trainmon.writers.tensor_dump_sink import TensorDumpSink
 
 logger = logging.getLogger("trainmon")
+_NOT_GIVEN = object()  # an msprobe argument left out of the call
 
 
 class TrainerMon:
@@ -52,12 +54,15 @@ class TrainerMon:
 
     Args:
         config_file_path: the JSON config (msprobe monitor keys); validated here, before training.
-        process_group, params_have_main_grad: msprobe's arguments, accepted at their defaults only (see
-            `_refuse_msprobe_arguments`).
+        process_group, params_have_main_grad, opt_ty: msprobe's arguments (its defaults: None, True, None),
+            accepted so that msprobe's calls run unchanged; trainmon needs none of them, and one given warns
+            once saying why (`UNUSED_MSPROBE_ARGUMENTS`).
     """
 
-    def __init__(self, config_file_path: str, process_group=None, params_have_main_grad: Optional[bool] = None):
-        _refuse_msprobe_arguments(process_group, params_have_main_grad)
+    def __init__(self, config_file_path: str, process_group=_NOT_GIVEN, params_have_main_grad=_NOT_GIVEN,
+                 opt_ty=_NOT_GIVEN):
+        _warn_unused_msprobe_arguments(process_group=process_group, params_have_main_grad=params_have_main_grad,
+                                       opt_ty=opt_ty)
         self.config_path = config_file_path
         self.config: MonitorConfig = load_config(config_file_path)
         self.step = 0
@@ -378,16 +383,25 @@ class TrainerMon:
         self.stop()
 
 
-def _refuse_msprobe_arguments(process_group, params_have_main_grad) -> None:
-    """msprobe's TrainerMon takes these; trainmon needs neither, and a value it would ignore is an error."""
-    if process_group is not None:
-        raise ValueError("TrainerMon(process_group=...) is not used: every rank writes rank_<global rank>/ and "
-                         "sharded tensors merge over the groups the framework's adapter reads; choose the ranks "
-                         "that write with the config's module_ranks, and drop the argument")
-    if params_have_main_grad is not None:
-        raise ValueError("TrainerMon(params_have_main_grad=...) is not used: grads are read where the framework "
-                         "keeps them (Megatron's main_grad, DeepSpeed's partitions, param.grad elsewhere), as its "
-                         "adapter finds them; drop the argument")
+class UnusedArgumentWarning(UserWarning):
+    """An argument of msprobe's TrainerMon that trainmon accepts and does not need."""
+
+
+# msprobe's TrainerMon arguments, with why trainmon needs none of them.
+UNUSED_MSPROBE_ARGUMENTS = {
+    "process_group": "every rank writes rank_<global rank>/ and sharded tensors merge over the groups the "
+                     "framework's adapter reads; the config's module_ranks chooses the ranks that write",
+    "params_have_main_grad": "grads are read where the framework keeps them (Megatron's main_grad, DeepSpeed's "
+                             "partitions, param.grad elsewhere), as its adapter finds them",
+    "opt_ty": "the optimizer's adapter is chosen from the optimizer object given to set_monitor",
+}
+
+
+def _warn_unused_msprobe_arguments(**given) -> None:
+    for name, value in given.items():
+        if value is not _NOT_GIVEN:
+            warnings.warn(f"TrainerMon({name}=...) is accepted for msprobe compatibility and not needed: "
+                          f"{UNUSED_MSPROBE_ARGUMENTS[name]}", UnusedArgumentWarning, stacklevel=3)
 
 
 def _start_config_capture(config: MonitorConfig, chunks: list, run_dir):

@@ -35,17 +35,33 @@ def _matches_prefix(targets: dict, name: str, vpp: int) -> bool:
     return False
 
 
+def module_places(chunk: torch.nn.Module, squash: bool) -> list[tuple[str, tuple[str, ...], torch.nn.Module]]:
+    """(name written, the module names folded into it, the module hooked there) of each module of `chunk`.
+
+    Where `squash` folds a wrapper's name into the module it wraps (DDP's and DeepSpeed's `module`, a checkpoint
+    wrapper's `_checkpoint_wrapped_module`), the chain is one place, hooked once: at its innermost module, which
+    every call through the chain reaches, and whose tensors are those of the model as written (a wrapper may
+    move or cast what it passes on: Megatron's Float16Module). Hooking each would record every call twice
+    under one name."""
+    places: dict[str, tuple[tuple[str, ...], torch.nn.Module]] = {}
+    for name, module in in_graph.named_modules(chunk):  # an outer module before those it wraps
+        place = display_name(name, squash)
+        folded = places[place][0] if place in places else ()
+        places[place] = (folded + (name,), module)
+    return [(place, names, module) for place, (names, module) in places.items()]
+
+
 def watched_modules(chunks: list[torch.nn.Module], config: MonitorConfig) -> list[WatchedModule]:
     every = config.all_xy or not config.targets
     out = []
     for vpp, chunk in enumerate(chunks):
-        for name, module in in_graph.named_modules(chunk):
-            target = _target_for(config.targets, name, vpp)
+        for place, names, module in module_places(chunk, config.squash_name):
+            target = next((t for t in (_target_for(config.targets, n, vpp) for n in names) if t is not None), None)
             if not every and target is None:
                 continue
             target = target or {}
             out.append(WatchedModule(
-                name=display_name(name, config.squash_name), module=module, vpp_stage=vpp,
+                name=place, module=module, vpp_stage=vpp,
                 input_sel=_selector(target, "input"), output_sel=_selector(target, "output"),
                 input_grad_sel=_selector(target, "input_grad"), output_grad_sel=_selector(target, "output_grad")))
     return out

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from process_group import run
 from trainmon.demo import DEMO_CONFIG
 
@@ -85,3 +87,92 @@ def test_the_demos_view_is_smaller_than_its_database(tmp_path):
             for value in event.summary.value}
     assert sum(p.stat().st_size for p in events) <= sum(p.stat().st_size for p in run.glob("rank_*/monitor.db"))
     assert len(tags) < 150 and len([t for t in tags if t.startswith("Overview/")]) <= 30
+
+
+def _hints(tmp_path, monkeypatch, config: dict, steps: int = 12) -> list[tuple[str, str]]:
+    """The demo's next steps after a small training under `config`."""
+    from trainmon import demo
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    _, monitor = demo.train(steps, str(path), batch=2, seq=8, hidden=16, layers=1, log_every=0)
+    run_dir = monitor.output_dir.parent
+    return demo.next_steps(run_dir, demo.watch_logdir(run_dir, monitor.config.watch),
+                           monitor.watch_process is not None)
+
+
+def _trainmon(command: str, capsys) -> str:
+    """A printed `trainmon ...` command run in this process: its stdout (it must exit 0)."""
+    import shlex
+    from trainmon.cli import main
+    capsys.readouterr()
+    assert main(shlex.split(command)[1:]) == 0, command
+    return capsys.readouterr().out
+
+
+def test_the_next_steps_follow_the_config(tmp_path, monkeypatch, capsys):
+    """Without `watch` the first step makes the view; `show` is given a step that was collected (not the last one,
+    with step_interval 5 over 12 steps), and every command works."""
+    hints = _hints(tmp_path, monkeypatch, {"format": ["db"], "wg_distribution": True, "step_interval": 5})
+    commands = [command for command, _ in hints]
+    run_dir = str(next((tmp_path / "out").glob("run-*")))
+    assert commands == [f"trainmon watch {run_dir} --once", f"tensorboard --logdir {run_dir}/watch",
+                        f"trainmon nan-analyze {run_dir}",
+                        f"trainmon show {run_dir} --family grad_reduced --steps 10"]
+    _trainmon(commands[0], capsys)
+    assert list((tmp_path / "out").glob("run-*/watch/events.out.tfevents.*"))
+    _trainmon(commands[2], capsys)
+    rows = json.loads(_trainmon(commands[3] + " --json", capsys))
+    assert rows and {row["step"] for row in rows} == {10}
+
+
+def test_the_next_steps_of_a_run_that_collected_nothing(tmp_path, monkeypatch, capsys):
+    hints = _hints(tmp_path, monkeypatch, {"format": ["db"], "wg_distribution": True, "collect_times": 0})
+    command, note = hints[-1]
+    assert command.endswith("--scalars") and "no step was collected" in note
+    assert "loss" in _trainmon(command, capsys)
+
+
+def test_the_next_steps_of_a_run_without_readable_output(tmp_path, monkeypatch):
+    hints = _hints(tmp_path, monkeypatch, {"format": ["tensorboard"], "wg_distribution": True})
+    run_dir = next((tmp_path / "out").glob("run-*"))
+    assert [command for command, _ in hints] == [f"tensorboard --logdir {run_dir}"]
+
+
+@pytest.mark.slow
+def test_demo_with_a_config_collecting_every_fifth_step(tmp_path):
+    """The daemon beside the job follows a run with steps between collected ones to its end, and the hints name a
+    collected step."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    config = tmp_path / "every_fifth.json"
+    config.write_text(json.dumps({**DEMO_CONFIG, "step_interval": 5}))
+    stdout = _demo(tmp_path, "--config", str(config), "--steps", "12")
+    assert "trainmon watch exited" not in stdout and "still running" not in stdout, stdout
+    run = next(tmp_path.glob("run-*"))
+    steps: dict = {}
+    for path in (run / "watch").glob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+    assert steps["Overview/loss"] == list(range(12)) and steps["Overview/actv_norm_max"] == [0, 5, 10]
+    assert f"trainmon show {run} --family grad_reduced --steps 10 " in stdout
+
+
+def test_the_readmes_training_script_logs_the_loss_with_a_real_method():
+    """The snippet a user copies gives their view a loss chart, through methods TrainerMon has."""
+    import re
+    from trainmon import TrainerMon
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("## Enabling it in a training script", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    assert 'monitor.log_scalar("loss", loss)' in snippet
+    for method in re.findall(r"monitor\.(\w+)\(", snippet):
+        assert callable(getattr(TrainerMon, method, None)), method
+
+
+def test_every_package_data_pattern_names_files():
+    import configparser
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    for package, patterns in config["options.package_data"].items():
+        for pattern in patterns.replace(",", " ").split():
+            assert list((ROOT / package).glob(pattern)), f"{package}: {pattern}"

@@ -12,12 +12,16 @@ import os
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainmon.core.records import GRAD_REDUCED
+from trainmon.read.errors import InputError
+from trainmon.watch.spawn import WATCH_DIR, watch_logdir
 
 # The embedded default config; configs/demo.json holds the same keys (a test keeps them equal). Training
 # writes only the database, the cheapest sink; the daemon (`watch`) makes the TensorBoard view from it.
@@ -120,7 +124,7 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
     """Trains TinyGPT; with a config, under trainmon; with `inject_step`, an Inf enters INJECT_MODULE there.
 
     Returns:
-        (losses, the rank's output directory or None, the `trainmon watch` process or None).
+        (losses, the stopped TrainerMon or None).
     """
     torch.manual_seed(seed)
     model = TinyGPT(vocab=vocab, hidden=hidden, layers=layers, seq=seq)
@@ -150,10 +154,9 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
         losses.append(float(total))
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.time() - start:.1f}s)", flush=True)
-    if monitor is None:
-        return losses, None, None
-    monitor.stop()
-    return losses, str(monitor.output_dir), monitor.watch_process
+    if monitor is not None:
+        monitor.stop()
+    return losses, monitor
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,23 +165,59 @@ def run(args: argparse.Namespace) -> int:
     if inject_step is not None:
         print(f"injecting +Inf into {INJECT_MODULE}'s output at step {inject_step}")
     with _config_file(args.config) as config_path:
-        losses, output, watch = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps,
-                                      inject_step=inject_step)
+        losses, monitor = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps, inject_step=inject_step)
     print(f"\ntrained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
           f"{'' if math.isfinite(losses[-1]) else ' (non-finite!)'}")
-    run_dir = os.path.dirname(output)
+    run_dir = monitor.output_dir.parent
     print(f"monitor output: {run_dir}")
-    logdir = os.path.join(run_dir, "watch")
-    if watch is not None:
-        _wait_for(watch, logdir)
+    watched = monitor.watch_process is not None
+    logdir = watch_logdir(run_dir, monitor.config.watch)
+    if watched:
+        _wait_for(monitor.watch_process, logdir)
     if inject_step is not None:
-        _show_injection(run_dir, logdir)
+        _show_injection(run_dir, logdir if watched else None)
     print("\nnext steps:")
-    print(f"  1. tensorboard --logdir {logdir}      # opens on Overview (loss, grad norm, NaN/Inf counts); "
-          "one chart per layer, heatmaps (images), alerts (text)")
-    print(f"  2. trainmon nan-analyze {run_dir}      # where a NaN/Inf first appeared")
-    print(f"  3. trainmon show {run_dir} --family grad_reduced --steps {len(losses) - 1}      # the figures as a table")
+    for number, (command, note) in enumerate(next_steps(run_dir, logdir, watched), 1):
+        print(f"  {number}. {command}      # {note}")
     return 0
+
+
+def next_steps(run_dir: Path, logdir: Path, watched: bool) -> list[tuple[str, str]]:
+    """(command, what it gives) of each next step on this run, as its config made it: the daemon's view when it
+    ran (else the command that makes it), and a table of a step that was collected."""
+    try:
+        collected = _last_collected(run_dir)
+    except InputError as err:  # the config's formats write nothing the read layer reads (tensorboard, api)
+        return [(f"tensorboard --logdir {run_dir}", f"the ranks' own event files ({err})")]
+    out = []
+    if not watched:
+        option = "" if logdir == run_dir / WATCH_DIR else f" --logdir {logdir}"
+        out.append((f"trainmon watch {run_dir} --once{option}", "the view of every rank (the config has no watch)"))
+    out += [(f"tensorboard --logdir {logdir}", "opens on Overview (loss, grad norm, NaN/Inf counts); one chart per "
+                                               "layer, heatmaps (images), alerts (text)"),
+            (f"trainmon nan-analyze {run_dir}", "where a NaN/Inf first appeared")]
+    if collected is None:
+        out.append((f"trainmon show {run_dir} --scalars", "no step was collected (start_step, step_interval, "
+                                                         "collect_times): the logged scalars"))
+    else:
+        family, step = collected
+        out.append((f"trainmon show {run_dir} --family {family} --steps {step}", "the figures as a table"))
+    return out
+
+
+def _last_collected(run_dir: Path) -> Optional[tuple[str, int]]:
+    """(family, step) of the newest step with records, of grad_reduced when the run has it; None when no step has.
+
+    Raises:
+        InputError: the run holds nothing the read layer reads.
+    """
+    from trainmon.read import open_run
+    with open_run(run_dir) as run:
+        records = run.records()[["family", "step"]]
+    if records.empty:
+        return None
+    family = GRAD_REDUCED if (records.family == GRAD_REDUCED).any() else records.family.iloc[-1]
+    return family, int(records.step[records.family == family].max())
 
 
 @contextlib.contextmanager
@@ -194,7 +233,7 @@ def _config_file(path: Optional[str]) -> Iterator[str]:
         yield path
 
 
-def _wait_for(watch, logdir: str) -> None:
+def _wait_for(watch, logdir: Path) -> None:
     """Waits for the daemon's last round (it exits once the run has finished and is exported)."""
     try:
         watch.wait(timeout=WATCH_WAIT_S)
@@ -205,18 +244,20 @@ def _wait_for(watch, logdir: str) -> None:
         print(f"trainmon watch exited with status {watch.returncode}; see {logdir}/watch.log")
 
 
-def _show_injection(run_dir: str, logdir: str) -> None:
+def _show_injection(run_dir: Path, logdir: Optional[Path]) -> None:
+    """The daemon's alert (`logdir`: where it wrote; None: it did not run) and nan-analyze's answer."""
     from trainmon.anomaly.nan_analyze import analyze, describe_place
     from trainmon.watch.alerts import ALERTS_FILE
-    alerts_path = os.path.join(logdir, ALERTS_FILE)
-    alerts = []
-    if os.path.exists(alerts_path):
-        with open(alerts_path, encoding="utf-8") as fh:
-            alerts = [json.loads(line) for line in fh if line.strip()]
-    if alerts:
-        print(f"trainmon watch alerted ({alerts_path}):\n  {alerts[-1]['message']}")
-    else:
-        print(f"trainmon watch wrote no alert ({alerts_path})")
+    if logdir is not None:
+        alerts_path = logdir / ALERTS_FILE
+        alerts = []
+        if alerts_path.exists():
+            with open(alerts_path, encoding="utf-8") as fh:
+                alerts = [json.loads(line) for line in fh if line.strip()]
+        if alerts:
+            print(f"trainmon watch alerted ({alerts_path}):\n  {alerts[-1]['message']}")
+        else:
+            print(f"trainmon watch wrote no alert ({alerts_path})")
     first = analyze(run_dir)["first"]
     print(f"trainmon nan-analyze {run_dir}:\n  first non-finite tensor: "
           f"{describe_place(first) if first else 'none'}")

@@ -144,6 +144,7 @@ class StepFigures:
     worst: Optional[tuple] = None  # (family, name, vpp, rank) of the first NaN/Inf in family, model and rank order
     # (family, layer) -> min, median, max over ranks of each rank's layer value, and the rank of the max
     layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)
+    recorded: bool = False  # the step has records (not only scalars): a step between collected ones has none
 
     def grad_norms(self) -> dict[int, float]:
         """The global grad norm per rank: the logged `grad_norm` scalar, else the framework's norm before
@@ -178,8 +179,10 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
     index: dict = {}  # (family, name, vpp) -> its number across ranks
     parts = []
     for chunk in chunks:
+        if not len(chunk.step):
+            continue  # no records in these steps (between collected steps): only its scalars below
         remap = np.array([index.setdefault(key, len(index)) for key in chunk.keys], dtype=np.int64)
-        parts.append((chunk, remap[chunk.tag] if len(chunk.tag) else chunk.tag))
+        parts.append((chunk, remap[chunk.tag]))
     keys = list(index)
     figures: dict[int, StepFigures] = {}
 
@@ -196,7 +199,7 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
             values[op] = np.concatenate([c.values.get(op, np.full(len(c.step), np.nan)) for c, _ in parts])
             present[op] = np.concatenate([c.present.get(op, np.zeros(len(c.step), dtype=bool)) for c, _ in parts])
         micro = np.concatenate([chunk.micro for chunk, _ in parts]) - NO_MICRO_STEP  # from 0
-        first, width = int(step.min()) if len(step) else 0, max(len(keys), 1)
+        first, width = int(step.min()), max(len(keys), 1)
         group = (step - first) * width + tag
         # slots: one per rank (ascending) and micro-step
         micros = int(micro.max(initial=0)) + 1
@@ -223,8 +226,10 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
         bounds = np.flatnonzero(np.r_[True, np.diff(step[by_step]) != 0, True])
         for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             rows = by_step[begin:end]
-            at(int(step[rows[0]])).rows = StepRows(keys, tag[rows], rank[rows], {op: values[op][rows] for op in ops},
-                                                  {op: present[op][rows] for op in ops})
+            figure = at(int(step[rows[0]]))
+            figure.recorded = True
+            figure.rows = StepRows(keys, tag[rows], rank[rows], {op: values[op][rows] for op in ops},
+                                   {op: present[op][rows] for op in ops})
     for chunk in chunks:
         for number in chunk.nonfinite_steps:
             at(number).nonfinite = True

@@ -16,9 +16,9 @@ from trainmon.read.errors import InputError
 from trainmon.core.layout import RANK_DIR
 from trainmon.read.layout import find_run
 from trainmon.watch.run_watcher import RunWatcher, WatchOptions
+from trainmon.watch.spawn import WATCH_DIR
 
 logger = logging.getLogger("trainmon.watch")
-WATCH_DIR = "watch"  # the default log directory, inside the run (or the root)
 EXIT_ON_ANOMALY_STATUS = 3
 _TICK_S = 0.2  # how often the wait between rounds looks at signals and at stalls that fall due
 

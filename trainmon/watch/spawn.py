@@ -14,6 +14,12 @@ from typing import Optional
 
 logger = logging.getLogger("trainmon")
 LOG_FILE = "watch.log"
+WATCH_DIR = "watch"  # the default log directory, inside the run (or the root)
+
+
+def watch_logdir(run: Path, config) -> Path:
+    """Where the daemon of `run` writes, by the `watch` section (`WatchConfig`)."""
+    return Path(config.logdir) if config.logdir else run / WATCH_DIR
 
 
 def spawn_watch(run: Path, config, parent_pid: Optional[int] = None) -> Optional[subprocess.Popen]:
@@ -27,7 +33,7 @@ def spawn_watch(run: Path, config, parent_pid: Optional[int] = None) -> Optional
     Returns:
         The process, or None when it could not be started (logged; training goes on).
     """
-    logdir = Path(config.logdir) if config.logdir else run / "watch"
+    logdir = watch_logdir(run, config)
     command = [sys.executable, "-m", "trainmon.cli", "watch", str(run), "--logdir", str(logdir),
                "--interval", str(config.interval), "--stall-after", str(config.stall_after),
                "--heatmap-every", str(config.heatmap_every), "--until-done",

@@ -163,11 +163,12 @@ class View:
                 out.append((f"{OVERVIEW}/{family}_{op}_max", worst(largest[family])))
             if family in extremes:
                 out.append((f"{OVERVIEW}/{family}_absmax", worst(extremes[family])))
-        counts = figure.nonfinite_elements.values()
-        out += [(f"{OVERVIEW}/{NAN_ELEMENTS}", sum(c[0] for c in counts)),
-                (f"{OVERVIEW}/{INF_ELEMENTS}", sum(c[1] for c in counts)),
-                (f"{OVERVIEW}/tensors_nonfinite", float(figure.tensors_nonfinite)),
-                (f"{OVERVIEW}/stalled_ranks", float(stalled))]
+        if figure.recorded:  # a step without records has no count to show, not a count of 0
+            counts = figure.nonfinite_elements.values()
+            out += [(f"{OVERVIEW}/{NAN_ELEMENTS}", sum(c[0] for c in counts)),
+                    (f"{OVERVIEW}/{INF_ELEMENTS}", sum(c[1] for c in counts)),
+                    (f"{OVERVIEW}/tensors_nonfinite", float(figure.tensors_nonfinite))]
+        out.append((f"{OVERVIEW}/stalled_ranks", float(stalled)))
         if figure.worst is not None:
             out.append((f"{OVERVIEW}/first_nonfinite_rank", float(figure.worst[3])))
         return out

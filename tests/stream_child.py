@@ -93,6 +93,32 @@ def check(step: int, rows: list) -> None:
         [(k.family, k.name, k.micro_step, k.shape) for k in KEYS]
 
 
+def written(path: Path, steps: int) -> bytes:
+    """Writes a stream of `steps` batches (a metadata frame first, an end frame last); returns its bytes."""
+    stream = RecordStream(path)
+    stream.set_meta(META)
+    for step in range(steps):
+        stream.add_step(step, 0, KEYS, values(step), scalars(step))
+    stream.close()
+    return path.read_bytes()
+
+
+def mirrored_steps(path: Path, in_order: bool = True) -> list[int]:
+    """The steps the read layer gets from the stream at `path`, each checked against what was written;
+    `in_order`: the mirror also added them in step order."""
+    db = DbRankReader(stream_mirror.sync(path))
+    try:
+        steps = []
+        for step, rows in db.rows(None, None, None):
+            check(step, rows)
+            steps.append(step)
+        if in_order:
+            assert [s for (s,) in db.conn.execute("SELECT step FROM batches ORDER BY rowid")] == steps
+        return steps
+    finally:
+        db.close()
+
+
 def reader(path: str, n: int, handshake: bool) -> None:
     """Tails the stream two ways, by its frames and through the read layer's mirror; checks both."""
     raw_steps, offset, mirrored = [], 0, []
@@ -130,8 +156,6 @@ def reader(path: str, n: int, handshake: bool) -> None:
 
 
 def killed(path: str, n: int) -> None:
-    from pathlib import Path
-
     stream = RecordStream(Path(path))
     stream.set_meta(META)
     for step in range(n):
@@ -151,8 +175,6 @@ if __name__ == "__main__":
     elif mode == "reader":
         reader(stream_path, count, handshake)
     elif mode == "mirror":
-        import trainmon.writers.db_sink  # noqa: F401 (the update imports it on first use: not to be timed with it)
-
         print("start", flush=True)
         stream_mirror.sync(Path(stream_path))
     else:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import stream_child
+from stream_child import mirrored_steps, written
 from writer_helpers import monitored
 from trainmon import open_run
 from trainmon.read import stream_mirror
-from trainmon.read.database import DbRankReader
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import RankDir
 from trainmon.writers import stream_format
@@ -32,28 +32,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(stream_mirror.CACHE_ENV, str(tmp_path / "cache"))
     ENV[stream_mirror.CACHE_ENV] = str(tmp_path / "cache")
-
-
-def written(path: Path, steps: int) -> bytes:
-    stream = RecordStream(path)
-    stream.set_meta(stream_child.META)
-    for step in range(steps):
-        stream.add_step(step, 0, stream_child.KEYS, stream_child.values(step), stream_child.scalars(step))
-    stream.close()
-    return path.read_bytes()
-
-
-def mirrored_steps(path: Path) -> list[int]:
-    db = DbRankReader(stream_mirror.sync(path))
-    try:
-        steps = []
-        for step, rows in db.rows(None, None, None):
-            stream_child.check(step, rows)
-            steps.append(step)
-        assert [s for (s,) in db.conn.execute("SELECT step FROM batches ORDER BY rowid")] == steps
-        return steps
-    finally:
-        db.close()
 
 
 def garbage(data: bytes, size: int) -> bytes:
@@ -141,10 +119,13 @@ def test_kill_9_mid_frame_leaves_every_whole_batch_and_nothing_else(tmp_path):
     assert done.returncode == -signal.SIGKILL, done.stderr
     half = int(done.stdout)
     assert mirrored_steps(path) == [0, 1, 2, 3, 4]
-    assert stream_mirror.tail_bytes(stream_mirror.mirror_path(path)) == half
+    torn_at = stream_format.read_frames(path).end
+    found = stream_mirror.findings(path)
+    assert (found.lost, found.ended) == ([], False)
+    assert f"last {half} bytes, from offset {torn_at}, are not a whole step batch" in found.tail, found.tail
     assert mirrored_steps(path) == [0, 1, 2, 3, 4], "read again: nothing twice"
-    warnings = rank_evidence(RankDir(0, path.parent), {}).warnings
-    assert len(warnings) == 1 and f"last {half} bytes are not a whole step batch" in warnings[0], warnings
+    evidence = rank_evidence(RankDir(0, path.parent), {})
+    assert evidence.warnings == [found.tail] and not evidence.incomplete, "a torn tail is not data lost"
     # a job that appends (append_output) cuts the torn frame and goes on after the last whole one
     stream = RecordStream(path)
     stream.add_step(5, 0, stream_child.KEYS, stream_child.values(5), stream_child.scalars(5))

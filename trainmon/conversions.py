@@ -20,7 +20,7 @@ from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
 from trainmon.read.run import Run
 from trainmon.writers import db_schema
-from trainmon.writers.db_sink import MonitorDb
+from trainmon.writers.monitor_db import MonitorDb
 from trainmon.writers.tags import tag_for
 from trainmon.writers.tensorboard_sink import EventWriter
 
@@ -112,30 +112,41 @@ def csv_to_db(src: str | Path, out: str | Path, progress: Progress = no_progress
     return done
 
 
-def stream_to_db(src: str | Path, force: bool = False) -> list[int]:
+def stream_to_db(src: str | Path, force: bool = False, warn: Callable[[str], None] = lambda line: None) -> list[int]:
     """Writes `rank_<R>/monitor.db` beside each rank's `records.stream` (what the `db` format writes on a network
     filesystem), in rollback-journal mode: a database any host can open read-only once the job has ended. It is
-    built on this host's disk and moved into place whole. Returns the ranks written.
+    built on this host's disk and moved into place whole. Every stream is checked before any database is
+    written. Returns the ranks written.
+
+    Args:
+        force: also write the ranks whose stream is not whole (said through `warn`, one line each).
 
     Raises:
-        InputError: bad input (named), a rank that already has monitor.db, or (without `force`) one whose job
-            has not finished (its run.json has no writer report): readers prefer monitor.db to the stream, so a
-            database made while the job runs would hide what it writes later.
+        InputError: bad input (named), a rank that already has monitor.db, or (without `force`) a stream that is
+            not whole: corrupt, cut mid-frame, or without its end frame (its job is still writing it, or was
+            killed): readers prefer monitor.db to the stream, so a database made from it would hide what the
+            stream holds or will hold.
     """
     found = find_run(src)
-    done = []
-    for rank_dir in found.ranks:
-        if rank_dir.stream is None:
-            continue
+    ranks = [rank_dir for rank_dir in found.ranks if rank_dir.stream is not None]
+    mirrors = {}
+    for rank_dir in ranks:
         target = rank_dir.path / DB_NAME
         if target.exists():
             raise InputError.at(target, "already there; remove it to build it again from records.stream")
-        if not force and "writer" not in rank_dir.metadata():
-            raise InputError.at(rank_dir.path, "its job has not finished (run.json has no writer report): pass "
-                                               "--force for a job that was killed")
-        mirror = stream_mirror.sync(rank_dir.stream, rank_dir.jsonl)
+        mirrors[rank_dir.rank] = rank_dir.db
+        stream = stream_mirror.findings(rank_dir.stream)
+        problems = stream.warnings
+        if not stream.ended and stream.tail is None:
+            problems.append(f"{rank_dir.stream}: no end frame after its last whole frame (its job is still writing "
+                            "it or was killed)")
+        if problems and not force:
+            raise InputError(f"{problems[0]}; pass --force to write monitor.db from its whole frames")
+        for line in problems:
+            warn(line)
+    for rank_dir in ranks:
+        target = rank_dir.path / DB_NAME
         partial = target.with_name(f".{target.name}.partial")
-        shutil.copyfile(mirror, partial)
+        shutil.copyfile(mirrors[rank_dir.rank], partial)
         partial.replace(target)
-        done.append(rank_dir.rank)
-    return done
+    return [rank_dir.rank for rank_dir in ranks]

@@ -69,8 +69,9 @@ def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection
 
     Returns:
         A JSON-ready dict: run, ranks, sources {rank: [files]}, notes, warnings (sources cut short by a
-        crash, read up to their last whole record), missing_ranks and missing_warning (`RunDirs`'s: ranks of
-        the run without a directory), nonfinite_records, first
+        crash, read up to their last whole record; corrupt parts skipped), incomplete_ranks (the ranks with a
+        part that could not be read: a report without NaN or Inf does not make them clean), missing_ranks and
+        missing_warning (`RunDirs`'s: ranks of the run without a directory), nonfinite_records, first
         ({rank, step, micro_step, module, phase, tensor, call_index} or None when clean), first_record
         (first plus op, value, rule, family), ties and chain (lists shaped like first), cross_rank
         (`cross_rank.attribute`'s result plus `inputs_not_recorded_on`, the ranks that ran with
@@ -105,6 +106,7 @@ def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection
         "sources": sources,
         "notes": notes,
         "warnings": [w for s in summaries for w in s.warnings],
+        "incomplete_ranks": [s.rank for s in summaries if s.incomplete],
         "missing_ranks": run_dirs.missing_ranks if run_dirs else [],
         "missing_warning": run_dirs.missing_warning if run_dirs else None,
         "nonfinite_records": sum(s.records for s in summaries),
@@ -157,6 +159,10 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     lines += [f"note: {n}" for n in result["notes"]]
     lines += [f"warning: {w}" for w in result["warnings"]]
     first = result["first_record"]
+    if first is None and result["incomplete_ranks"]:
+        lines.append(f"not known to be clean: no NaN or Inf in the records read, but part of rank(s) "
+                     f"{', '.join(map(str, result['incomplete_ranks']))} could not be read (see the warnings)")
+        return "\n".join(lines)
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")
         return "\n".join(lines)

@@ -29,6 +29,7 @@ class RankSummary:
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    incomplete: bool = False  # part of a source could not be read: the rank is not known to be clean
     without_inputs: bool = False  # ran with cc_distribution on and cc_pre_hook off
 
 
@@ -68,6 +69,7 @@ def summarize_rank_dir(rank_dir: RankDir) -> RankSummary:
     out = summarize(rank_dir.rank, evidence.events)
     out.records = evidence.records  # the events are only those the report needs
     out.sources, out.notes, out.warnings = evidence.sources, evidence.notes, evidence.warnings
+    out.incomplete = evidence.incomplete
     cc = metadata.get("config", {}).get("cc_distribution", {})
     out.without_inputs = bool(cc.get("enable") and not cc.get("cc_pre_hook"))
     return out

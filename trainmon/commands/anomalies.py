@@ -34,7 +34,8 @@ def rank_top(job: tuple) -> tuple[list[AnomalyEvent], list[str]]:
     """(the `top` earliest anomalies, warnings) of one rank (job: rank directory, top, steps or None).
 
     They come from the rank's database's anomalies table where it has one, read in step order only as far
-    as needed; from anomalies.jsonl for the steps the database lacks.
+    as needed; from anomalies.jsonl for the steps the database lacks. (A rank's record stream holds no
+    anomalies: what could not be read of it is said, and takes none away.)
     """
     rank_dir, top, steps = job
     first, last = steps if steps is not None else (None, None)
@@ -50,6 +51,8 @@ def rank_top(job: tuple) -> tuple[list[AnomalyEvent], list[str]]:
                 in_db = rank_dir.jsonl is not None and reader.holds_lines_of(rank_dir.jsonl)
         finally:
             reader.close()
+        stream = rank_dir.stream_findings()
+        warnings += stream.warnings if stream is not None else []
     if rank_dir.jsonl is not None and not in_db:
         events += [e for e in read_jsonl(rank_dir.jsonl, warnings.append, skip_step=db_steps.__contains__)
                    if (first is None or e.step >= first) and (last is None or e.step <= last)]

@@ -16,6 +16,7 @@ import sys
 
 from trainmon.commands.arguments import (EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FOUND, add_json, add_ranks,
                                          add_steps, positive_int)
+from trainmon.commands.notices import warn
 
 
 def non_negative_float(text: str) -> float:
@@ -71,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"trainmon compare: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
             return EXIT_BAD_INPUT
     print(json.dumps(summary, indent=1) if args.json else text())
-    return EXIT_CLEAN if summary["agree"] else EXIT_FOUND
+    if summary["agree"]:
+        return EXIT_CLEAN
+    # records that could not be read may be all that differs
+    return EXIT_BAD_INPUT if summary.get("unread") and summary["first_divergent"] is None else EXIT_FOUND
 
 
 def _compare_runs(args: argparse.Namespace):
@@ -82,8 +86,11 @@ def _compare_runs(args: argparse.Namespace):
 
     name_map = NameMap.load(args.map)
     with open_run(args.a) as run_a, open_run(args.b) as run_b:
+        for warning in dict.fromkeys(run_a.stream_warnings + run_b.stream_warnings):  # once, when A and B are one run
+            warn(args, warning)
         ranks = rank_pairs(run_a, run_b, args.ranks)
         check_steps((run_a, run_b), ranks, args.steps)
         records = execution_order(list(align(run_a, run_b, ranks, args.steps, name_map, args.rtol, args.atol)))
-        summary = summarize(records, str(run_a.path), str(run_b.path), ranks, args.rtol, args.atol, args.top)
+        unread = list(dict.fromkeys(str(run.path) for run in (run_a, run_b) if run.incomplete))
+        summary = summarize(records, str(run_a.path), str(run_b.path), ranks, args.rtol, args.atol, args.top, unread)
     return summary, lambda fh: write_csv(records, fh), lambda: format_report(summary)

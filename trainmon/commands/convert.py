@@ -6,7 +6,9 @@ import argparse
 import sqlite3
 import sys
 
+from trainmon import conversions
 from trainmon.commands.arguments import add_quiet
+from trainmon.commands.notices import warn
 
 _COMMANDS = {
     "csv2tb": ("CSV files (trainmon's or msprobe's) to TensorBoard event files", "csv"),
@@ -30,15 +32,15 @@ def register(subparsers) -> None:
                                    description="Writes rank_<R>/monitor.db from rank_<R>/records.stream (what the db "
                                                "format writes on a network filesystem), after the job.")
     parser.add_argument("src", help="run directory (holding rank_<R>/) or a rank directory")
-    parser.add_argument("--force", action="store_true", help="also ranks whose job did not finish (killed)")
+    parser.add_argument("--force", action="store_true",
+                        help="also ranks whose stream is not whole (corrupt, cut mid-frame, or without its end frame: "
+                             "a job killed or still writing); each is named on stderr")
     parser.set_defaults(handler=run_stream_to_db)
 
 
 def run_stream_to_db(args: argparse.Namespace) -> int:
-    from trainmon import conversions  # the writers import torch
-
     try:
-        ranks = conversions.stream_to_db(args.src, args.force)
+        ranks = conversions.stream_to_db(args.src, args.force, lambda line: warn(args, line))
     except (OSError, ValueError, sqlite3.Error) as err:
         print(f"trainmon stream2db: {err}", file=sys.stderr)
         return 2
@@ -52,8 +54,6 @@ def _progress_bar(items, total, description):
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainmon import conversions  # the writers import torch
-
     progress = conversions.no_progress if args.quiet else _progress_bar
     source = _COMMANDS[args.conversion][1]
     try:

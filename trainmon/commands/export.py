@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     run = find_run(args.src)  # cli.main reports an InputError
     run.only(args.ranks)  # a rank the run lacks is an InputError, before the output is prepared
-    warn(args, run.missing_warning)
+    for warning in [run.missing_warning] + [w for stream in run.stream_findings(args.ranks) for w in stream.warnings]:
+        warn(args, warning)
     prepare_output(run.path, Path(args.out), args.overwrite, export.PARTITION_DIR)
     records = export.export(args.src, args.out, progress=not args.quiet, ranks=args.ranks)
     print(f"trainmon export: {records} records written to {args.out}")

@@ -1,6 +1,7 @@
 """`trainmon nan-analyze DIR`: where NaN/Inf first appeared in a run, and where it spread.
 
-Exit status: 0 clean (no NaN or Inf), 1 found, 2 bad input."""
+Exit status: 0 clean (no NaN or Inf), 1 found, 2 bad input (also: none found, but part of the run could not be
+read)."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
     else:
         print(text)
-    return EXIT_CLEAN if result["first"] is None else EXIT_FOUND
+    if result["first"] is not None:
+        return EXIT_FOUND
+    return EXIT_BAD_INPUT if result["incomplete_ranks"] else EXIT_CLEAN
 
 
 def _overflow(path: str, result: dict):

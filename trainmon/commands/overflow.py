@@ -2,13 +2,16 @@
 computed the overflow, inherited it (from upstream or the data), or the overflow was internal; with the
 rate of optimizer updates that loss scaling skipped.
 
-Exit status: 0 nothing saturated or non-finite, 1 found, 2 bad input."""
+Exit status: 0 nothing saturated or non-finite, 1 found, 2 bad input (also: nothing found, but part of the run
+could not be read)."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from trainmon.commands.arguments import EXIT_CLEAN, EXIT_FOUND, add_json, add_ranks, add_steps
+from trainmon.commands.arguments import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FOUND, add_json, add_ranks, add_steps
+from trainmon.commands.notices import warn
+from trainmon.read.layout import find_run
 
 
 def register(subparsers) -> None:
@@ -25,5 +28,15 @@ def run(args: argparse.Namespace) -> int:
     from trainmon.anomaly.overflow import analyze, format_report
 
     result = analyze(args.dir, args.steps, args.ranks)  # cli.main reports an InputError
-    print(json.dumps(result, indent=1, default=str) if args.json else format_report(result))
-    return EXIT_FOUND if result["modules"] else EXIT_CLEAN
+    streams = find_run(args.dir).stream_findings(args.ranks)
+    for stream in streams:
+        for warning in stream.warnings:
+            warn(args, warning)
+    result["incomplete"] = any(stream.lost for stream in streams)
+    text = format_report(result)
+    if result["incomplete"] and not result["modules"]:
+        text += "\nnot known to be clean: part of the run could not be read (see the warnings)"
+    print(json.dumps(result, indent=1, default=str) if args.json else text)
+    if result["modules"]:
+        return EXIT_FOUND
+    return EXIT_BAD_INPUT if result["incomplete"] else EXIT_CLEAN

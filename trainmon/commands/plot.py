@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     history = History(args.op, args.window)
     followers = [RankFollower(rank_dir) for rank_dir in run_dirs.ranks]
     for follower in followers:
-        follower.poll(final=True)
+        warn(args, follower.poll(final=True))
     last = max((f.latest for f in followers if f.latest is not None), default=None)
     if last is None:
         print(f"trainmon plot: {run_dirs.path} holds no committed step", file=sys.stderr)

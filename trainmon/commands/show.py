@@ -31,7 +31,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         with open_run(args.dir, args.source) as monitor_run:
-            warn(args, monitor_run.missing_warning)
+            for warning in [monitor_run.missing_warning, *monitor_run.stream_warnings]:
+                warn(args, warning)
             if args.scalars:
                 table = monitor_run.scalars(steps=args.steps)
                 if args.ranks:

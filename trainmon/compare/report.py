@@ -4,7 +4,7 @@ from __future__ import annotations
 import csv
 import math
 from collections import Counter
-from typing import Optional, TextIO
+from typing import Optional, Sequence, TextIO
 
 from trainmon.compare.records import CLOSE, DIVERGED, EQUAL, ONLY_A, ONLY_B, Aligned
 from trainmon.core.schema import OPS
@@ -36,8 +36,9 @@ def describe(record: Aligned) -> dict:
 
 
 def summarize(records: list[Aligned], run_a: str, run_b: str, ranks: list[int], rtol: float, atol: float,
-              top: int = 10) -> dict:
-    """The comparison's summary; `records` in execution order."""
+              top: int = 10, unread: Sequence[str] = ()) -> dict:
+    """The comparison's summary; `records` in execution order. `unread`: the runs of which a part could not be
+    read (a corrupt record stream): then they are not said to agree."""
     counts = Counter(r.verdict for r in records)
     diverged = [r for r in records if r.verdict == DIVERGED]
     worst = sorted(diverged, key=lambda r: -r.worst)[:top]
@@ -49,7 +50,8 @@ def summarize(records: list[Aligned], run_a: str, run_b: str, ranks: list[int], 
             "records": len(records), "compared": compared, "one_side_only": one_side,
             "verdicts": verdicts,
             # agreement is claimed only when every record exists on both sides and agrees
-            "agree": bool(records) and verdicts[DIVERGED] == 0 and one_side == 0,
+            "agree": bool(records) and verdicts[DIVERGED] == 0 and one_side == 0 and not unread,
+            "unread": list(unread),
             "first_divergent": describe(first) if first else None,
             "most_divergent": [describe(r) for r in worst]}
 
@@ -88,6 +90,9 @@ def format_report(summary: dict) -> str:
     first = summary["first_divergent"]
     if summary["agree"]:
         lines.append("the runs agree within tolerance: every record exists in both and agrees")
+    elif first is None and summary["unread"]:
+        lines.append(f"cannot say whether the runs agree: part of {' and '.join(summary['unread'])} could not be "
+                     "read (see the warnings)")
     elif first is None:
         share = summary["one_side_only"] / summary["records"] if summary["records"] else 0.0
         lines.append(f"the runs differ: no record both hold diverges, but {summary['one_side_only']} of "

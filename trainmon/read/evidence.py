@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from trainmon.core.events import AnomalyEvent
-from trainmon.read import stream_mirror
 from trainmon.read.csv_rows import read_csv_rows
 from trainmon.read.database import DbRankReader
 from trainmon.read.db_nonfinite import record_event
 from trainmon.read.jsonl import read_jsonl
-from trainmon.core.layout import ANOMALIES_FILE, DB_NAME
+from trainmon.core.layout import ANOMALIES_FILE, DB_NAME, STREAM_NAME
 from trainmon.read.layout import RankDir
 
 
@@ -36,6 +35,7 @@ class RankEvidence:
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    incomplete: bool = False  # part of a source could not be read (a corrupt frame): no report may call it clean
 
 
 def record_identity(event: AnomalyEvent) -> tuple:
@@ -64,14 +64,14 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
         finally:
             reader.close()
         out.events, out.records = found.events, found.records
-        out.sources.append(DB_NAME)
+        stream = rank_dir.stream_findings()
+        out.sources.append(DB_NAME if stream is None else STREAM_NAME)
         if Path(f"{db}-wal").exists():
             out.warnings.append(f"{db}: its job is still writing it or was stopped (a -wal file is "
                                 "beside it); read up to its last committed step")
-        tail = stream_mirror.tail_bytes(db) if stream_mirror.is_mirror(db) else 0
-        if tail:
-            out.warnings.append(f"{rank_dir.stream}: its last {tail} bytes are not a whole step batch (its job is "
-                                "still writing it or was killed); read up to its last whole batch")
+        if stream is not None:
+            out.warnings += stream.warnings
+            out.incomplete = bool(stream.lost)
 
     def lacking(step: int) -> bool:
         return step not in db_steps

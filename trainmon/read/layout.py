@@ -53,6 +53,16 @@ class RankDir:
             return None
         return stream_mirror.sync(self.stream, self.jsonl)
 
+    def stream_findings(self) -> Optional[stream_mirror.Findings]:
+        """What reading the rank's record stream found besides whole frames (None: the rank's records are not
+        read from a stream).
+
+        Raises:
+            InputError, OSError: the record stream cannot be read.
+        """
+        db = self.db
+        return stream_mirror.findings(self.stream) if db is not None and stream_mirror.is_mirror(db) else None
+
     @property
     def stream(self) -> Optional[Path]:
         """records.stream: what the `db` format writes on a network filesystem."""
@@ -113,6 +123,15 @@ class RunDirs:
             raise InputError.at(self.path, f"has no rank {', '.join(map(str, missing))} (ranks: "
                                            f"{_listed([d.rank for d in self.ranks])})")
         return [d for d in self.ranks if d.rank in wanted]
+
+    def stream_findings(self, ranks: Optional[Iterable[int]] = None) -> list[stream_mirror.Findings]:
+        """What reading the record streams of `ranks` (all for None) found besides whole frames, one per rank
+        read from a stream.
+
+        Raises:
+            InputError: a stream cannot be read, or one of `ranks` is not a rank of the run.
+        """
+        return [found for rank_dir in self.only(ranks) if (found := rank_dir.stream_findings()) is not None]
 
     @cached_property
     def missing_ranks(self) -> list[int]:

@@ -59,6 +59,10 @@ class Run:
     the DataFrames, as is a NaN figure; the `nans` column (and, from a database, the `count`, `nans`,
     `infs` fields) tell them apart.
 
+    What a caller should say beside the answers: `missing_warning` (ranks without a directory) and
+    `stream_warnings` (corrupt parts of a record stream, skipped; a tail); `incomplete` is true when a part of a
+    record stream could not be read, so no answer may call the run clean.
+
     Args:
         path: a run directory (holding `rank_<R>/`), one rank directory, msprobe's output root
             (holding `<time>-rank<R>-<uuid>/`), or an output root (its latest run, with a warning).
@@ -75,9 +79,13 @@ class Run:
         try:
             for rank_dir in found.ranks:
                 self._readers[rank_dir.rank] = open_rank(rank_dir, source)
+            streams = found.stream_findings() if source != "csv" else []
         except Exception:
             self.close()
             raise
+        # said by the caller too: what reading the ranks' record streams found besides whole frames
+        self.stream_warnings = [line for stream in streams for line in stream.warnings]
+        self.incomplete = any(stream.lost for stream in streams)  # a part could not be read
 
     @property
     def ranks(self) -> list[int]:

@@ -9,6 +9,10 @@ new batches only). It is a cache: deleting it costs one full read of the stream.
 
 The mirror is written in rollback-journal mode, never WAL: readers in other processes of this host open it
 read-only while it grows, and it never has a `-wal` file that would say "a job is writing this".
+
+What a reader finds besides whole frames is kept with the mirror and said by `findings`: gaps (bytes between
+whole frames that are no frame: a corrupt frame, or one a network filesystem has not shown yet, read again at
+each update until it is whole), frames whose content cannot be read, and the tail.
 """
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ import hashlib
 import json
 import os
 import sqlite3
+import struct
 import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -30,13 +36,12 @@ from trainmon.core.events import AnomalyEvent
 from trainmon.core.records import RecordKey
 from trainmon.read.errors import InputError
 from trainmon.writers import db_schema, stream_format
-
-if TYPE_CHECKING:
-    from trainmon.writers.db_sink import MonitorDb
+from trainmon.writers.monitor_db import MonitorDb
 
 CACHE_ENV = "TRAINMON_CACHE_DIR"
 MIRROR_SUFFIX = ".stream-mirror.db"
 _STATE = "stream_mirror"  # meta key: how far the mirror has read its stream and anomalies.jsonl
+_FORMAT = 2  # of that state: a mirror with another is made again
 _BITS = np.arange(len(db_schema.FIELDS))
 
 
@@ -64,7 +69,10 @@ def sync(stream: Path, jsonl: Optional[Path] = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _locked(path.with_name(path.name + ".lock")):
         seen = [_identity(stream), _identity(jsonl)]
-        if path.exists() and _state(path).get("seen") == seen:
+        state = _state(path) if path.exists() else {}
+        if state.get("format") != _FORMAT:
+            path.unlink(missing_ok=True)  # made by another version of this module: read the stream again
+        elif state.get("seen") == seen:
             return path  # nothing new (the poll of a rank that wrote nothing since)
         try:
             _update(path, stream, jsonl, seen)
@@ -112,8 +120,6 @@ def _state(mirror: Path) -> dict:
 
 
 def _update(path: Path, stream: Path, jsonl: Optional[Path], seen: list) -> None:
-    from trainmon.writers.db_sink import MonitorDb  # the writers import torch: only a stream-only rank needs them
-
     db = MonitorDb(path, journal_mode="DELETE")
     try:
         db.conn.execute("PRAGMA synchronous=OFF")  # a cache: a damaged one is read again from the stream
@@ -125,13 +131,23 @@ def _update(path: Path, stream: Path, jsonl: Optional[Path], seen: list) -> None
             db.close()  # another stream at this path (a new run in its place): start again
             path.unlink()
             return _update(path, stream, jsonl, seen)
-        if frames.first_crc is None and _not_a_stream(stream):
-            raise InputError.at(stream, "not a trainmon record stream (it does not start with a frame)")
+        if not frames.payloads and not state and _not_a_stream(stream):
+            raise InputError.at(stream, "not a trainmon record stream (it does not start with a frame, and no "
+                                        "whole frame follows)")
         if jsonl is not None:
             db.conn.executescript(db_schema.ANOMALY_SCHEMA)  # before BEGIN: a script commits what is open
         db.conn.execute("BEGIN")
-        _apply(db, frames.payloads)
-        state = {"first_crc": frames.first_crc, "offset": frames.end, "tail": frames.tail, "seen": seen,
+        unread = state.get("unread", [])
+        gaps = []
+        for gap_offset, gap_length in state.get("gaps", []):  # whole by now, if a filesystem showed it late
+            found = stream_format.read_frames(stream, gap_offset, gap_length)
+            unread += _apply(db, found)
+            gaps += found.gaps + ([[found.end, found.tail]] if found.tail else [])
+        unread += _apply(db, frames)
+        gaps += frames.gaps
+        ended = bytes(frames.payloads[-1][:1]) == stream_format.END if frames.payloads else state.get("ended", False)
+        state = {"format": _FORMAT, "first_crc": frames.first_crc, "offset": frames.end, "tail": frames.tail,
+                 "ended": ended, "gaps": [list(gap) for gap in gaps], "unread": unread, "seen": seen,
                  "jsonl_offset": _add_anomalies(db.conn, jsonl, state.get("jsonl_offset", 0))}
         db_schema.write_meta(db.conn, {_STATE: state})
         db.conn.execute("COMMIT")
@@ -139,36 +155,93 @@ def _update(path: Path, stream: Path, jsonl: Optional[Path], seen: list) -> None
         db.close()
 
 
-def tail_bytes(mirror: Path) -> int:
-    """Bytes at the end of the mirrored stream that were not a whole frame at its last update."""
-    return _state(mirror).get("tail", 0)
+@dataclass(frozen=True)
+class Findings:
+    """What the last update of a stream's mirror found besides whole frames, each as one line that names the
+    stream and the byte offset."""
+
+    lost: list[str]  # data not read: corrupt bytes between whole frames, frames whose content cannot be read
+    tail: Optional[str]  # bytes after the last whole frame: a batch being written or torn by a kill, or junk
+    ended: bool  # the last whole frame is the end frame: the writer closed the stream
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.lost + ([self.tail] if self.tail else [])
+
+
+_LISTED = 3  # gaps, and frames not read whole, named one by one; more are counted
+
+
+def findings(stream: Path) -> Findings:
+    """What reading `stream` into its mirror found besides whole frames (after `sync`)."""
+    state = _state(mirror_path(stream))
+    gaps, lost = state.get("gaps", []), []
+    if gaps:
+        listed = ", ".join(f"{length} bytes at offset {offset}" for offset, length in gaps[:_LISTED])
+        more = f" and {len(gaps) - _LISTED} more stretches" if len(gaps) > _LISTED else ""
+        lost.append(f"{stream}: {listed}{more} are not a whole frame (corrupt, or not yet arrived on a network "
+                    "filesystem); the frames after them are read")
+    unread = state.get("unread", [])
+    lost += [f"{stream}: the frame at offset {offset}: {what}" for offset, what in unread[:_LISTED]]
+    if len(unread) > _LISTED:
+        lost.append(f"{stream}: {len(unread) - _LISTED} more frames not read whole, the last at offset {unread[-1][0]}")
+    tail, ended, end = state.get("tail", 0), state.get("ended", False), state.get("offset", 0)
+    if not tail:
+        said = None
+    elif ended:
+        said = f"{stream}: {tail} bytes after its end frame, at offset {end}, are not a frame; ignored"
+    else:
+        said = (f"{stream}: its last {tail} bytes, from offset {end}, are not a whole step batch (its job is still "
+                "writing it or was killed); read up to its last whole batch")
+    return Findings(lost, said, ended)
 
 
 def _not_a_stream(stream: Path) -> bool:
+    """Whether the file starts with something other than a frame or zeros (what a network filesystem shows
+    of a first frame whose data has not arrived)."""
     with open(stream, "rb") as f:
         head = f.read(len(stream_format.MAGIC))
-    return len(head) == len(stream_format.MAGIC) and head != stream_format.MAGIC
+    return len(head) == len(stream_format.MAGIC) and head not in (stream_format.MAGIC, bytes(len(head)))
 
 
-def _apply(db: MonitorDb, payloads: list) -> None:
+def _apply(db: MonitorDb, frames: stream_format.Frames) -> list:
+    """Adds the frames' content to the mirror; returns [offset, what] of each frame whose content could not be
+    read whole (a frame with a matching CRC from a writer of another version, or records whose tags only
+    unreadable frames named)."""
     tags = db.known_tags()
-    for payload in payloads:
-        kind, content = stream_format.decode(payload)
+    unread = []
+    for start, payload in zip(frames.starts, frames.payloads):
+        try:
+            kind, content = stream_format.decode(payload)
+            if kind == stream_format.BATCH:
+                new = {tag_id: (family, name, vpp, tuple(shape), dtype)
+                       for tag_id, family, name, vpp, shape, dtype in content.tags if tag_id not in tags}
+                keys, values, recorded, unnamed = _records(content.block, {**tags, **new})
+        except (ValueError, KeyError, TypeError, struct.error, zlib.error) as err:
+            unread.append([start, f"not readable ({err})"])
+            continue
         if kind == stream_format.META:
             db.set_meta(content)
         elif kind == stream_format.BATCH:
-            for tag_id, family, name, vpp, shape, dtype in content.tags:
-                tags[tag_id] = (family, name, vpp, tuple(shape), dtype)
-                db.add_tag(tag_id, tags[tag_id])
-            keys, values, recorded = _records(content.block, tags)
+            for tag_id, ident in new.items():  # a tag is named in two frames (stream_format): added once
+                db.add_tag(tag_id, ident)
+            tags.update(new)
+            if unnamed:
+                unread.append([start, f"step {content.step}: {unnamed} of its {unnamed + len(keys)} records name "
+                                      "tags that only unreadable frames define; not read"])
             db.add_step(content.step, content.pp_stage, keys, values, dict(content.scalars), recorded,
                         content.wall_time)
+    return unread
 
 
-def _records(block: bytes, tags: dict) -> tuple[list, np.ndarray, np.ndarray]:
-    """(keys, values, recorded) of a block, as the writer gave them to MonitorDb.add_step: a NaN field without
-    its `nan_fields` bit was not recorded."""
+def _records(block: bytes, tags: dict) -> tuple[list, np.ndarray, np.ndarray, int]:
+    """(keys, values, recorded, unnamed) of a block, as the writer gave them to MonitorDb.add_step: a NaN field
+    without its `nan_fields` bit was not recorded. `unnamed`: records left out, their tag not in `tags`."""
     rows = np.frombuffer(zlib.decompress(block), dtype=db_schema.BLOCK_DTYPE)
+    named = np.isin(rows["tag_id"], list(tags))
+    unnamed = len(rows) - int(named.sum())
+    if unnamed:
+        rows = rows[named]
     keys = []
     for tag_id, micro, call in zip(rows["tag_id"].tolist(), rows["micro_step"].tolist(), rows["call_index"].tolist()):
         family, name, vpp, shape, dtype = tags[tag_id]
@@ -176,7 +249,7 @@ def _records(block: bytes, tags: dict) -> tuple[list, np.ndarray, np.ndarray]:
                               dtype))
     values = rows["fields"].astype(np.float64)
     nan_bit = (rows["nan_fields"][:, None].astype(np.int64) >> _BITS) & 1
-    return keys, values, ~np.isnan(values) | nan_bit.astype(bool)
+    return keys, values, ~np.isnan(values) | nan_bit.astype(bool), unnamed
 
 
 def _add_anomalies(conn: sqlite3.Connection, jsonl: Optional[Path], offset: int) -> int:

@@ -35,6 +35,7 @@ class RankFollower:
         self.latest: Optional[int] = None  # newest committed step
         self.finished = False
         self.error: Optional[str] = None  # the message of a rank that cannot be read, said once
+        self.lost: list[str] = []  # the parts of the rank's record stream that could not be read, said once
         self.stalled = False
         self._progress_at = time.time()  # the commit of the newest step (until one is seen: the daemon's start)
 
@@ -52,7 +53,8 @@ class RankFollower:
 
     def poll(self, final: bool) -> Optional[str]:
         """Reads the newest committed step; returns a message when the rank became unreadable or readable
-        again, None otherwise. `final`: every step present is complete (a finished run, `--once`)."""
+        again, or a part of its record stream cannot be read, None otherwise. `final`: every step present is
+        complete (a finished run, `--once`)."""
         try:
             reader = self.open()
             try:
@@ -60,6 +62,7 @@ class RankFollower:
             finally:
                 reader.close()
             self.finished = final or bool(self.rank_dir.metadata().get(WRITER_REPORT))
+            stream = self.rank_dir.stream_findings()
         except (InputError, sqlite3.Error, OSError) as err:
             if self.error is None:
                 self.error = str(err)
@@ -75,6 +78,10 @@ class RankFollower:
             if self.stalled:
                 self.stalled = False
                 message = f"rank {self.rank}: writing again (step {latest})"
+        lost = stream.lost if stream is not None else []
+        if lost != self.lost:
+            self.lost = lost
+            message = "; ".join(filter(None, [message] + [f"rank {self.rank}: {line}" for line in lost])) or None
         return message
 
     def stall_due(self, stall_after: float) -> bool:

@@ -218,8 +218,8 @@ class RunWatcher:
         return [f for f in self.followers.values() if f.error is None]
 
     def unreadable(self) -> dict[int, str]:
-        """{rank: why} of the ranks that cannot be read."""
-        return {f.rank: f.error for f in self.followers.values() if f.error is not None}
+        """{rank: why} of the ranks that cannot be read, or only in part."""
+        return {f.rank: f.error or "; ".join(f.lost) for f in self.followers.values() if f.error is not None or f.lost}
 
     @staticmethod
     def _frontier(readable: list[RankFollower]) -> Optional[int]:

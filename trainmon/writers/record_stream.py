@@ -33,6 +33,7 @@ class RecordStream:
         self.fsync_batches = fsync_batches
         self.fsync_seconds = fsync_seconds
         self._tag_ids: dict[tuple, int] = {}
+        self._named_last: list = []  # the tags the last batch was the first to use: the next one names them again
         end = self._known_frames() if path.exists() else 0
         self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.ftruncate(self._fd, end)
@@ -66,7 +67,7 @@ class RecordStream:
             tag_ids.append(tag_id)
         block = db_schema.encode_block(tag_ids, [k.micro_step for k in keys], [k.call_index for k in keys], values,
                                        db_schema.nan_masks(values, recorded), recorded)
-        data = stream_format.batch_frame(step, pp_stage, wall_time or time.time(), new_tags,
+        data = stream_format.batch_frame(step, pp_stage, wall_time or time.time(), self._named_last + new_tags,
                                          [[name, float(value)] for name, value in scalars.items()], block)
         try:
             self._append(data)
@@ -74,6 +75,7 @@ class RecordStream:
             for tag in new_tags:  # not written: the next batch that uses them names them
                 del self._tag_ids[(tag[1], tag[2], tag[3], tuple(tag[4]), tag[5])]
             raise
+        self._named_last = new_tags
 
     def _append(self, data: bytes, sync: bool = False) -> None:
         """Writes one frame; a frame that fails part way (a full disk) is cut off again, so that the next one

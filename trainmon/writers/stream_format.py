@@ -5,12 +5,15 @@ A frame is `MAGIC | length (u32) | crc32 (u32) | payload`, little-endian; the CR
 payload. The payload's first byte is its kind:
 - `M` metadata: JSON, the `meta` table of monitor.db (written at every start of a writer);
 - `B` a step batch: a u32 length, a JSON header {step, pp_stage, wall_time, tags, scalars}, then the batch's
-  records as one `record_blocks` blob (db_schema.BLOCK_DTYPE, zlib). `tags` holds only the tags this batch is
-  the first to use, as [id, family, name, vpp_stage, shape, dtype]: keys once, then ids;
+  records as one `record_blocks` blob (db_schema.BLOCK_DTYPE, zlib). `tags` holds the tags this batch is the
+  first to use, as [id, family, name, vpp_stage, shape, dtype], and again those the batch before it was the
+  first to use: keys at most twice, then ids, and a corrupt frame takes no name that a later frame needs;
 - `E` the writer closed the stream (JSON {wall_time}).
 A frame is one write(2). A reader takes a frame only when all of it is there and its CRC matches; anything
 else at the end of the file (a frame being written, a torn one after a crash, zeros that a network
-filesystem shows before the data) is a tail it waits for, never data.
+filesystem shows before the data) is a tail it waits for, never data. Bytes that are not a whole frame but
+are followed by one (a corrupt frame) are a gap: the reader resynchronises on the next whole frame (its MAGIC,
+a length that fits and a matching CRC), so a corrupt frame costs its own records only.
 """
 from __future__ import annotations
 
@@ -76,17 +79,19 @@ def decode(payload: bytes):
 
 @dataclass
 class Frames:
-    """The whole frames of a stream from an offset on, and what follows them."""
+    """The whole frames of a stream from an offset on, the gaps between them, and what follows them."""
 
     payloads: list = field(default_factory=list)  # each frame's payload, in order
+    starts: list = field(default_factory=list)  # the offset of each frame
     ends: list = field(default_factory=list)  # the offset just after each frame
+    gaps: list = field(default_factory=list)  # (offset, length) of the bytes before a whole frame that are no frame
     end: int = 0  # the offset after the last whole frame: where the next read starts
     tail: int = 0  # bytes after `end` that are not (yet) a whole frame with a matching CRC
     first_crc: Optional[int] = None  # the CRC of the stream's first frame (names the stream), when read
 
 
-def read_frames(path: Path, offset: int = 0) -> Frames:
-    """The whole frames from `offset` to the end of the file.
+def read_frames(path: Path, offset: int = 0, length: Optional[int] = None) -> Frames:
+    """The whole frames from `offset` to the end of the file (or in the `length` bytes from `offset`).
 
     The file is opened for this read and closed again: on NFS that is what makes another host's writes
     visible (close-to-open consistency).
@@ -95,8 +100,9 @@ def read_frames(path: Path, offset: int = 0) -> Frames:
     with open(path, "rb") as f:
         out.first_crc = _first_crc(f)
         f.seek(offset)
+        stop = None if length is None else offset + length
         buf = b""
-        while more := f.read(_READ_CHUNK):
+        while more := f.read(_READ_CHUNK if stop is None else min(_READ_CHUNK, stop - f.tell())):
             buf += more
             buf = buf[_split(buf, out):]
         out.tail = len(buf)
@@ -104,15 +110,33 @@ def read_frames(path: Path, offset: int = 0) -> Frames:
 
 
 def _split(buf: bytes, out: Frames) -> int:
-    """Moves the whole frames at the start of `buf` into `out`; returns the bytes they took."""
+    """Moves the whole frames of `buf` (and the gaps before them) into `out`; returns the bytes they took."""
     pos = 0
     view = memoryview(buf)
-    while (size := whole_frame(view, pos)) is not None:
+    while pos < len(buf):
+        size = whole_frame(view, pos)
+        if size is None:
+            after = _next_whole_frame(buf, view, pos + 1)
+            if after is None:
+                break  # a tail: nothing whole follows (yet)
+            out.gaps.append((out.end, after - pos))
+            out.end += after - pos
+            pos = after
+            continue
+        out.starts.append(out.end)
         out.payloads.append(view[pos + _HEAD.size:pos + size])
         pos += size
         out.end += size
         out.ends.append(out.end)
     return pos
+
+
+def _next_whole_frame(buf: bytes, view: memoryview, pos: int) -> Optional[int]:
+    """Where the next whole frame of `buf` from `pos` on starts (None: none is whole)."""
+    pos = buf.find(MAGIC, pos)
+    while pos >= 0 and whole_frame(view, pos) is None:
+        pos = buf.find(MAGIC, pos + 1)
+    return pos if pos >= 0 else None
 
 
 def whole_frame(buf, pos: int) -> Optional[int]:

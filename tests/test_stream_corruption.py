@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import stream_child
 from stream_child import mirrored_steps, written
 from trainmon.read import stream_mirror
 from trainmon.read.database import DbRankReader
@@ -76,6 +77,16 @@ def test_every_reader_of_a_mirror_names_the_corrupt_frame_and_reads_every_other(
         finally:
             reader.close()
         stream_mirror.mirror_path(path).unlink()  # the next case is another file at this path
+
+
+def test_a_tag_is_named_by_the_batch_that_first_uses_it_and_again_by_the_next_only(stream):
+    _, _, whole = stream
+    batches = [stream_format.decode(p)[1] for p in whole.payloads if bytes(p[:1]) == stream_format.BATCH]
+    named = [[tag[2] for tag in batch.tags] for batch in batches]
+    again = [[tag[2] for tag in batch.tags_again] for batch in batches]
+    keys = [key.name for key in stream_child.KEYS]
+    assert named == [keys] + [[]] * (BATCHES - 1), "`tags` as an earlier reader reads it: each tag once"
+    assert again == [[], keys] + [[]] * (BATCHES - 2)
 
 
 def test_two_frames_lost_in_a_row_take_the_names_of_later_records_with_them_and_say_so(stream):

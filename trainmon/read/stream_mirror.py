@@ -214,8 +214,8 @@ def _apply(db: MonitorDb, frames: stream_format.Frames) -> list:
         try:
             kind, content = stream_format.decode(payload)
             if kind == stream_format.BATCH:
-                new = {tag_id: (family, name, vpp, tuple(shape), dtype)
-                       for tag_id, family, name, vpp, shape, dtype in content.tags if tag_id not in tags}
+                new = {tag_id: (family, name, vpp, tuple(shape), dtype) for tag_id, family, name, vpp, shape, dtype
+                       in content.tags + content.tags_again if tag_id not in tags}
                 keys, values, recorded, unnamed = _records(content.block, {**tags, **new})
         except (ValueError, KeyError, TypeError, struct.error, zlib.error) as err:
             unread.append([start, f"not readable ({err})"])

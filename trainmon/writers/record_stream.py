@@ -47,7 +47,7 @@ class RecordStream:
         for payload in frames.payloads:
             kind, content = stream_format.decode(payload)
             if kind == stream_format.BATCH:
-                for tag_id, family, name, vpp, shape, dtype in content.tags:
+                for tag_id, family, name, vpp, shape, dtype in content.tags + content.tags_again:
                     self._tag_ids[(family, name, vpp, tuple(shape), dtype)] = tag_id
         return frames.end
 
@@ -67,8 +67,9 @@ class RecordStream:
             tag_ids.append(tag_id)
         block = db_schema.encode_block(tag_ids, [k.micro_step for k in keys], [k.call_index for k in keys], values,
                                        db_schema.nan_masks(values, recorded), recorded)
-        data = stream_format.batch_frame(step, pp_stage, wall_time or time.time(), self._named_last + new_tags,
-                                         [[name, float(value)] for name, value in scalars.items()], block)
+        data = stream_format.batch_frame(step, pp_stage, wall_time or time.time(), new_tags,
+                                         [[name, float(value)] for name, value in scalars.items()], block,
+                                         self._named_last)
         try:
             self._append(data)
         except BaseException:

@@ -4,10 +4,11 @@
 A frame is `MAGIC | length (u32) | crc32 (u32) | payload`, little-endian; the CRC covers the length and the
 payload. The payload's first byte is its kind:
 - `M` metadata: JSON, the `meta` table of monitor.db (written at every start of a writer);
-- `B` a step batch: a u32 length, a JSON header {step, pp_stage, wall_time, tags, scalars}, then the batch's
-  records as one `record_blocks` blob (db_schema.BLOCK_DTYPE, zlib). `tags` holds the tags this batch is the
-  first to use, as [id, family, name, vpp_stage, shape, dtype], and again those the batch before it was the
-  first to use: keys at most twice, then ids, and a corrupt frame takes no name that a later frame needs;
+- `B` a step batch: a u32 length, a JSON header {step, pp_stage, wall_time, tags, scalars, tags_again}, then
+  the batch's records as one `record_blocks` blob (db_schema.BLOCK_DTYPE, zlib). `tags` holds the tags this
+  batch is the first to use, as [id, family, name, vpp_stage, shape, dtype], `tags_again` those the batch
+  before it was the first to use: keys twice, then ids, so that a corrupt frame takes no name that a later
+  frame needs (a reader of an earlier version reads `tags` only: the format did not change for it);
 - `E` the writer closed the stream (JSON {wall_time}).
 A frame is one write(2). A reader takes a frame only when all of it is there and its CRC matches; anything
 else at the end of the file (a frame being written, a torn one after a crash, zeros that a network
@@ -42,10 +43,11 @@ def meta_frame(meta: dict) -> bytes:
     return frame(META, json.dumps(meta, default=str).encode())
 
 
-def batch_frame(step: int, pp_stage: int, wall_time: float, new_tags: list, scalars: list, block: bytes) -> bytes:
+def batch_frame(step: int, pp_stage: int, wall_time: float, new_tags: list, scalars: list, block: bytes,
+                tags_again: list = ()) -> bytes:
     """`scalars`: [name, value] pairs (NaN and Inf as JSON's NaN and Infinity, which Python reads back)."""
     header = json.dumps({"step": step, "pp_stage": pp_stage, "wall_time": wall_time, "tags": new_tags,
-                         "scalars": scalars}).encode()
+                         "scalars": scalars, "tags_again": list(tags_again)}).encode()
     return frame(BATCH, _U32.pack(len(header)) + header + block)
 
 
@@ -63,6 +65,7 @@ class Batch:
     tags: list
     scalars: list
     block: bytes  # db_schema.encode_block's blob
+    tags_again: list  # the tags the batch before was the first to use
 
 
 def decode(payload: bytes):
@@ -74,7 +77,7 @@ def decode(payload: bytes):
     (size,) = _U32.unpack_from(body)
     header = json.loads(body[4:4 + size])
     return kind, Batch(header["step"], header["pp_stage"], header["wall_time"], header["tags"], header["scalars"],
-                       body[4 + size:])
+                       body[4 + size:], header.get("tags_again", []))
 
 
 @dataclass

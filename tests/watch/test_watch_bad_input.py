@@ -1,6 +1,7 @@
 """`watch --once` on what is not a readable run says so and exits 2 (the file named, no traceback); a live
 daemon on an empty root waits for runs."""
 import shutil
+from pathlib import Path
 import time
 
 import pytest
@@ -61,3 +62,73 @@ def test_a_live_daemon_on_an_empty_root_waits_for_runs(tmp_path):
     assert daemon.poll() is None, daemon.communicate()[1]
     status, err = terminate(daemon)
     assert status == 0, err
+
+
+def _csv_run(write_config) -> Path:
+    """One rank's CSV files of 8 steps, 4 steps a file: `actv_0-3.csv`, `actv_4-7.csv`, ..."""
+    import torch
+    from training import make_model, run_steps
+    from trainmon import TrainerMon
+    monitor = TrainerMon(write_config(format=["csv"], all_xy=True, xy_distribution=True, wg_distribution=True,
+                                      ops=["min", "max", "norm", "nans", "infs"], step_count_per_record=4))
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    monitor.set_monitor(model, optimizer=optimizer)
+    run_steps(model, optimizer, 8)
+    monitor.stop()
+    return monitor.output_dir.parent
+
+
+def _figure(path):  # a figure that is not a number
+    lines = path.read_text().splitlines(keepends=True)
+    lines[2] = lines[2].replace(",0,", ",zero,", 1)
+    path.write_text("".join(lines))
+    return 3
+
+
+def _cut(path):  # a line cut short (a writer killed), then more lines
+    lines = path.read_text().splitlines(keepends=True)
+    lines[4] = lines[4][:len(lines[4]) // 2] + "\n"
+    path.write_text("".join(lines))
+    return 5
+
+
+def _junk(path):
+    path.write_bytes(bytes(range(256)) * 4)
+    return 1
+
+
+def _empty(path):
+    path.write_bytes(b"")
+    return 1
+
+
+@pytest.mark.parametrize("corrupt", [_figure, _cut, _junk, _empty], ids=["figure", "cut", "junk", "empty"])
+def test_a_corrupt_csv_is_named_and_the_rest_exported(output_dir, write_config, tmp_path, caplog, corrupt):
+    """An older CSV of a rank (not the one whose rows tell its progress) is corrupt: its file and line are said, its
+    rows from there are left out, the rest is exported, and `--once` does not end as if the run were read whole."""
+    from trainmon.watch.run_watcher import RunWatcher, WatchOptions
+    run = _csv_run(write_config)
+    path = run / "rank_0" / "actv_0-3.csv"
+    line = corrupt(path)
+    watcher = RunWatcher(run, tmp_path / "view", WatchOptions(once=True))
+    with caplog.at_level("WARNING", logger="trainmon.watch"):
+        watcher.poll(final=True)
+    watcher.finish(draw=False)
+    where = f"{path}, line {line}"
+    assert where in watcher.unreadable()[0]
+    assert [r.getMessage() for r in caplog.records if where in r.getMessage()], caplog.text
+    events = read_events(tmp_path / "view")[0]
+    kept = [0] if line > 2 else []  # the rows before the bad line (of step 0) are read
+    assert [step for step, _ in events["Overview/actv_norm_max"]] == kept + [4, 5, 6, 7]
+    assert [step for step, _ in events["Overview/grad_reduced_norm_max"]] == list(range(8))
+
+
+def test_once_on_a_corrupt_csv_exits_2_naming_the_file_and_line(output_dir, write_config, tmp_path):
+    run = _csv_run(write_config)
+    path = run / "rank_0" / "actv_0-3.csv"
+    _figure(path)
+    done = watch_once(run, "--heatmap-every", 1000)
+    assert done.returncode == 2, done.stderr
+    assert f"{path}, line 3" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert (run / "watch").is_dir()  # the rest was exported

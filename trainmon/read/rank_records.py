@@ -1,7 +1,7 @@
 """The records of one rank as (step, rows): from `monitor.db` (full records) or from the CSV files (figures)."""
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from trainmon.read.csv_rows import read_csv_rows
 from trainmon.read.database import DbRankReader
@@ -19,18 +19,29 @@ class CsvRankReader:
         self.meta = rank_dir.metadata()
         self.ops: list[str] = []
 
-    def rows(self, family: Optional[str], first: Optional[int], last: Optional[int]) -> Iterator[tuple[int, list]]:
-        """(step, rows) in step order; ops missing in the file (empty cells) are None."""
+    def rows(self, family: Optional[str], first: Optional[int], last: Optional[int],
+             on_error: Optional[Callable[[InputError], None]] = None) -> Iterator[tuple[int, list]]:
+        """(step, rows) in step order; ops missing in the file (empty cells) are None.
+
+        Args:
+            on_error: called with the error of a file that cannot be read whole, whose rows up to the bad line are
+                kept and the rest skipped; None: the error is raised.
+        """
         by_step: dict[int, list] = {}
         for file in self.rank_dir.family_files(family):
             if not file.overlaps(first, last):
                 continue
-            ops, rows = read_csv_rows(file.path)
-            self.ops += [op for op in ops if op not in self.ops]
-            for row in rows:
-                if (first is None or row["step"] >= first) and (last is None or row["step"] <= last):
-                    row["family"] = file.family
-                    by_step.setdefault(row["step"], []).append(row)
+            try:
+                ops, rows = read_csv_rows(file.path)
+                self.ops += [op for op in ops if op not in self.ops]
+                for row in rows:
+                    if (first is None or row["step"] >= first) and (last is None or row["step"] <= last):
+                        row["family"] = file.family
+                        by_step.setdefault(row["step"], []).append(row)
+            except InputError as err:
+                if on_error is None:
+                    raise
+                on_error(err)
         for step in sorted(by_step):
             yield step, by_step[step]
 

@@ -42,6 +42,7 @@ class RankChunk:
     scalars: list = field(default_factory=list)
     kept: list = field(default_factory=list)
     error: Optional[Exception] = None  # the rank could not be read
+    unread: list = field(default_factory=list)  # the errors of its files that could not be read whole (CSV)
 
 
 def read_chunk(task: tuple) -> RankChunk:
@@ -54,7 +55,9 @@ def read_chunk(task: tuple) -> RankChunk:
             if hasattr(reader, "columns"):
                 chunk = _from_columns(rank_dir.rank, reader.columns(None, first, last), keep)
             else:
-                chunk = _from_rows(rank_dir.rank, reader.rows(None, first, last), keep)
+                unread = []
+                chunk = _from_rows(rank_dir.rank, reader.rows(None, first, last, unread.append), keep)
+                chunk.unread = unread
             chunk.scalars = reader.scalars(None, first, last)
         finally:
             reader.close()

@@ -82,7 +82,7 @@ class Daemon:
         unreadable = [f"{run.name} rank {rank}: {error}" for run, watcher in self.watchers.items()
                       for rank, error in watcher.unreadable().items()]
         if unreadable:
-            raise InputError(f"could not read {'; '.join(unreadable)}. The other ranks were exported; repair or "
+            raise InputError(f"could not read {'; '.join(unreadable)}. Everything else was exported; repair or "
                              "remove those files and run again")
 
     def stop(self, *_) -> None:

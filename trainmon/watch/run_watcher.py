@@ -44,39 +44,37 @@ def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kep
     """The figures of steps first..last of the followed ranks, by step, read in this process.
 
     Args:
-        on_error: called for a rank that cannot be read (then left out); None lets the error through.
+        on_error: called for a rank that cannot be read (then left out), and for each of its files that cannot be
+            read whole (the rest of the rank is read); None lets the error through.
 
     Raises:
-        InputError: a rank cannot be read and `on_error` is None.
+        InputError: a rank or one of its files cannot be read and `on_error` is None.
     """
     chunks = map(read_chunk, [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers])
     read = []
     for follower, chunk in zip(followers, chunks):
+        for error in [chunk.error] if chunk.error is not None else chunk.unread:
+            if on_error is None:
+                raise error
+            on_error(follower, error)
         if chunk.error is None:
             read.append(chunk)
-        elif on_error is None:
-            raise chunk.error
-        else:
-            on_error(follower, chunk.error)
     return step_figures(read, ranks_kept, spread)
 
 
-def figures_of_span(task: tuple) -> dict[int, StepFigures]:
-    """(followers, first, last, ranks_kept, drawn, spread) -> `read_figures` of those steps, in a worker
-    process: the values of every rank (`StepFigures.rows`) are kept only for the steps a heatmap of the latest
-    step may be drawn at (the last one, and those in `drawn`), so that what comes back is small. Ranks that
-    cannot be read are left out."""
+def figures_of_span(task: tuple) -> tuple[dict[int, StepFigures], list[tuple[int, str]]]:
+    """(followers, first, last, ranks_kept, drawn, spread) -> (`read_figures` of those steps, (rank, why) of what
+    could not be read and was left out), in a worker process: the values of every rank (`StepFigures.rows`)
+    are kept only for the steps a heatmap of the latest step may be drawn at (the last one, and those in
+    `drawn`), so that what comes back is small."""
     followers, first, last, ranks_kept, drawn, spread = task
-    figures = read_figures(followers, first, last, ranks_kept, _skip, spread)
+    errors = []
+    figures = read_figures(followers, first, last, ranks_kept, lambda f, err: errors.append((f.rank, str(err))),
+                           spread)
     for step, figure in figures.items():
         if step != last and step not in drawn:
             figure.rows = None
-    return figures
-
-
-def _skip(follower: RankFollower, err: Exception) -> None:
-    # it was readable a moment ago: the next poll reports it and leaves it out
-    logger.debug("trainmon watch: rank %s: %s", follower.rank, err)
+    return figures, errors
 
 
 def _ahead(pool: WorkerPool, function: Callable, tasks: list, depth: int) -> Iterator:
@@ -149,6 +147,7 @@ class RunWatcher:
         self.history = History(options.op, options.window)
         self.followers: dict[int, RankFollower] = {}
         self.missing_ranks: list[int] = []
+        self.unread: dict[int, list[str]] = {}  # rank -> why parts of it (a file, a line) were left out of the view
         self._refill = self.exported >= 0  # a restarted daemon rebuilds its heatmap window first
         self._painter: Optional[WorkerPool] = None  # draws the heatmaps beside the export
         self._readers: Optional[WorkerPool] = None  # read the ranks (--once over many ranks)
@@ -219,7 +218,21 @@ class RunWatcher:
 
     def unreadable(self) -> dict[int, str]:
         """{rank: why} of the ranks that cannot be read, or only in part."""
-        return {f.rank: f.error or "; ".join(f.lost) for f in self.followers.values() if f.error is not None or f.lost}
+        out = {rank: "; ".join(why) for rank, why in self.unread.items()}
+        out.update({f.rank: f.error or "; ".join(f.lost) for f in self.followers.values()
+                    if f.error is not None or f.lost})
+        return out
+
+    def _left_out_of(self, follower: RankFollower, err: Exception) -> None:
+        self._left_out(follower.rank, str(err))
+
+    def _left_out(self, rank: int, why: str) -> None:
+        """Says once per cause that steps of `rank` could not be read (they stay out of the view)."""
+        said = self.unread.setdefault(rank, [])
+        if why not in said:
+            said.append(why)
+            logger.warning("trainmon watch: %s: rank %s: %s; left out of the view, the rest goes on", self.run.name,
+                           rank, why)
 
     @staticmethod
     def _frontier(readable: list[RankFollower]) -> Optional[int]:
@@ -246,7 +259,7 @@ class RunWatcher:
         if not self.options.once or len(followers) < PARALLEL_FROM:
             for start in range(first, last + 1, CHUNK_STEPS):
                 end = min(last, start + CHUNK_STEPS - 1)
-                yield end, read_figures(followers, start, end, ranks, _skip, spread)
+                yield end, read_figures(followers, start, end, ranks, self._left_out_of, spread)
             return
         size = max(CHUNK_STEPS, min(MAX_CHUNK_STEPS, CHUNK_RANK_STEPS // len(followers)))
         spans = [(start, min(last, start + size - 1)) for start in range(first, last + 1, size)]
@@ -255,8 +268,10 @@ class RunWatcher:
             self._readers = WorkerPool(workers)
         tasks = [(followers, start, end, ranks, {s for s in range(start, end + 1) if self.options.redraws_at(s)},
                   spread) for start, end in spans]
-        chunks = _ahead(self._readers, figures_of_span, tasks, workers + 1)
-        yield from zip((end for _, end in spans), chunks)
+        for (_, end), (figures, errors) in zip(spans, _ahead(self._readers, figures_of_span, tasks, workers + 1)):
+            for rank, why in errors:
+                self._left_out(rank, why)
+            yield end, figures
 
     def _spread(self) -> Optional[tuple]:
         """What `step_figures` needs for the layers' spread over ranks: none with one rank (or no view yet)."""

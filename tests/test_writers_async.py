@@ -188,6 +188,11 @@ def test_an_unwritable_output_directory_does_not_stop_training(tmp_path, monkeyp
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert sum("cannot write to the output directory" in m for m in errors) == 1
     assert sum("sink failed in start" in m for m in errors) == 3
+    # the summary points at what was written: the report logged with run.json's error, not run.json
+    run_json = str(monitor.output_dir / "run.json")
+    assert any(run_json in m and "'lost_steps': 2" in m for m in errors), errors
+    incomplete = [r.getMessage() for r in caplog.records if "output is incomplete" in r.getMessage()]
+    assert len(incomplete) == 1 and run_json not in incomplete[0], incomplete
 
 
 def test_figures_are_derived_once_per_step_and_only_for_sinks_that_read_them(output_dir, write_config, monkeypatch):

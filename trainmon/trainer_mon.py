@@ -359,16 +359,17 @@ class TrainerMon:
         hooks could not make (per reason, then per name: `StepCollector.dropped_in_place`,
         `input_grads_not_recorded`) to run.json."""
         report = self._writer.report()
+        path = self.output_dir / RUN_JSON
+        try:
+            write_json(path, {**self._metadata, "writer": report, **unrecorded})
+            details = f"details in {path}"
+        except OSError as err:
+            logger.error("trainmon: cannot write %s (%s); writer report: %s", path, err, report)
+            details = "details in the writer report above"
         lost = {name: info["lost_steps"] for name, info in report["disabled_sinks"].items()}
         if report["dropped_steps"] or report["failed_steps"] or lost:
             logger.warning("trainmon: output is incomplete: %s steps dropped (queue full), %s failed, steps lost "
-                           "per disabled sink %s; details in %s", report["dropped_steps"], report["failed_steps"],
-                           lost, self.output_dir / RUN_JSON)
-        try:
-            write_json(self.output_dir / RUN_JSON, {**self._metadata, "writer": report, **unrecorded})
-        except OSError as err:
-            logger.error("trainmon: cannot write %s (%s); writer report: %s", self.output_dir / RUN_JSON, err,
-                         report)
+                           "per disabled sink %s; %s", report["dropped_steps"], report["failed_steps"], lost, details)
 
     def _close_at_exit(self) -> None:
         try:

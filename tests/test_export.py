@@ -65,3 +65,18 @@ def test_a_run_over_ranks_keeps_nan_and_inf_and_refuses_a_non_empty_output(tmp_p
     assert str(out) in capsys.readouterr().err
     assert cli_main(["export", str(run), str(out), "--quiet", "--overwrite"]) == 0
     assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{out}/**/*.parquet')").fetchall()[0][0] == 3 * 5 * 66
+
+
+@pytest.mark.parametrize("place", ["under_a_file", "read_only"])
+def test_an_output_that_cannot_be_written_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, place):
+    import trainmon.output_dir
+    run = tmp_path / "run"
+    write_rank((run, 0, 1, 2, 1, 2))
+    (tmp_path / "file").write_text("a file where a directory should be")
+    out = tmp_path / "file" / "dataset"
+    if place == "read_only":  # what a directory without write permission answers (the tests may run as root)
+        out = tmp_path / "dataset"
+        monkeypatch.setattr(trainmon.output_dir.os, "access", lambda path, mode: False)
+    assert cli_main(["export", str(run), str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trainmon export: {out}: ") and len(err.splitlines()) == 1, err

@@ -132,3 +132,14 @@ def test_once_on_a_corrupt_csv_exits_2_naming_the_file_and_line(output_dir, writ
     assert done.returncode == 2, done.stderr
     assert f"{path}, line 3" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert (run / "watch").is_dir()  # the rest was exported
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["once", "live"])
+@pytest.mark.parametrize("place", ["under_a_file", "a_file"])
+def test_a_logdir_that_cannot_be_made_is_one_line_and_status_2(finished_run, tmp_path, capsys, once, place):
+    from trainmon.cli import main
+    (tmp_path / "file").write_text("a file where a directory should be")
+    logdir = tmp_path / "file" / "view" if place == "under_a_file" else tmp_path / "file"
+    assert main(["watch", str(finished_run), "--logdir", str(logdir), "--interval", "0.1"] + ["--once"] * once) == 2
+    err = capsys.readouterr().err
+    assert f"trainmon watch: {logdir}: cannot create the output directory" in err and "Traceback" not in err, err

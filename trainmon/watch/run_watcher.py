@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from trainmon.core.defaults import WATCH
+from trainmon.output_dir import make_output_dir
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
 from trainmon.read.parallel import PARALLEL_FROM
@@ -122,12 +123,12 @@ class RunWatcher:
         options: the daemon's settings.
 
     Raises:
-        InputError: the state file in `logdir` cannot be read.
+        InputError: `logdir` cannot be created or written, or its state file cannot be read.
     """
 
     def __init__(self, run: Path, logdir: Path, options: WatchOptions):
         self.run, self.logdir, self.options = run, logdir, options
-        logdir.mkdir(parents=True, exist_ok=True)
+        make_output_dir(logdir)
         state = load_state(logdir)
         self.exported: int = state.get("exported", -1)
         self.drawn_at: Optional[int] = state.get("drawn_at")

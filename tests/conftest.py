@@ -1,10 +1,15 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# Where there is no GPU, Triton's kernels run on the CPU under its interpreter: the accelerators' path is then tested
+# here too. Set before anything imports Triton, which reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

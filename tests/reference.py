@@ -43,3 +43,25 @@ def assert_ops_close(actual: dict, expected: dict, ops, rel=1e-5, abs_=1e-7, con
         else:
             assert a is not None and not nan and math.isclose(float(a), e, rel_tol=rel, abs_tol=abs_), \
                 f"{context} {op}: {a} != {e}"
+
+
+def reference_record(tensors: list, eps: float, fields) -> dict:
+    """The merged record (schema fields) of `tensors`, computed in float64 from every element: counts over all, sums,
+    min and max over the finite ones; `fields` (a stats.FieldSet) gives each dtype's saturation limit."""
+    record = {"count": 0.0, "nans": 0.0, "infs": 0.0, "zeros": 0.0, "sum": 0.0, "sumsq": 0.0, "min": math.inf,
+              "max": -math.inf, "sat": 0.0, "pinfs": 0.0}
+    for t in tensors:
+        x = t.detach().cpu().double().reshape(-1)
+        finite = x[torch.isfinite(x)]
+        record["count"] += finite.numel()
+        record["nans"] += float(torch.isnan(x).sum())
+        record["infs"] += float(torch.isinf(x).sum())
+        record["pinfs"] += float((x == math.inf).sum())
+        record["zeros"] += float((finite.abs() < eps).sum())
+        record["sat"] += float((finite.abs() >= fields.sat_limit(t.dtype)).sum())
+        record["sum"] += float(finite.sum())
+        record["sumsq"] += float(finite.square().sum())
+        if finite.numel():
+            record["min"] = min(record["min"], float(finite.min()))
+            record["max"] = max(record["max"], float(finite.max()))
+    return record

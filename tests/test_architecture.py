@@ -96,7 +96,7 @@ def test_the_check_sees_lazy_and_relative_imports():
 
 # Where a host list may become a device tensor directly: the engine's pinned, non-blocking copy of small
 # metadata, and the kernels' thresholds and compile samples (once per run).
-HOST_TO_DEVICE = {("monitor/stats.py", "_meta"), ("monitor/stat_kernels.py", "_constant"),
+HOST_TO_DEVICE = {("monitor/stats.py", "host_values"), ("monitor/stat_kernels.py", "_constant"),
                   ("monitor/stat_kernels.py", "_sample")}
 
 
@@ -120,7 +120,7 @@ def test_host_values_reach_a_device_only_through_a_copy_that_does_not_block():
     found = [f"{path.relative_to(ROOT)}:{line} in {function}()"
              for path in _sources() for function, line in _tensors_made_on_a_device(path.read_text())
              if (str(path.relative_to(ROOT)), function) not in HOST_TO_DEVICE]
-    assert not found, ("host values copied to a device with a blocking copy; use stats._meta (pinned, non-blocking):"
+    assert not found, ("host values copied to a device with a blocking copy; use stats.host_values (pinned, non-blocking):"
                        "\n" + "\n".join(found))
 
 

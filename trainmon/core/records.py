@@ -128,6 +128,10 @@ class StepBatch:
     flags: Optional[np.ndarray] = None
     # the columns of `values` the collector left to zero here (`schema.unasked_columns`)
     unasked: tuple = ()
+    # An accelerator's slot table heads the host buffer: its first `table_rows` rows, of which `table_index` holds the
+    # rows of the first len(table_index) keys (None: no table).
+    table_index: Optional[np.ndarray] = None
+    table_rows: int = 0
 
     @property
     def derived(self) -> list:
@@ -145,9 +149,13 @@ class StepBatch:
             self.ready = None
         if self.host is not None:
             flat = self.host.numpy()
-            n = len(self.keys) * N_FIELDS
+            start = self.table_rows * N_FIELDS
+            from_table = 0 if self.table_index is None else len(self.table_index)
+            n = start + (len(self.keys) - from_table) * N_FIELDS
             m = n + 2 * len(self.flag_keys)
-            self.values = flat[:n].reshape(len(self.keys), N_FIELDS)
+            self.values = flat[start:n].reshape(-1, N_FIELDS)
+            if from_table:
+                self.values = np.concatenate([flat[:start].reshape(-1, N_FIELDS)[self.table_index], self.values])
             if self.unasked:
                 self.values[:, list(self.unasked)] = 0.0
             self.flags = flat[n:m].reshape(len(self.flag_keys), 2)

@@ -8,8 +8,9 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.records import RecordKey, StepBatch
-from trainmon.monitor import in_graph, stats
+from trainmon.monitor import in_graph, stats, stats_fused
 from trainmon.monitor.accelerator import copy_done_event
+from trainmon.monitor.slot_table import SlotTable
 from trainmon.monitor.stats_fused import PLAIN_TENSORS
 from trainmon.monitor.tensor_memo import TensorMemo
 
@@ -23,7 +24,13 @@ SNAPSHOT_MAX_BYTES = 1 << 20
 class StepCollector:
     """Gathers the records of one step on the device and ships them to the host in one copy.
 
-    Records are computed on the tensors' device and stay there. Activations (`defer=True`) are
+    Records are computed on the tensors' device and stay there. On an accelerator every record is folded into its
+    key's row of a slot table (`slot_table.SlotTable`) when it is recorded, one launch each (a family's tensors
+    recorded together: one launch per dtype): the kernel reads the tensor as it is at the hook, later in-place
+    changes on the same stream come after it, and nothing is held. A tensor object recorded again within the step,
+    unchanged (same version), has its row merged into the new key's instead of being read again.
+
+    On the CPU, where a call's host work dwarfs the reading of a small tensor, activations (`defer=True`) are
     held until `batch_bytes` of them are pending and then reduced in one batch, because the engine's
     cost per call dwarfs its cost per tensor when a hook brings one or two tensors. The batch stays
     small enough to be reduced while still in the last-level cache, and held tensors keep the
@@ -64,6 +71,7 @@ class StepCollector:
         self._deferrable_names: set[str] = set()
         self._arrivals = stats.records_on_arrival(eps, fields)
         self._arrival_bytes = self._arrivals.min_bytes  # smaller tensors skip the call
+        self._table: Optional[SlotTable] = None  # the accelerator's rows, made at its first record
         self._reset()
 
     def _reset(self) -> None:
@@ -91,6 +99,7 @@ class StepCollector:
         self._pending_addresses: list[int] = []  # per pending tensor: its _data_address when recorded
         self._pending_bytes = 0
         self._trial: list[tuple[str, torch.Tensor, int, int]] = []  # (name, tensor, version, address), first sight
+        self._folded = TensorMemo()  # id -> (version, slot) of the activations folded into the table this step
 
     def next_call_index(self) -> int:
         """Reserves the ordering position of one hooked event."""
@@ -129,6 +138,10 @@ class StepCollector:
         """
         if not tensors:
             return
+        table = self._table_of(tensors[0])
+        if table is not None:
+            self._fold(table, keys, tensors, defer)
+            return
         if not defer or in_graph.graph_buffers():
             self._reduce_now(list(zip(keys, tensors)))
             return
@@ -163,6 +176,40 @@ class StepCollector:
                 self._watch(key.name, tensor, version)
         if self._pending_bytes >= self.batch_bytes:
             self.flush_pending()
+
+    def _table_of(self, tensor: torch.Tensor) -> Optional[SlotTable]:
+        """The slot table of `tensor`'s device, where it is an accelerator (or the CPU taking the accelerators' path,
+        `stats_fused.cpu_as_accelerator`) and the first the collector saw; else None."""
+        table = self._table
+        if table is not None:
+            return table if tensor.device == table.device else None
+        device = tensor.device
+        if device.type == "meta" or (device.type == "cpu" and not stats_fused.cpu_as_accelerator):
+            return None
+        self._table = SlotTable(device, self.eps, self.fields)
+        return self._table
+
+    def _fold(self, table: SlotTable, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool) -> None:
+        """Folds the tensors' records into their keys' rows now; an activation recorded earlier in the step, unchanged
+        since, lends its row instead."""
+        slots = table.slots(keys)
+        if not defer:
+            table.fold(slots, tensors)
+            return
+        folded = self._folded
+        read_slots, read = [], []
+        for slot, tensor in zip(slots, tensors):
+            version = tensor._version
+            seen = folded.get(id(tensor), tensor)
+            if seen is not None and seen[0] == version:
+                if seen[1] != slot:
+                    table.merge_row(seen[1], slot)
+                continue
+            folded.put(id(tensor), tensor, (version, slot))
+            read_slots.append(slot)
+            read.append(tensor)
+        if read:
+            table.fold(read_slots, read)
 
     def _hold(self, key: RecordKey, held: torch.Tensor, tensor: torch.Tensor, version: int) -> None:
         """Holds `held` (`tensor` itself, or a snapshot of it) for the next batch, as the record of `tensor` at
@@ -235,7 +282,7 @@ class StepCollector:
             keys, slots = [keys[i] for i in kept], [slots[i] for i in kept]
         if keys:
             if slots != list(range(rows.shape[0])):    # else every row in its key's order, as they are
-                rows = rows.index_select(0, stats._meta(slots, rows.device))
+                rows = rows.index_select(0, stats.host_values(slots, rows.device))
             self._add(keys, rows)
 
     def _end_trial(self) -> None:
@@ -275,10 +322,12 @@ class StepCollector:
     def any_nonfinite(self) -> Optional[torch.Tensor]:
         """Device bool: whether a record of this step so far counted a NaN or Inf (None before the first)."""
         self.flush_pending()
+        table = self._table.any_nonfinite() if self._table is not None and self._table.keys else None
         if not self._blocks:
-            return None
-        rows = torch.cat([b.reshape(-1, len(stats.FIELDS)) for b in self._blocks])
-        return (rows[:, stats.FIELDS.index("nans")] + rows[:, stats.FIELDS.index("infs")]).gt(0).any()
+            return table
+        rows = torch.cat([b.reshape(-1, schema.N_FIELDS) for b in self._blocks])
+        blocks = (rows[:, schema.INDEX["nans"]] + rows[:, schema.INDEX["infs"]]).gt(0).any()
+        return blocks if table is None or table.device != blocks.device else blocks | table
 
     def add_scalar(self, name: str, value) -> None:
         """A training scalar (loss, lr, ...); a tensor stays on its device until the step's transfer."""
@@ -288,21 +337,28 @@ class StepCollector:
 
     @property
     def empty(self) -> bool:
-        return not self._keys and not self._pending_keys and not self._scalars and not self._flag_keys
+        return not self._keys and not self._pending_keys and not self._scalars and not self._flag_keys and \
+            (self._table is None or not self._table.keys)
 
     def finish_step(self) -> StepBatch:
         """Packs the step into one device buffer, starts its single copy to the host, and resets."""
         self.flush_pending()
         tensor_scalars = [(n, v) for n, v in self._scalars.items() if isinstance(v, torch.Tensor)]
-        batch = StepBatch(step=self.step, rank=self.rank, pp_stage=self.pp_stage, keys=self._keys,
+        table, table_keys, table_index = self._table.step_rows() if self._table is not None else (None, [], None)
+        batch = StepBatch(step=self.step, rank=self.rank, pp_stage=self.pp_stage, keys=table_keys + self._keys,
                           scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)},
-                          flag_keys=self._flag_keys, unasked=self._unasked)
-        # Layout of the host buffer (StepBatch.wait): records, sentinel probes, tensor-valued scalars.
-        parts = [b.reshape(-1) for b in self._blocks] + [f.reshape(-1).to(torch.float64) for f in self._flags] + \
+                          flag_keys=self._flag_keys, unasked=self._unasked, table_index=table_index)
+        # Layout of the host buffer (StepBatch.wait): the slot table's rows, records, sentinel probes, tensor-valued
+        # scalars.
+        parts = [] if table is None else [table.reshape(-1)]
+        parts += [b.reshape(-1) for b in self._blocks] + [f.reshape(-1).to(torch.float64) for f in self._flags] + \
             [v.reshape(1) for _, v in tensor_scalars]
         if parts:
             batch.host, batch.ready = _to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
             batch.host_scalar_names = tuple(n for n, _ in tensor_scalars)
+            batch.table_rows = 0 if table is None else table.shape[0]
+        if self._table is not None:
+            self._table.clear()  # after the copy of its rows, on the same stream
         self._reset()
         return batch
 

@@ -31,7 +31,7 @@ from trainmon.monitor.forward_passes import in_backward
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
-from trainmon.monitor.stats import _meta
+from trainmon.monitor.stats import host_values
 from trainmon.monitor.tensor_memo import TensorMemo
 from trainmon.monitor.tensor_select import floating_leaves, input_values, local_shard
 
@@ -95,7 +95,7 @@ def stacked(values: list[torch.Tensor]) -> torch.Tensor:
     position = [0] * len(values)
     for at, i in enumerate(itertools.chain.from_iterable(groups.values())):
         position[i] = at
-    return torch.cat(parts).index_select(0, _meta(position, parts[0].device))
+    return torch.cat(parts).index_select(0, host_values(position, parts[0].device))
 
 
 class _Probes:

@@ -24,7 +24,7 @@ from trainmon.monitor.state import HookState
 
 def identity_record(device, dtype=torch.float64) -> torch.Tensor:
     """The record of no elements: merging it with any record leaves that record unchanged."""
-    return stats._meta(schema.IDENTITY, torch.device(device), dtype)
+    return stats.host_values(schema.IDENTITY, torch.device(device), dtype)
 
 
 def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], device) -> torch.Tensor:
@@ -34,7 +34,7 @@ def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], de
     rows = identity_record(device).expand(len(pieces), -1).clone()
     if present:
         local = stats.tensor_records([pieces[i] for i in present], collector.eps, collector.fields)
-        rows[stats._meta(present, torch.device(device))] = local.to(device=device, dtype=rows.dtype)
+        rows[stats.host_values(present, torch.device(device))] = local.to(device=device, dtype=rows.dtype)
     return rows
 
 

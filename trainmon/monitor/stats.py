@@ -122,6 +122,16 @@ def _sat_lambda(dtype: torch.dtype, limit: float) -> float:
     return _BELOW[key]
 
 
+def zeros_threshold(dtype: torch.dtype, eps: float) -> float:
+    """The largest `dtype` value below `eps`: |x| <= it counts as zero (-inf for eps 0: nothing is |x| < 0)."""
+    return _consts(dtype, eps)[0] if eps > 0 else -_INF
+
+
+def saturation_threshold(dtype: torch.dtype, fields: "FieldSet") -> float:
+    """The largest `dtype` value below the saturation limit `fields` gives that dtype: |x| > it saturates."""
+    return _sat_lambda(dtype, fields.sat_limit(dtype))
+
+
 def _consts(dtype: torch.dtype, eps: float):
     """(lambda, P, acc dtype): lambda = largest dtype value < eps (|x| <= lambda <=> |x| < eps);
     P = power of two <= smallest dtype value >= eps, small enough that the codes (65536 P) fit the
@@ -179,7 +189,7 @@ def _workspace(device: torch.device, dtype: torch.dtype, cap: int):
     return ws
 
 
-def _meta(values, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def host_values(values, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Small host-known metadata on ``dev``: pinned + non_blocking on accelerators, so no stream
     synchronisation (a pageable host->device copy, which `torch.tensor(values, device=...)` makes, blocks)."""
     t = torch.tensor(values, dtype=dtype, device=dev if dev.type in ("cpu", "meta") else "cpu")
@@ -246,7 +256,7 @@ def _general_records(tensors, dev, eps, want, fields, sat, unasked_zeroed) -> to
     rec = _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed)
     if len(uniq) == len(tensors):
         return rec
-    return rec.index_select(0, _meta(rowmap, dev))
+    return rec.index_select(0, host_values(rowmap, dev))
 
 
 _unwanted: dict = {}                            # (fields, device) -> the columns zeroed, on the device
@@ -259,7 +269,7 @@ def _unwanted_columns(fields: frozenset[str], dev: torch.device) -> Optional[tor
     if key not in _unwanted:
         columns = schema.unasked_columns(fields)
         with torch.inference_mode(False):           # usable in and out of the mode
-            _unwanted[key] = _meta(columns, dev) if columns else None
+            _unwanted[key] = host_values(columns, dev) if columns else None
     return _unwanted[key]
 
 
@@ -281,8 +291,8 @@ def _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed) -> tor
         return rec
     rest = sorted(set(range(len(uniq))) - set(fused))
     out = torch.empty(len(uniq), N_FIELDS, dtype=torch.float64, device=dev)
-    out.index_copy_(0, _meta(fused, dev), rec)
-    out.index_copy_(0, _meta(rest, dev), _multi_pass_records([uniq[u] for u in rest], dev, eps, want, fields, sat))
+    out.index_copy_(0, host_values(fused, dev), rec)
+    out.index_copy_(0, host_values(rest, dev), _multi_pass_records([uniq[u] for u in rest], dev, eps, want, fields, sat))
     return out
 
 
@@ -407,7 +417,7 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
     if w_max:
         rec.select(1, 7).fill_(-_INF)
     for owner, ch in parts:
-        uid = _meta(owner, dev)
+        uid = host_values(owner, dev)
         if len(set(owner)) == len(owner):
             rec.index_copy_(0, uid, ch)
             continue
@@ -422,7 +432,7 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
 def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tensor:
     """Per-chunk partials -> ``[chunks, 8]`` float64 with exact counts (a handful of small ops)."""
     f64 = torch.float64
-    meta = _meta([ns, ends], dev)
+    meta = host_values([ns, ends], dev)
     j = (torch.cat(rows).to(f64) * (1.0 / p)).to(torch.int32)   # exact: B - 256 I - 65536 N
     big = j & 255
     t = (big - j) >> 8                                     # I + 256 N
@@ -437,7 +447,7 @@ def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tens
     col = {"zero": torch.zeros_like(count)}
     if sqs and sqs[0].dim():     # 16-bit: squared row norms summed per chunk; unsafe=True skips the
         col["sq"] = torch.segment_reduce(   # kernel's .item() validation of lengths (a hidden sync)
-            torch.cat(sqs).to(f64).square(), "sum", lengths=_meta([q.numel() for q in sqs], dev),
+            torch.cat(sqs).to(f64).square(), "sum", lengths=host_values([q.numel() for q in sqs], dev),
             unsafe=True)
 
         sqs = []
@@ -515,7 +525,7 @@ def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device,
         return
     cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
     counts = [torch.stack([(xc == _INF).sum() for xc in _chunks(uniq[u], cap)]).sum() for u in rows]
-    rec.select(1, _PINFS).index_copy_(0, _meta(rows, dev), torch.stack(counts).to(torch.float64))
+    rec.select(1, _PINFS).index_copy_(0, host_values(rows, dev), torch.stack(counts).to(torch.float64))
 
 
 def merge_records(records: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -528,7 +538,7 @@ def merge_records(records: torch.Tensor, dim: int = 0) -> torch.Tensor:
     r = records.to(torch.float64)
     out = r.sum(dim)                                # the min and max columns are replaced below
     if r.shape[dim] == 0:
-        return out.copy_(_meta(schema.IDENTITY, r.device, torch.float64))
+        return out.copy_(host_values(schema.IDENTITY, r.device, torch.float64))
     for columns, reduce in ((schema.MIN_COLUMNS, torch.amin), (schema.MAX_COLUMNS, torch.amax)):
         for column in columns:
             out.select(-1, column).copy_(reduce(r.select(-1, column), dim))

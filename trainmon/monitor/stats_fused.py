@@ -203,10 +203,10 @@ def _padding(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
     """Row partials -> one record per tensor (counts and sums add, min of mins, max of maxes)."""
-    from trainmon.monitor.stats import _meta, merge_records
+    from trainmon.monitor.stats import host_values, merge_records
 
     if not partials:                                # only empty tensors
-        return _meta(schema.IDENTITY, device, torch.float64).repeat(n, 1)
+        return host_values(schema.IDENTITY, device, torch.float64).repeat(n, 1)
     if _merged_each(partials, owners, n, device):   # each tensor's rows reduced as they are: no index, no atomics
         merged = [None] * n
         for rows, (u, _) in zip(partials, owners):
@@ -219,7 +219,7 @@ def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tens
     # one (owner, row count) per block, expanded on the device: a long tensor's thousands of rows cost no
     # Python list; output_size keeps repeat_interleave from reading the counts back
     blocks = len(owners)
-    meta = _meta([u for u, _ in owners] + [k for _, k in owners] + pads, device)
+    meta = host_values([u for u, _ in owners] + [k for _, k in owners] + pads, device)
     index = torch.repeat_interleave(meta.narrow(0, 0, blocks), meta.narrow(0, blocks, blocks),
                                     output_size=rows.shape[0])
     padding = meta.narrow(0, 2 * blocks, n)

@@ -1,0 +1,120 @@
+"""Host work per record: the CPU time a tier adds to a step, divided by the records it writes a step.
+
+The model is a chain of tiny blocks (`Linear(16, 16)` + GELU, batch 2) whose own compute is near zero, so what a
+tier adds is the host work of its hooks, keys, reads and writer: on an accelerator that work, not the kernels,
+sets a step's pace once the host is the bottleneck. Each tier trains in its own process; the figure is the
+process's CPU time a step (training thread and writer thread, from the first timed step to the end of
+`monitor.stop()`, which writes what the writer had left), less `none`'s, divided by the rows of a step in
+`monitor.db`. Each tier's figure is the median over `--repeats` processes.
+
+    python benchmarks/host_cost.py                                  # the CPU path (the native read)
+    python benchmarks/host_cost.py --accelerator-path               # the accelerators' path, run on the CPU
+    python benchmarks/host_cost.py --blocks 64 --steps 60 --tiers none,xy,all --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIERS = {
+    "none": None,
+    "xy": {"xy_distribution": True, "all_xy": True},
+    "all": {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
+            "param_distribution": True},
+}
+OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
+
+
+def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool) -> dict:
+    """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if accelerator_path:
+        from trainmon.monitor import stats_fused
+
+        stats_fused.cpu_as_accelerator = True
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
+                                  for _ in range(blocks)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(2, 16)
+    out_dir = tempfile.mkdtemp(prefix="trainmon_host_cost_")
+    os.environ["MONITOR_OUTPUT_DIR"] = out_dir
+    monitor = None
+    if TIERS[tier] is not None:
+        from trainmon import TrainerMon
+
+        path = os.path.join(out_dir, "config.json")
+        with open(path, "w") as f:
+            json.dump({"ops": OPS, "format": ["db"], **TIERS[tier]}, f)
+        monitor = TrainerMon(path)
+        monitor.set_monitor(model, optimizer=optimizer)
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.process_time()
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    records = 0
+    if monitor is not None:
+        monitor.stop()  # the writer's work left at the end is the timed steps' too
+    cpu_ms = (time.process_time() - start) * 1e3 / steps
+    if monitor is not None:
+        db = monitor.output_dir / "monitor.db"
+        with sqlite3.connect(db) as conn:
+            records = conn.execute("SELECT count(*) FROM records WHERE step = ?", (warmup + steps - 1,)).fetchone()[0]
+    return {"cpu_ms": cpu_ms, "records": records}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiers", default="none,xy,all")
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="processes per tier, interleaved")
+    parser.add_argument("--accelerator-path", action="store_true",
+                        help="the accelerators' slot-table path on CPU tensors (stats_fused.cpu_as_accelerator)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path)))
+        return
+    tiers = args.tiers.split(",")
+    if "none" not in tiers:
+        tiers.insert(0, "none")
+    runs: dict = {tier: [] for tier in tiers}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    for repeat in range(args.repeats):
+        for tier in tiers if repeat % 2 == 0 else reversed(tiers):
+            cmd = [sys.executable, __file__, "--child", tier, "--blocks", str(args.blocks), "--steps",
+                   str(args.steps), "--warmup", str(args.warmup)] + (["--accelerator-path"] if args.accelerator_path
+                                                                     else [])
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise SystemExit(f"{tier} failed:\n{done.stderr[-3000:]}")
+            runs[tier].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    none = statistics.median(r["cpu_ms"] for r in runs["none"])
+    path = "accelerators' path on the CPU" if args.accelerator_path else "CPU path"
+    print(f"{args.blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}; CPU ms a step, median of "
+          f"{args.repeats} processes of {args.steps} steps")
+    print(f"{'tier':<6} {'ms/step':>8} {'records':>8} {'µs/record':>10}")
+    for tier in tiers:
+        ms = statistics.median(r["cpu_ms"] for r in runs[tier])
+        records = runs[tier][0]["records"]
+        per = f"{(ms - none) * 1e3 / records:10.1f}" if records else f"{'':>10}"
+        print(f"{tier:<6} {ms:8.2f} {records:8d} {per}")
+
+
+if __name__ == "__main__":
+    main()

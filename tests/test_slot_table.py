@@ -1,0 +1,156 @@
+"""The accelerators' path, run on CPU tensors (`cpu_as_accelerator`): every record folded into its key's row of a
+slot table as it is recorded, one copy of the table a step. Its records equal the CPU path's, whichever folder
+fills the rows (Triton's kernels, under the interpreter where there is no GPU, or the torch kernels)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from training import make_model, run_steps
+from trainmon import TrainerMon
+from trainmon.core import schema
+from trainmon.core.records import ACTV, record_key
+from trainmon.monitor import collector as collector_module
+from trainmon.monitor import folding, stats, stats_fused
+from trainmon.monitor.collector import StepCollector
+from trainmon.read import open_run
+
+EVERY_FAMILY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,
+                "param_distribution": True, "ops": ["min", "max", "norm", "zeros", "nans", "infs", "mean"],
+                "format": ["db"]}
+FIELDS = stats.fields_for_ops(schema.OPS)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def accelerator_path(request, monkeypatch):
+    """CPU tensors take the accelerators' path, folded by Triton's kernels (where Triton runs on the CPU here: under
+    its interpreter) or by the torch kernels."""
+    if request.param == "triton" and not folding.triton_reads(torch.device("cpu")):
+        pytest.skip("Triton's interpreter is not available here")
+    if request.param == "torch":
+        monkeypatch.setattr(folding, "triton_reads", lambda device: False)
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", True)
+    return request.param
+
+
+def _records(output_dir, write_config, steps: int = 2, grad_acc_steps: int = 2):
+    model = make_model(layers=2, hidden=32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(**EVERY_FAMILY)).set_monitor(model, optimizer=optimizer,
+                                                                  grad_acc_steps=grad_acc_steps)
+    run_steps(model, optimizer, steps, grad_acc_steps=grad_acc_steps)
+    monitor.stop()
+    with open_run(monitor.output_dir.parent) as run:
+        records = run.records()
+    order = ["step", "family", "name", "micro_step", "call_index"]
+    return records.sort_values(order).reset_index(drop=True), order
+
+
+@pytest.mark.parametrize("accelerator_path", ["torch", pytest.param("triton", marks=pytest.mark.slow)],
+                         indirect=True)  # the interpreter takes about 30 ms a launch
+def test_the_accelerators_path_records_what_the_cpu_path_records(output_dir, write_config, accelerator_path,
+                                                                 monkeypatch, tmp_path):
+    slotted, order = _records(output_dir, write_config)
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", False)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "cpu_path"))
+    plain, _ = _records(output_dir, write_config)
+    assert len(slotted) > 300 and set(slotted.family) == set(plain.family)
+    assert slotted[order].fillna(-1).equals(plain[order].fillna(-1))
+    # fp32 sums of the same elements in another order differ by a few units of the magnitudes added: sum(|x|)
+    scale = np.sqrt(plain.raw_sumsq.to_numpy() * plain.raw_count.to_numpy())
+    for field in schema.FIELDS:
+        got, want = slotted[f"raw_{field}"].to_numpy(), plain[f"raw_{field}"].to_numpy()
+        if field in ("sum", "sumsq"):
+            assert np.all(np.abs(got - want) <= 1e-6 * (scale if field == "sum" else np.abs(want))), field
+        elif field != "sat":  # not asked for: not stored
+            np.testing.assert_array_equal(got, want, err_msg=field)
+
+
+def _collector() -> StepCollector:
+    return StepCollector(1e-3, FIELDS, rank=0)
+
+
+def _key(name: str, index: int, t: torch.Tensor):
+    return record_key(ACTV, name, 0, 0, index, t.shape, t.dtype)
+
+
+def _values(batch) -> dict:
+    batch.wait()
+    return {key.name: dict(zip(schema.FIELDS, row)) for key, row in zip(batch.keys, batch.values.tolist())}
+
+
+def test_a_tensor_changed_in_place_after_its_hook_keeps_its_values_at_the_hook(accelerator_path):
+    collector = _collector()
+    x = torch.arange(1.0, 9.0)
+    collector.record([_key("a.output", 0, x)], [x], defer=True)
+    x.mul_(100)
+    collector.record([_key("b.output", 1, x)], [x], defer=True)
+    values = _values(collector.finish_step())
+    assert values["a.output"]["max"] == 8.0 and values["b.output"]["max"] == 800.0
+
+
+def test_a_tensor_recorded_again_is_read_once_and_its_row_merged(accelerator_path, monkeypatch):
+    collector = _collector()
+    x = torch.randn(100)
+    collector.record([_key("a.output", 0, x)], [x], defer=True)
+    table = collector._table
+    read = []
+    monkeypatch.setattr(table, "fold", lambda slots, tensors: read.append(len(tensors)))
+    collector.record([_key("b.input", 1, x)], [x], defer=True)
+    assert read == []
+    values = _values(collector.finish_step())
+    assert values["a.output"] == values["b.input"]
+    assert values["a.output"]["count"] == 100 and values["a.output"]["sumsq"] == pytest.approx(float(x.square().sum()))
+
+
+def test_keys_keep_their_rows_and_each_step_is_one_copy(accelerator_path, monkeypatch):
+    collector = _collector()
+    copies = []
+    real = collector_module._to_host
+    monkeypatch.setattr(collector_module, "_to_host", lambda flat: copies.append(flat.numel()) or real(flat))
+    tensors = [torch.randn(10) for _ in range(5)]
+    tables, rows = [], []
+    for step in range(3):
+        collector.step = step
+        keys = [_key(f"m{i}.output", i, t) for i, t in enumerate(tensors)]
+        collector.record(keys[:3], tensors[:3], defer=True)
+        collector.record(keys[3:], tensors[3:])
+        tables.append(collector._table.table)
+        batch = collector.finish_step()
+        rows.append(batch.table_index.tolist())
+        values = _values(batch)
+        assert [values[f"m{i}.output"]["count"] for i in range(5)] == [10.0] * 5  # each step starts empty
+    assert rows == [[0, 1, 2, 3, 4]] * 3 and tables[0] is tables[1] is tables[2]
+    assert copies == [5 * schema.N_FIELDS] * 3
+
+
+@pytest.mark.parametrize("accelerator_path", ["torch"], indirect=True)
+def test_a_table_grows_on_the_step_that_needs_it_and_keeps_its_rows(accelerator_path):
+    collector = _collector()
+    tensors = [torch.full((3,), float(i)) for i in range(600)]
+    for i, t in enumerate(tensors):
+        collector.record([_key(f"m{i}", i, t)], [t], defer=True)
+    assert collector._table.table.shape[0] == 1024
+    values = _values(collector.finish_step())
+    assert [values[f"m{i}"]["max"] for i in range(600)] == [float(i) for i in range(600)]
+
+
+def test_a_failing_triton_kernel_hands_over_to_the_torch_kernels_once(monkeypatch, caplog):
+    if not folding.triton_reads(torch.device("cpu")):
+        pytest.skip("Triton's interpreter is not available here")
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", True)
+    collector = _collector()
+    x = torch.randn(50)
+    collector.record([_key("a", 0, x)], [x], defer=True)
+    monkeypatch.setattr(folding.TritonFolder, "fold", lambda *args: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for i in range(3):
+            y = torch.randn(50) + i
+            collector.record([_key(f"b{i}", i + 1, y)], [y], defer=True)
+    assert sum("torch kernels fold the records" in r.message for r in caplog.records) == 1
+    assert isinstance(collector._table.folder, folding.TorchFolder)
+    values = _values(collector.finish_step())
+    assert values["a"]["count"] == 50 and values["b2"]["min"] == pytest.approx(float(y.min()))

@@ -1,0 +1,110 @@
+"""A step's records on an accelerator: one row per record key in a table on the device, filled by one launch per
+record and copied to the host whole, once a step.
+
+Each record key gets a row the first time it is seen and keeps it on later steps, so a model whose keys repeat
+from step to step allocates nothing after its first step. A step starts with every row empty (the schema's
+identity record); a fold merges a tensor's record into its key's row on the device (`folding`), so a key recorded
+twice in a step holds the merge of both, and a tensor recorded again under another key (a module's output is the
+next module's input) has its row merged into the other's instead of being read again. At the step's end the host
+gets the whole table in one copy, with the rows of the keys that step touched, in the order they were first
+touched.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from trainmon.core import schema
+from trainmon.core.records import RecordKey
+from trainmon.monitor import folding, stats
+
+logger = logging.getLogger("trainmon")
+
+_FIRST_ROWS = 256
+
+
+class SlotTable:
+    """The record rows of one device, and the folder that fills them."""
+
+    def __init__(self, device: torch.device, eps: float, fields: stats.FieldSet):
+        self.device = device
+        self.folder = folding.folder_for(device, eps, fields)
+        self._eps, self._fields = eps, fields
+        self._slots: dict[RecordKey, int] = {}
+        self._touched_in: list[int] = []            # per slot: the step count when it was last touched
+        self._steps = 1                             # steps begun, this one included
+        self.keys: list[RecordKey] = []             # this step's keys, first touch first
+        self.rows: list[int] = []                   # their slots
+        with torch.inference_mode(False):           # usable in and out of the mode
+            self._empty = stats.host_values(schema.IDENTITY, device, torch.float64).repeat(_FIRST_ROWS, 1)
+            self.table = self._empty.clone()
+
+    def slots(self, keys: Sequence[RecordKey]) -> list[int]:
+        """The rows of `keys`, each noted as touched this step (new keys get rows of their own)."""
+        out = []
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._new_slot(key)
+            if self._touched_in[slot] != self._steps:
+                self._touched_in[slot] = self._steps
+                self.keys.append(key)
+                self.rows.append(slot)
+            out.append(slot)
+        return out
+
+    def _new_slot(self, key: RecordKey) -> int:
+        slot = self._slots[key] = len(self._slots)
+        self._touched_in.append(0)
+        if slot == self.table.shape[0]:             # grown on the step that first needs it: later steps fit
+            with torch.inference_mode(False):
+                self._empty = self._empty.repeat(2, 1)
+                grown = self._empty.clone()
+                grown[:slot] = self.table
+                self.table = grown
+        return slot
+
+    def fold(self, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Folds each tensor's record into its slot's row."""
+        try:
+            self.folder.fold(self.table, slots, tensors)
+        except Exception as exc:                    # monitoring never takes training down
+            self._retire(exc)
+            self.folder.fold(self.table, slots, tensors)
+
+    def merge_row(self, source: int, target: int) -> None:
+        """Folds row `source` into row `target`: the same tensor, recorded under a second key."""
+        try:
+            self.folder.merge_row(self.table, source, target)
+        except Exception as exc:
+            self._retire(exc)
+            self.folder.merge_row(self.table, source, target)
+
+    def _retire(self, exc: BaseException) -> None:
+        if isinstance(self.folder, folding.TorchFolder):
+            raise exc
+        logger.warning("trainmon: the Triton record kernel failed on %s (%s: %s); the torch kernels fold the records "
+                       "from now on", self.device.type, type(exc).__name__, exc)
+        self.folder = folding.TorchFolder(self.device, self._eps, self._fields)
+
+    def any_nonfinite(self) -> torch.Tensor:
+        """Device bool: whether a row of this step so far counted a NaN or an Inf (untouched rows count none)."""
+        return (self.table.select(1, schema.INDEX["nans"]) + self.table.select(1, schema.INDEX["infs"])).gt(0).any()
+
+    def step_rows(self) -> tuple[Optional[torch.Tensor], list[RecordKey], Optional[np.ndarray]]:
+        """(the rows in use, on the device; this step's keys; their rows), or (None, [], None) where the step
+        touched none. `clear` empties the rows once their copy to the host is under way."""
+        if not self.keys:
+            return None, [], None
+        return self.table.narrow(0, 0, len(self._slots)), self.keys, np.array(self.rows, dtype=np.int64)
+
+    def clear(self) -> None:
+        """Starts the next step: every row empty again (after the copy of this step's rows, on the same stream)."""
+        if self.keys:
+            used = len(self._slots)
+            self.table.narrow(0, 0, used).copy_(self._empty.narrow(0, 0, used))
+        self.keys, self.rows = [], []
+        self._steps += 1

@@ -131,6 +131,36 @@ def test_compare_refuses_a_step_range_outside_the_runs(runs, capsys):
     assert "holds no step in --steps 900-999 (it holds steps 0-4)" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["overflow", "anomalies"])
+def test_a_step_range_outside_the_run_is_bad_input_not_nothing_found(runs, capsys, command):
+    assert cli_main([command, str(runs["clean"]), "--steps", "400-500"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no step in --steps 400-500 (it holds steps 0-3)" in err and "Traceback" not in err
+    assert cli_main([command, str(runs["clean"]), "--steps", "2-500"]) == 0  # a range overlapping the run is read
+
+
+def test_a_run_without_a_record_is_neither_clean_nor_different(tmp_path, capsys):
+    empty = make_run(tmp_path / "empty", 0)  # the databases hold no record (a config that collected none)
+    for argv in (["nan-analyze", str(empty)], ["overflow", str(empty)], ["compare", str(empty), str(empty)]):
+        assert cli_main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert "holds no statistic record" in err and "clean" not in out and "differ" not in out, (argv, out, err)
+
+
+@pytest.mark.parametrize("command", ["nan-analyze", "overflow"])
+def test_a_missing_rank_leaves_a_clean_answer_unknown(runs, tmp_path, capsys, command):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(runs["clean"], run)
+    shutil.rmtree(run / "rank_1")
+    assert cli_main([command, str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert "rank(s) 1 of 2 missing" in err and "not known to be clean" in out, (out, err)
+    assert cli_main([command, str(run), "--rank", "0"]) == 0  # the rank asked for is there and clean
+    assert cli_main(["anomalies", str(run)]) == 0
+    assert "rank(s) 1 of 2 missing" in capsys.readouterr().err
+
+
 def test_exit_statuses_clean_found_and_bad_input(runs, tmp_path, capsys):
     assert cli_main(["nan-analyze", str(runs["clean"])]) == 0
     assert cli_main(["nan-analyze", str(runs["short"])]) == 1

@@ -16,6 +16,8 @@ COMMANDS = {
     "show": lambda run, out: ["show", run, "--max-rows", 3],
     "export": lambda run, out: ["export", run, out, "--quiet"],
     "plot": lambda run, out: ["plot", run, "--family", "grad_reduced", "-o", out / "grads.png"],
+    "overflow": lambda run, out: ["overflow", run],
+    "anomalies": lambda run, out: ["anomalies", run, "--quiet"],
 }
 
 
@@ -35,8 +37,8 @@ def test_a_missing_rank_is_named_and_the_others_are_read(gapped_run, tmp_path, c
         out.mkdir()
     done = subprocess.run([sys.executable, "-m", "trainmon.cli", *map(str, COMMANDS[command](gapped_run, out))],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    # nan-analyze says found (1): the run holds an Inf
-    assert done.returncode == (1 if command == "nan-analyze" else 0), done.stderr
+    # nan-analyze and overflow say found (1): the run holds an Inf
+    assert done.returncode == (1 if command in ("nan-analyze", "overflow") else 0), done.stderr
     warnings = [line for line in done.stderr.splitlines() if "missing (no rank_<R>" in line]
     assert len(warnings) == 1 and "rank(s) 1 of 3 missing" in warnings[0], done.stderr
     if command == "nan-analyze":

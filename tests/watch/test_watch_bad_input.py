@@ -143,3 +143,10 @@ def test_a_logdir_that_cannot_be_made_is_one_line_and_status_2(finished_run, tmp
     assert main(["watch", str(finished_run), "--logdir", str(logdir), "--interval", "0.1"] + ["--once"] * once) == 2
     err = capsys.readouterr().err
     assert f"trainmon watch: {logdir}: cannot create the output directory" in err and "Traceback" not in err, err
+
+
+def test_once_with_a_rank_the_run_lacks_exits_2(finished_run, tmp_path, capsys):
+    from trainmon.cli import main
+    assert main(["watch", str(finished_run), "--once", "--rank", "7", "--logdir", str(tmp_path / "view")]) == 2
+    err = capsys.readouterr().err
+    assert f"trainmon watch: {finished_run}: has no rank 7" in err and "Traceback" not in err, err

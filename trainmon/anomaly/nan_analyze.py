@@ -107,8 +107,9 @@ def analyze(path: str | Path, progress: bool = False, ranks: Optional[Collection
         "notes": notes,
         "warnings": [w for s in summaries for w in s.warnings],
         "incomplete_ranks": [s.rank for s in summaries if s.incomplete],
-        "missing_ranks": run_dirs.missing_ranks if run_dirs else [],
-        "missing_warning": run_dirs.missing_warning if run_dirs else None,
+        # ranks asked for are all there (or it is an InputError): the missing ones are the run's when none were
+        "missing_ranks": run_dirs.missing_ranks if run_dirs and ranks is None else [],
+        "missing_warning": run_dirs.missing_warning if run_dirs and ranks is None else None,
         "nonfinite_records": sum(s.records for s in summaries),
         "first": first.where() if first else None,
         "first_record": ({**first.where(), "op": first.op, "value": _json_value(first.value), "rule": first.rule,
@@ -159,9 +160,14 @@ def format_report(result: dict, chain_lines: int = 20) -> str:
     lines += [f"note: {n}" for n in result["notes"]]
     lines += [f"warning: {w}" for w in result["warnings"]]
     first = result["first_record"]
-    if first is None and result["incomplete_ranks"]:
-        lines.append(f"not known to be clean: no NaN or Inf in the records read, but part of rank(s) "
-                     f"{', '.join(map(str, result['incomplete_ranks']))} could not be read (see the warnings)")
+    unread = []  # what may hold a NaN or Inf that was not seen
+    if result["incomplete_ranks"]:
+        unread.append(f"part of rank(s) {', '.join(map(str, result['incomplete_ranks']))} could not be read")
+    if result["missing_ranks"]:
+        unread.append(f"rank(s) {', '.join(map(str, result['missing_ranks']))} have no output")
+    if first is None and unread:
+        lines.append(f"not known to be clean: no NaN or Inf in the records read, but {' and '.join(unread)} (see the "
+                     "warnings)")
         return "\n".join(lines)
     if first is None:
         lines.append("clean: no NaN or Inf in any record of this run")

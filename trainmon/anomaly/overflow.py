@@ -20,7 +20,7 @@ from typing import Optional
 from trainmon.core.events import split_name
 from trainmon.core.ordering import order_key
 from trainmon.core.records import ACTV, PHASES
-from trainmon.read import Run, find_run
+from trainmon.read import Run, coverage, find_run
 
 COMPUTED, INHERITED, INTERNAL = "computed here", "inherited", "internal"
 FROM_DATA = "data"
@@ -131,22 +131,27 @@ def loss_scale_summary(run: Run) -> Optional[dict]:
 
 
 def analyze(path: str | Path, steps=None, ranks=None) -> dict:
-    """The overflow report of a run (of `ranks` only, when given): the first bad module, classified, and the
-    loss-scale summary.
+    """The overflow report of a run (of `ranks` only, when given): the first bad module, classified, the
+    loss-scale summary, and the ranks of the run without output (`missing_ranks`).
 
     Raises:
-        InputError: bad input, or one of `ranks` is not in the run.
+        InputError: bad input, one of `ranks` is not in the run, or no record to judge: `steps` outside the run,
+            or none collected.
     """
     with Run(path) as run:
         chosen = [d.rank for d in find_run(run.path).only(ranks)]
+        coverage.check_steps(run, chosen, steps)
         firsts = [rows for rank in chosen if (rows := _first_bad_step(run, rank, steps))]
+        if not firsts:
+            coverage.require_records(run, chosen, steps)
         ops = sorted({op for rank in run.ranks for op in run.ops(rank)})
         chain = []
         if firsts:
             earliest = min(firsts, key=lambda rows: order_key(next(r for r in rows if r.what())))
             chain = classify(earliest)
         return {"run": str(run.path), "saturation_counted": "sat" in ops, "modules": chain,
-                "loss_scale": loss_scale_summary(run)}
+                "loss_scale": loss_scale_summary(run), "missing_ranks": run.missing_ranks,
+                "missing_warning": run.missing_warning}
 
 
 def format_report(result: dict) -> str:

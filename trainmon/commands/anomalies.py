@@ -14,6 +14,7 @@ from trainmon.core.ordering import order_key
 from trainmon.commands.arguments import add_json, add_quiet, add_ranks, add_steps, positive_int
 from trainmon.read.database import DbRankReader
 from trainmon.read.jsonl import read_jsonl
+from trainmon.read import Run, coverage
 from trainmon.read.layout import find_run
 from trainmon.read.parallel import map_ranks
 
@@ -61,8 +62,18 @@ def rank_top(job: tuple) -> tuple[list[AnomalyEvent], list[str]]:
 
 def top_anomalies(directory: str, top: int, steps=None, progress: bool = False, ranks=None) -> list[AnomalyEvent]:
     """The `top` earliest anomalies of the run under `directory`, optionally within `steps` (first, last) and
-    of `ranks` only: each rank's earliest `top`, read in parallel processes, merged by the ordering key."""
-    rank_dirs = find_run(Path(directory)).only(ranks)
+    of `ranks` only: each rank's earliest `top`, read in parallel processes, merged by the ordering key.
+
+    Raises:
+        InputError: bad input, one of `ranks` is not in the run, or `steps` holds no step of the run.
+    """
+    run_dirs = find_run(Path(directory))
+    rank_dirs = run_dirs.only(ranks)
+    if run_dirs.missing_warning:
+        print(f"trainmon anomalies: warning: {run_dirs.missing_warning}", file=sys.stderr)
+    if steps is not None:
+        with Run(run_dirs.path) as run:
+            coverage.check_steps(run, [d.rank for d in rank_dirs], steps)
     found = map_ranks(rank_top, [(d, top, steps) for d in rank_dirs], progress, "anomalies")
     for _, warnings in found:
         for message in warnings:

@@ -82,7 +82,7 @@ def _compare_runs(args: argparse.Namespace):
     from trainmon.compare.names import NameMap
     from trainmon.compare.records import align, check_steps, execution_order, rank_pairs
     from trainmon.compare.report import format_report, summarize, write_csv
-    from trainmon.read import open_run
+    from trainmon.read import coverage, open_run
 
     name_map = NameMap.load(args.map)
     with open_run(args.a) as run_a, open_run(args.b) as run_b:
@@ -91,6 +91,8 @@ def _compare_runs(args: argparse.Namespace):
         ranks = rank_pairs(run_a, run_b, args.ranks)
         check_steps((run_a, run_b), ranks, args.steps)
         records = execution_order(list(align(run_a, run_b, ranks, args.steps, name_map, args.rtol, args.atol)))
+        if not records:  # neither run collected a record there: nothing agrees or differs
+            coverage.require_records(run_a, ranks, args.steps)
         unread = list(dict.fromkeys(str(run.path) for run in (run_a, run_b) if run.incomplete))
         summary = summarize(records, str(run_a.path), str(run_b.path), ranks, args.rtol, args.atol, args.top, unread)
     return summary, lambda fh: write_csv(records, fh), lambda: format_report(summary)

@@ -1,7 +1,7 @@
 """`trainmon nan-analyze DIR`: where NaN/Inf first appeared in a run, and where it spread.
 
 Exit status: 0 clean (no NaN or Inf), 1 found, 2 bad input (also: none found, but part of the run could not be
-read)."""
+read or has no output; a run without a statistic record)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ from trainmon.anomaly.msprobe_dump import read_dump
 from trainmon.anomaly.nan_analyze import analyze, format_report
 from trainmon.commands.arguments import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FOUND, add_json, add_quiet, add_ranks
 from trainmon.commands.notices import warn
+from trainmon.read import Run, coverage
 from trainmon.read.layout import find_run
 
 
@@ -38,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         find_run(args.dir).only(args.ranks)  # a rank the run lacks is an InputError
     result = analyze(args.dir, progress=not args.quiet, ranks=args.ranks)  # cli.main reports an InputError
     warn(args, result["missing_warning"])
+    unread = result["incomplete_ranks"] or result["missing_ranks"]
+    if result["first"] is None and not unread and not read_dump(Path(args.dir)):
+        with Run(args.dir) as run:  # no record at all is not clean
+            coverage.require_records(run, args.ranks or run.ranks)
     result["overflow"] = _overflow(args.dir, result) if args.overflow else None
     text = json.dumps(result, indent=1, default=str) if args.json else format_report(result)
     if result["overflow"] and not args.json:
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(text)
     if result["first"] is not None:
         return EXIT_FOUND
-    return EXIT_BAD_INPUT if result["incomplete_ranks"] else EXIT_CLEAN
+    return EXIT_BAD_INPUT if unread else EXIT_CLEAN
 
 
 def _overflow(path: str, result: dict):

@@ -28,15 +28,18 @@ def run(args: argparse.Namespace) -> int:
     from trainmon.anomaly.overflow import analyze, format_report
 
     result = analyze(args.dir, args.steps, args.ranks)  # cli.main reports an InputError
+    warn(args, result["missing_warning"])
     streams = find_run(args.dir).stream_findings(args.ranks)
     for stream in streams:
         for warning in stream.warnings:
             warn(args, warning)
     result["incomplete"] = any(stream.lost for stream in streams)
+    # what was not read may hold what was not found: a missing rank, a part of a stream
+    unread = result["incomplete"] or (result["missing_ranks"] and not args.ranks)
     text = format_report(result)
-    if result["incomplete"] and not result["modules"]:
+    if unread and not result["modules"]:
         text += "\nnot known to be clean: part of the run could not be read (see the warnings)"
     print(json.dumps(result, indent=1, default=str) if args.json else text)
     if result["modules"]:
         return EXIT_FOUND
-    return EXIT_BAD_INPUT if result["incomplete"] else EXIT_CLEAN
+    return EXIT_BAD_INPUT if unread else EXIT_CLEAN

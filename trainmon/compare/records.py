@@ -18,7 +18,7 @@ from trainmon.compare.names import NameMap
 from trainmon.compare.thresholds import DEFAULT_ATOL, DEFAULT_RTOL
 from trainmon.core.records import PHASES
 from trainmon.core.schema import OPS
-from trainmon.read import InputError, Run
+from trainmon.read import InputError, Run, coverage
 
 EQUAL, CLOSE, DIVERGED, ONLY_A, ONLY_B = "equal", "close", "diverged", "only_a", "only_b"
 
@@ -132,15 +132,8 @@ def check_steps(runs: tuple[Run, Run], ranks: list[int], steps) -> None:
     Raises:
         InputError: a run holds no step of `steps` (first, last), naming the steps it holds.
     """
-    if steps is None:
-        return
-    first, last = steps
     for run in runs:
-        held = set().union(*(run.steps(rank) for rank in ranks))
-        if not any((first is None or s >= first) and (last is None or s <= last) for s in held):
-            span = f"steps {min(held)}-{max(held)}" if held else "no step"
-            raise InputError.at(run.path, f"holds no step in --steps {'' if first is None else first}-"
-                                          f"{'' if last is None else last} (it holds {span})")
+        coverage.check_steps(run, ranks, steps)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -164,6 +164,8 @@ class RunWatcher:
             if self.options.once:
                 raise  # a finished run without output: nothing will come
             return  # no rank has written anything yet
+        if self.options.once:
+            found.only(self.options.ranks)  # a --rank the finished run lacks is bad input
         if found.missing_ranks != self.missing_ranks:  # said again only when it changes (ranks start one by one)
             self.missing_ranks = found.missing_ranks
             if found.missing_warning:

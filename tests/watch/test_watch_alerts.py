@@ -46,3 +46,21 @@ def test_the_sentinel_and_the_statistic_in_different_rounds_give_one_alert(tmp_p
     assert status == 0, err
     assert len(alerts.read_text().splitlines()) == 1, alerts.read_text()
     assert len(calls.read_text().splitlines()) == 1, "--on-anomaly runs once"
+
+
+def test_an_alert_waiting_for_the_rank_that_raised_it_says_what_it_waits_for(tmp_path, watch_log):
+    from trainmon.read.layout import find_run
+    from trainmon.watch.alerts import AlertTracker
+    from trainmon.watch.follow import RankFollower
+    run = tmp_path / "run"
+    rank = LiveRank(run, 0)
+    for step in range(3):
+        rank.write(step)
+    rank.write(3, nan=True)  # the newest step: more of it may still be committed
+    follower = RankFollower(find_run(run).ranks[0])
+    follower.poll(final=False)
+    [alert] = AlertTracker(run, tmp_path, lambda step, text: None).poll([follower])
+    rank.close()
+    assert alert["step"] == 3 and alert["ranks_waiting"] == [0] and not alert["final"]
+    [message] = [r.getMessage() for r in watch_log.records if "alert 1" in r.getMessage()]
+    assert "have not reported" not in message and "not final until rank(s) 0 finish step 3" in message, message

@@ -104,7 +104,7 @@ def _empty(path):
 
 
 @pytest.mark.parametrize("corrupt", [_figure, _cut, _junk, _empty], ids=["figure", "cut", "junk", "empty"])
-def test_a_corrupt_csv_is_named_and_the_rest_exported(output_dir, write_config, tmp_path, caplog, corrupt):
+def test_a_corrupt_csv_is_named_and_the_rest_exported(output_dir, write_config, tmp_path, watch_log, corrupt):
     """An older CSV of a rank (not the one whose rows tell its progress) is corrupt: its file and line are said, its
     rows from there are left out, the rest is exported, and `--once` does not end as if the run were read whole."""
     from trainmon.watch.run_watcher import RunWatcher, WatchOptions
@@ -112,12 +112,11 @@ def test_a_corrupt_csv_is_named_and_the_rest_exported(output_dir, write_config, 
     path = run / "rank_0" / "actv_0-3.csv"
     line = corrupt(path)
     watcher = RunWatcher(run, tmp_path / "view", WatchOptions(once=True))
-    with caplog.at_level("WARNING", logger="trainmon.watch"):
-        watcher.poll(final=True)
+    watcher.poll(final=True)
     watcher.finish(draw=False)
     where = f"{path}, line {line}"
     assert where in watcher.unreadable()[0]
-    assert [r.getMessage() for r in caplog.records if where in r.getMessage()], caplog.text
+    assert [r.getMessage() for r in watch_log.records if where in r.getMessage()], watch_log.text
     events = read_events(tmp_path / "view")[0]
     kept = [0] if line > 2 else []  # the rows before the bad line (of step 0) are read
     assert [step for step, _ in events["Overview/actv_norm_max"]] == kept + [4, 5, 6, 7]
@@ -136,7 +135,8 @@ def test_once_on_a_corrupt_csv_exits_2_naming_the_file_and_line(output_dir, writ
 
 @pytest.mark.parametrize("once", [True, False], ids=["once", "live"])
 @pytest.mark.parametrize("place", ["under_a_file", "a_file"])
-def test_a_logdir_that_cannot_be_made_is_one_line_and_status_2(finished_run, tmp_path, capsys, once, place):
+def test_a_logdir_that_cannot_be_made_is_one_line_and_status_2(finished_run, tmp_path, capsys, watch_log, once,
+                                                               place):
     from trainmon.cli import main
     (tmp_path / "file").write_text("a file where a directory should be")
     logdir = tmp_path / "file" / "view" if place == "under_a_file" else tmp_path / "file"
@@ -145,7 +145,7 @@ def test_a_logdir_that_cannot_be_made_is_one_line_and_status_2(finished_run, tmp
     assert f"trainmon watch: {logdir}: cannot create the output directory" in err and "Traceback" not in err, err
 
 
-def test_once_with_a_rank_the_run_lacks_exits_2(finished_run, tmp_path, capsys):
+def test_once_with_a_rank_the_run_lacks_exits_2(finished_run, tmp_path, capsys, watch_log):
     from trainmon.cli import main
     assert main(["watch", str(finished_run), "--once", "--rank", "7", "--logdir", str(tmp_path / "view")]) == 2
     err = capsys.readouterr().err

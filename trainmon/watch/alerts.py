@@ -127,7 +127,8 @@ class AlertTracker:
         label = "refines alert %d: " % alert["refines"] if alert["type"] == "refinement" else ""
         logger.warning("trainmon watch: alert %d (%s%s): %s%s", alert["alert"], label, alert["run"],
                        alert["message"], "" if alert["final"] else
-                       f" (ranks {alert['ranks_waiting']} have not reported step {alert['step']} yet)")
+                       f" (not final until rank(s) {', '.join(map(str, alert['ranks_waiting']))} finish step "
+                       f"{alert['step']}: an earlier place may still come)")
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(text + "\n")
         lines = [f"**{'refinement of alert ' + str(alert['refines']) if label else 'alert'} {alert['alert']}**: "

@@ -1,7 +1,8 @@
 """The online anomaly processor: a sink that judges every step batch in the writer thread.
 
 Per rank and step it logs one line naming the earliest anomalous record by the ordering key
-(`ordering`, the same key nan-analyze uses across ranks) and how many others there were, and
+(`ordering`, the same key nan-analyze uses across ranks; a rule may add, at the step's end, records that
+were anomalous only given the rest of the step, to trace it to its origin) and how many others there were, and
 appends every anomaly to `rank_<R>/anomalies.jsonl` (one JSON object per line, flushed per step).
 """
 from __future__ import annotations
@@ -140,7 +141,17 @@ class AnomalyProcessor(Sink):
                 for rule in self.rules:
                     events += [self._scalar_event(batch, name, op, float(v), rule.name)
                                for op, v in rule.check_scalar(name, float(value))]
+            events += self._traced(batch, records)
         return events
+
+    def _traced(self, batch: StepBatch, records: list) -> list[AnomalyEvent]:
+        """The events of what the rules found only because the step was anomalous (`Rule.end_step`)."""
+        found = [(rule.name, traced) for rule in self.rules for traced in rule.end_step()]
+        if not found:
+            return []
+        key_of = {tag: key for key, (tag, _, _) in zip(batch.keys, records)}
+        return [self._event(batch, key_of[name], op, float(v), rule) if name in key_of
+                else self._scalar_event(batch, name, op, float(v), rule) for rule, (name, op, v) in found]
 
     def _event(self, batch: StepBatch, key: RecordKey, op: str, value: float, rule: str) -> AnomalyEvent:
         module, tensor = split_name(key.family, key.name)

@@ -4,7 +4,9 @@ A rule sees one series at a time: a tag (one tensor of one family, per micro-ste
 per micro-step) or a scalar name, and returns the (op, value) pairs it finds anomalous. Rules with
 history keep it per (tag, op); a NaN or Inf never enters a history, so one bad step cannot poison
 the baseline of later ones. Before a step's records are checked, `begin_step` shows a rule all of them,
-so a rule can judge a record against the rest of its step (AnomalySpike's noise level).
+so a rule can judge a record against the rest of its step (AnomalySpike's noise level); after them,
+`end_step` returns what the rule found only because the step as a whole was anomalous (AnomalySpike's
+trace back to the origin).
 """
 from __future__ import annotations
 
@@ -32,6 +34,11 @@ class Rule:
         return []
 
     def check_scalar(self, name: str, value: float) -> list:
+        return []
+
+    def end_step(self) -> list[tuple[str, str, float]]:
+        """After the step's records and scalars were checked: (tag or scalar name, op, value) of the findings
+        that count only because other values of the step were anomalous."""
         return []
 
 
@@ -144,11 +151,24 @@ class AnomalySpike(_SeriesRule):
     again: judged against its noise (or its zeros), its first real values would look like spikes.
     Scalars have no family and are always judged.
 
+    A step is judged as a whole, so that a spike is named where it starts. A forward spike is often first
+    over the bound downstream, in the backward: the backward of the spiked op multiplies the grad reaching
+    it by the spike's factor, and that grad has itself grown, as the spike pushed the loss off its minimum;
+    weight grads (input x grad output) and the grads further back compound it. In benchmarks/spike_suite.py
+    a x5 spike of `layers.2.mlp`'s output is 4.7 x its trend, below the 7 x T that fires, while the grad
+    reaching that output rises 1.4x, so `fc2`'s grad output is 5 x 1.4 = 7.1 x T and the MLP's weight
+    grads 9-15 x T: the first value over the bound is `fc2` backward. So once a value of the step fires,
+    every value of that step whose robust z-score is above `threshold` and that exceeds T by more than
+    min_relative x |T| (above 2 x T with the defaults) is reported with it; the processor orders a step's
+    anomalies causally, and the earliest is the spiked forward output. The 2 x T keeps out the smooth
+    activations whose tiny MAD gives a high z-score to a 1.1 x T wobble: earlier in forward, one of them
+    would be named. A healthy step has no value that fires, so this lower bound adds no false alarm.
+
     Args:
         threshold: robust z-score that fires, and the relative excess over the trend (default 6).
         window: finite values the trend is fitted to (default 50).
         warmup: values needed before the rule can fire (default min(window, 10)).
-        min_relative: scales the relative excess that is required (default 1.0).
+        min_relative: scales the relative excess that is required, and is the one traced (default 1.0).
         noise: the noise level relative to the family's largest value, 0 <= noise < 1 (default 1e-6;
             0 judges every value).
         ops: ops to judge (default ["norm"]; scalars are always judged).
@@ -170,6 +190,13 @@ class AnomalySpike(_SeriesRule):
         self.noise = noise
         self._history: dict[tuple, collections.deque] = {}
         self._floors: dict[tuple, float] = {}  # (tag, op) -> noise level of this step
+        self._fired = False  # whether a value of this step fired
+        self._traced: list[tuple[str, str, float]] = []  # this step's values above min_relative x |T|
+
+    def end_step(self) -> list[tuple[str, str, float]]:
+        traced = self._traced if self._fired else []
+        self._fired, self._traced = False, []
+        return traced
 
     def begin_step(self, records) -> None:
         largest: dict[tuple, float] = collections.defaultdict(float)
@@ -195,8 +222,15 @@ class AnomalySpike(_SeriesRule):
         predicted, spread = _trend(points)
         expected = math.exp(predicted) if logarithmic else predicted
         observed = math.log(value) if logarithmic else value
-        above_spread = observed - predicted > self.threshold * _MAD_TO_SIGMA * spread
-        return above_spread and value - expected > self.threshold * self.min_relative * abs(expected)
+        if observed - predicted <= self.threshold * _MAD_TO_SIGMA * spread:
+            return False
+        unit = self.min_relative * abs(expected)  # the excess that is traced; `threshold` of them fire
+        if value - expected > self.threshold * unit:
+            self._fired = True
+            return True
+        if value - expected > unit:
+            self._traced.append((*series, value))
+        return False
 
     def _remember(self, series, value) -> None:
         self._history.setdefault(series, collections.deque(maxlen=self.window)).append(value)

@@ -25,8 +25,8 @@ def test_db_contents_equal_csv_contents(output_dir, write_config):
     db_path = monitor.output_dir / "monitor.db"
     assert integrity(db_path) == "ok"
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("SELECT COUNT(*) FROM batches").fetchone()[0] == 3
+    assert not (monitor.output_dir / "monitor.db-wal").exists()  # written in WAL mode, closed without it
     from_db = open_run(monitor.output_dir, source="db").records()
     from_csv = open_run(monitor.output_dir, source="csv").records()
     assert len(from_db) == len(from_csv) > 500
@@ -288,3 +288,42 @@ def test_open_run_reads_every_ranks_database(output_dir, write_config):
     by_rank = [grads[grads["rank"] == r].sort_values(["step", "name"]).norm.to_numpy() for r in (0, 1)]
     np.testing.assert_array_equal(*by_rank)
     assert sorted(run.scalars("loss")["rank"]) == [0, 0, 0, 1, 1, 1]
+
+
+def _step_db(path, reader_holds_s: float):
+    """A database of one step, closed while a read-only reader (as the daemon's) is connected for `reader_holds_s`
+    seconds; returns the reader's count of batches, read before the close."""
+    import threading
+    db = MonitorDb(path)
+    assert db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    values = np.zeros((1, len(db_schema.FIELDS)))
+    values[0, db_schema.FIELDS.index("count")] = 4  # four finite zeros
+    db.add_step(0, 0, [RecordKey("actv", "a", 0, 0, 0, (4,), "torch.float32")], values, {"loss": 1.0})
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    batches = reader.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
+    threading.Timer(reader_holds_s, reader.close).start()
+    db.close()
+    return batches
+
+
+def test_close_removes_the_wal_once_a_connected_reader_lets_go(tmp_path):
+    path = tmp_path / "monitor.db"
+    assert _step_db(path, reader_holds_s=0.3) == 1
+    assert not os.path.exists(f"{path}-wal")
+    with sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 1
+
+
+def test_a_wal_a_reader_kept_past_the_close_is_empty_and_not_taken_for_a_running_job(tmp_path, monkeypatch, capsys):
+    from trainmon.cli import main as cli_main
+    from trainmon.writers import monitor_db
+    monkeypatch.setattr(monitor_db, "CLOSE_WAIT_S", 0.1)
+    rank_dir = tmp_path / "run" / "rank_0"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "run.json").write_text(json.dumps({"rank": 0}))
+    _step_db(rank_dir / "monitor.db", reader_holds_s=0.5)
+    wal = rank_dir / "monitor.db-wal"
+    assert wal.exists() and wal.stat().st_size == 0  # checkpointed into the database, then kept by the reader
+    assert cli_main(["nan-analyze", str(tmp_path / "run")]) == 0
+    out, err = capsys.readouterr()
+    assert "still writing" not in out + err and "clean" in out, out + err

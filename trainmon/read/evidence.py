@@ -38,6 +38,15 @@ class RankEvidence:
     incomplete: bool = False  # part of a source could not be read (a corrupt frame): no report may call it clean
 
 
+def _pending_wal(db: Path) -> bool:
+    """Whether a `-wal` beside the database holds transactions: a writer's close checkpoints them into the database
+    and empties it, and a WAL a connected reader kept then is empty."""
+    try:
+        return Path(f"{db}-wal").stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
 def record_identity(event: AnomalyEvent) -> tuple:
     """What makes two events the same tensor record, whichever source they came from."""
     return (event.rank, event.step, event.micro_step, event.vpp_stage, event.family, event.module, event.tensor)
@@ -66,7 +75,7 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
         out.events, out.records = found.events, found.records
         stream = rank_dir.stream_findings()
         out.sources.append(DB_NAME if stream is None else STREAM_NAME)
-        if Path(f"{db}-wal").exists():
+        if _pending_wal(db):
             out.warnings.append(f"{db}: its job is still writing it or was stopped (a -wal file is "
                                 "beside it); read up to its last committed step")
         if stream is not None:

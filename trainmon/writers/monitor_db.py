@@ -16,6 +16,9 @@ from trainmon.core.records import RecordKey
 from trainmon.writers import db_schema
 
 
+CLOSE_WAIT_S, CLOSE_RETRY_S = 1.0, 0.05  # how long `close` waits for readers to let go of the WAL, and how often
+
+
 class MonitorDb:
     """Writes step batches into one monitor database (see db_schema for the layout).
 
@@ -112,6 +115,21 @@ class MonitorDb:
             raise
 
     def close(self) -> None:
+        """Checkpoints the WAL into the database file and closes without a `-wal` beside it, which readers take for a
+        job still writing or stopped. Only the last connection can remove it: while a reader is connected (the
+        daemon, a few milliseconds a poll) the journal's switch out of WAL fails, and is tried again for up to
+        CLOSE_WAIT_S; failing that, the WAL stays, empty."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while True:
+            try:
+                self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                if self.conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete":
+                    break
+            except sqlite3.Error:
+                pass  # another connection is open (or the disk failed: nothing more to save)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(CLOSE_RETRY_S)
         self.conn.close()
 
 

@@ -250,3 +250,28 @@ def test_read_side_commands_start_without_torch(runs, tmp_path, command):
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert "torch was imported" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_bare_trainmon_prints_its_usage_and_exits_2(capsys):
+    assert cli_main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: trainmon") and "nan-analyze" in err
+
+
+@pytest.mark.parametrize("command, operands", [("show", ["RUN"]), ("config-check compare", ["A", "B"])])
+def test_an_unknown_option_gets_the_usage_of_its_command(capsys, command, operands):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(command.split() + operands + ["--bogus"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"usage: trainmon {command} ") and \
+        f"trainmon {command}: error: unrecognized arguments: --bogus" in err, err
+
+
+def test_a_figure_the_run_lacks_is_answered_with_the_ones_it_has(runs, tmp_path, capsys):
+    from trainmon.read import open_run
+    with open_run(runs["clean"]) as run:
+        ops = run.ops(0)
+    assert cli_main(["show", str(runs["clean"]), "--ops", "norm,foo"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--ops takes: {', '.join(ops)}")
+    assert cli_main(["plot", str(runs["clean"]), "--family", "actv", "--op", "foo", "-o", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--op takes: {', '.join(sorted(ops))}")

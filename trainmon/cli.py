@@ -37,15 +37,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _remember_parsers(parser)
     return parser
+
+
+def _remember_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each (sub)command's parser becomes its arguments' `command_parser` (the innermost chosen one wins), so that
+    an error names the command's own usage."""
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                _remember_parsers(command)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's usage, not the top-level one
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "handler", None) is None:
-        parser.print_help()
-        return 0
+        args.command_parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return int(args.handler(args) or 0)
     except (InputError, ConfigError) as err:  # bad input: the message names the file (and line or key)

@@ -48,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     first = max(0, last - args.window + 1)
     figures = read_figures(followers, first, last)
+    ops = sorted({key[3] for figure in figures.values() for key in figure.stats})
+    if ops and args.op not in ops and args.family not in RANK_SERIES:
+        print(f"trainmon plot: no op {args.op!r} in {run_dirs.path}; --op takes: {', '.join(ops)}", file=sys.stderr)
+        return 2
     for step in sorted(figures):
         history.add(figures[step])
     families = sorted(history.rows) + [s for s in RANK_SERIES if any(s in c for _, c in history.rank_columns)]

@@ -41,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
                 table = monitor_run.records(family=args.family, steps=args.steps, ranks=args.ranks)
                 if args.tag and not table.empty:
                     table = table[table["tag"].str.contains(args.tag, regex=False)]
-                columns = ["rank", "tag", "step"] + (args.ops.split(",") if args.ops else
-                                                     monitor_run.ops(monitor_run.ranks[0]))
+                ops = monitor_run.ops(monitor_run.ranks[0])
+                columns = ["rank", "tag", "step"] + (args.ops.split(",") if args.ops else ops)
                 missing = [c for c in columns if c not in table.columns]
                 if missing and not table.empty:
-                    print(f"trainmon show: no column {missing}; available: {list(table.columns)}", file=sys.stderr)
+                    print(f"trainmon show: the run has no figure {', '.join(missing)}; --ops takes: {', '.join(ops)}",
+                          file=sys.stderr)
                     return 2
                 table = table[[c for c in columns if c in table.columns]]
     except (OSError, ValueError, sqlite3.Error) as err:

@@ -216,6 +216,9 @@ def test_writer_key_errors(raw, parts):
     ({"format": []}, ["'format' = []", 'did you mean ["csv"]']),
     ({"module_ranks": [0, "1"]}, ["'module_ranks[1]' = \"1\"", "did you mean 1"]),
     ({"module_ranks": 3}, ["'module_ranks' = 3", "did you mean [3]"]),
+    ({"module_ranks": "0"}, ["'module_ranks' = \"0\"", "did you mean [0]?"]),  # a valid list, not ["0"]
+    ({"watch": True}, ["'watch' = true", 'did you mean {"enable": true}?']),  # JSON, not a Python repr
+    ({"alert": True}, ["'alert' = true", "did you mean {}?"]),
     ({"append_output": ["Dec03_21-34-40"]}, ["'append_output'", "exactly 2 timestamps"]),
     ({"targets": []}, ["'targets' = []", "JSON object", "did you mean {}"]),
     ({"targets": {"layers.0": {"inptu": "tensor"}}}, ["'targets[\"layers.0\"].inptu'", '"input_grad"',
@@ -402,3 +405,16 @@ def test_watch_section_is_validated_with_its_dotted_key():
     assert load_config({"watch": {"detail": [r"layers\.3\."]}}).watch.detail == [r"layers\.3\."]
     with pytest.raises(ConfigError, match=r"'watch.detail\[0\]'.*not a regular expression"):
         load_config({"watch": {"detail": ["(("]}})
+
+
+@pytest.mark.parametrize("section", ["alert", "watch", "config_check", "cc_distribution", "dump"])
+def test_a_section_given_a_bool_is_answered_with_json_that_loads(section):
+    message = error_of({section: True})
+    suggestion = json.loads(message.rsplit("did you mean ", 1)[1].removesuffix("?"))
+    load_config({section: suggestion})
+
+
+def test_collect_times_0_warns_that_nothing_will_be_collected():
+    with pytest.warns(UserWarning, match="'collect_times' = 0: no step will be collected") as caught:
+        load_config({"collect_times": 0})
+    assert len(caught) == 1

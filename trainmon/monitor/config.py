@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
@@ -66,9 +67,19 @@ def _validate_fields(obj: Any) -> None:
         except ConfigError as err:
             default = _default_of(type(obj), f.name)
             if err.key == f.name and err.closest is ConfigError._NO_VALUE and default is not MISSING:
-                err.closest = default  # no better fix than the default
+                err.closest = _as_written(default, err.value)  # no better fix than the default
                 err.args = (str(err),)
             raise
+
+
+def _as_written(default: Any, given: Any) -> Any:
+    """A default as the user writes it in JSON: a section as an object, with its `enable` set to a boolean given
+    in its place (`"watch": true` means `{"enable": true}`), else empty (every default)."""
+    if not is_dataclass(default):
+        return default
+    if isinstance(given, bool) and "enable" in {f.name for f in fields(default)}:
+        return {"enable": given}
+    return {}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -351,6 +362,10 @@ class MonitorConfig:
                               allowed="at most one of forward_only, backward_only set to true", closest=False)
         if not self.targets and self.xy_distribution:
             self.all_xy = True  # msprobe's validate_config does the same
+        if self.collect_times == 0:
+            warnings.warn("monitor config 'collect_times' = 0: no step will be collected (only logged scalars are "
+                          "written); give the number of steps to record, or leave the key out for all",
+                          UserWarning, stacklevel=2)
         for key in NOT_HONOURED:
             if _attribute(self, key):
                 warn_not_honoured(key)

@@ -216,9 +216,24 @@ def check_list(item: Check, what: str) -> Check:
     def check(value: Any, key: str) -> list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"must be a list of {what}", key=key, value=value, allowed=f"a list of {what}",
-                              closest=[value])
+                              closest=_listed_fix(item, value, key))
         return [item(v, f"{key}[{i}]") for i, v in enumerate(value)]
     return check
+
+
+def _listed_fix(item: Check, value: Any, key: str) -> Any:
+    """A list of `value` as an item, or of the item's own fix ("0" where rank numbers go: [0]); none when that is
+    not a valid item either."""
+    try:
+        return [item(value, key)]
+    except ConfigError as err:
+        fix = err.closest
+    if fix is ConfigError._NO_VALUE:
+        return fix
+    try:
+        return [item(fix, key)]
+    except ConfigError:
+        return ConfigError._NO_VALUE
 
 
 def check_str(value: Any, key: str) -> str:

@@ -325,15 +325,38 @@ def _print_kernels(device) -> None:
         finally:
             stats_fused.enabled = True
 
-    print("| bf16 tensors | GB | records (one pass) | records (multi-pass) | _foreach_norm | aminmax each |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    from trainmon.core import schema
+    from trainmon.monitor import folding
+
+    folder = folding.folder_for(device, 1e-8, fields)
+    print(f"slot-table folder: {type(folder).__name__}", flush=True)
+    print("| bf16 tensors | GB | records (one pass) | records (multi-pass) | fold, a launch each | fold, one launch "
+          "| _foreach_norm | aminmax each |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for count, numel in ((16, 1 << 24), (64, 1 << 20), (1000, 1 << 14)):
         ts = [torch.randn(numel, device=device, dtype=torch.bfloat16) for _ in range(count)]
+        table = torch.tensor(schema.IDENTITY, dtype=torch.float64, device=device).repeat(count, 1)
+        slots = list(range(count))
         gb = count * numel * 2 / 1e9
         rate = lambda ms: f"{ms:.2f} ms, {gb / ms * 1e3:.0f} GB/s"  # noqa: E731
         print(f"| {count} x {numel:,} | {gb:.2f} | {rate(median_ms(lambda: stats.tensor_records(ts, 1e-8, fields)))} "
-              f"| {rate(median_ms(lambda: multi_pass(ts)))} | {rate(median_ms(lambda: torch._foreach_norm(ts)))} "
+              f"| {rate(median_ms(lambda: multi_pass(ts)))} "
+              f"| {rate(median_ms(lambda: [folder.fold(table, [i], [t]) for i, t in enumerate(ts)]))} "
+              f"| {rate(median_ms(lambda: folder.fold(table, slots, ts)))} "
+              f"| {rate(median_ms(lambda: torch._foreach_norm(ts)))} "
               f"| {rate(median_ms(lambda: [torch.aminmax(t) for t in ts]))} |", flush=True)
+    # the host's part of a hooked call's fold: launches of small tensors, timed without waiting for the device
+    small = torch.randn(4096, device=device, dtype=torch.bfloat16)
+    table = torch.tensor(schema.IDENTITY, dtype=torch.float64, device=device).repeat(1, 1)
+    for _ in range(100):
+        folder.fold(table, [0], [small])
+    accel.synchronize()
+    begin = time.perf_counter()
+    for _ in range(1000):
+        folder.fold(table, [0], [small])
+    host_us = (time.perf_counter() - begin) * 1e3
+    accel.synchronize()
+    print(f"host time of one fold launch (4 K bf16 elements, 1,000 launches): {host_us:.1f} µs", flush=True)
 
 
 def _print_output_bytes(args) -> None:

@@ -88,7 +88,7 @@ def megatron_child(tier: str, steps: int, warmup: int) -> None:
 
             monitor = TrainerMon(config_path)
             monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)
-            stats_native.prepare(wait=True)
+            stats_native.prepare()
         data = train_megatron.data_iterators(args, chunks)
         for _ in range(warmup):
             train_megatron.train_step(args, chunks, optimizer, data)

@@ -1,8 +1,10 @@
 """Kernel launches a monitored step adds, counted on the CPU: the top-level aten ops of one training step of
 TinyGPT (bf16) per tier, less those of the same step unmonitored, by op. On an accelerator each such op is a
 launch, and each costs host time that the GPU waits for once the host is the bottleneck (benchmarks/README.md,
-"On a GPU"). The statistics engine takes the accelerators' path (`stats_fused.cpu_as_accelerator`, their
-spread of row partials); the compiled kernels' own calls are counted as `kernel::record` and `kernel::merge`.
+"On a GPU"). The statistics engine takes the accelerators' path (`stats_fused.cpu_as_accelerator`): each
+record folded into a slot table by a Triton kernel, whose launches are counted as `triton::fold_one`,
+`triton::fold_many` and `triton::merge_row` (counted, not run: the host path up to each launch runs as on an
+accelerator). Without Triton installed, the torch kernels fold, and their ops are counted as they run.
 
     python benchmarks/launches.py --tiers wg,full --batch-mb 0    # a call per activation, as at GPU size
     python benchmarks/launches.py --tiers full --batch-mb 0 --compile aot_eager   # as gpu.py's compiled mode,
@@ -41,7 +43,6 @@ def step_ops(tier: str, args) -> tuple[collections.Counter, float]:
     """The top-level aten ops of one step after warm-up (an op called by another launches through it), and the
     training thread's median CPU ms a step over `args.host_steps` steps after it (0 without them)."""
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
-    from trainmon.monitor import stat_kernels
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, hidden=args.hidden, layers=args.layers, heads=8, seq=args.seq).to(torch.bfloat16)
@@ -63,16 +64,11 @@ def step_ops(tier: str, args) -> tuple[collections.Counter, float]:
         optimizer.zero_grad(set_to_none=True)
     for i in range(4):
         step(i)
-    stat_kernels.settle(timeout=300)            # the compiled kernels serve, as in a longer run
     step(0)
-    kernel_calls = collections.Counter()
-    run = stat_kernels.run
-    stat_kernels.run = lambda kernel, *a, **k: kernel_calls.update([f"kernel::{kernel}"]) or run(kernel, *a, **k)
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(1)
-    finally:
-        stat_kernels.run = run
+    kernel_calls.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(1)
+    kernel_calls_of_step = collections.Counter(kernel_calls)
     host_ms = []
     for i in range(args.host_steps):
         start = time.thread_time()
@@ -80,9 +76,39 @@ def step_ops(tier: str, args) -> tuple[collections.Counter, float]:
         host_ms.append((time.thread_time() - start) * 1e3)
     if monitor is not None:
         monitor.stop()
-    return kernel_calls + collections.Counter(
+    return kernel_calls_of_step + collections.Counter(
         _launch_name(e.name) for e in prof.events() if _launch_name(e.name) and
         (e.cpu_parent is None or not _launch_name(e.cpu_parent.name))), statistics.median(host_ms or [0.0])
+
+
+kernel_calls: collections.Counter = collections.Counter()   # Triton launches, by kernel
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches `kernel[grid](...)` are counted instead of run."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: kernel_calls.update([f"triton::{self.name}"])
+
+
+def _counting_folder(device, eps, fields):
+    """The Triton folder with its kernels counted, not run; the torch kernels' folder where Triton is missing."""
+    import importlib.util
+    import types
+
+    from trainmon.monitor import folding
+
+    if importlib.util.find_spec("triton") is None:
+        return folding.TorchFolder(device, eps, fields)
+    from trainmon.monitor import fold_kernels
+
+    counted = types.SimpleNamespace(**vars(fold_kernels))
+    for name in ("fold_one", "fold_many", "merge_row"):
+        setattr(counted, f"{name}_kernel", _CountedKernel(name))
+    return folding.TritonFolder(device, eps, fields, kernels=counted)
 
 
 def _launch_name(event: str):
@@ -106,10 +132,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch._inductor.config.cpp.enable_kernel_profile = True   # each generated kernel's call in the profile
-    from trainmon.monitor import stats_fused
+    from trainmon.monitor import folding, stats_fused
     stats_fused.cpu_as_accelerator = True
-    accelerators_spread = stats_fused._spread       # the accelerators' combine, on the CPU
-    stats_fused._spread = lambda device, most_rows: accelerators_spread(torch.device("cuda"), most_rows)
+    folding.folder_for = _counting_folder
     base, base_ms = step_ops("none", args)
     compiled = "" if args.compile is None else f", compiled with {args.compile}"
     host = f", host {base_ms:.1f} ms a step" if args.host_steps else ""

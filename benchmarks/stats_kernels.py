@@ -341,7 +341,7 @@ def per_element(rounds):
     dtypes = (torch.float32, torch.bfloat16)
     stat_kernels.prepare("cpu", dtypes, wait=True)
     stat_kernels.prepare("cpu", [torch.float32], wait=True, kernel="finite")
-    stats_native.prepare(wait=True)
+    stats_native.prepare()
 
     def records(enabled, as_accelerator=False, native=False):
         def run(ts):
@@ -438,7 +438,7 @@ def contiguous_calls():
     hidden 64: [tokens, batch, heads, 3 x 16], a run of 16 elements per head and token)."""
     from trainmon.monitor import stats_cpu
 
-    stats_native.prepare(wait=True)
+    stats_native.prepare()
     fields, shipped = stats.FieldSet(stats.FIELDS), stats_cpu.in_place_records
     lam = stats._consts(F32, EPS)[0]
     print("\n== CPU fp32, µs per tensor: in-place route | general route | native read alone (contiguous)")
@@ -470,7 +470,7 @@ def cold_reads(rounds: int = 21):
     after 64 MB written elsewhere, and read again at once; next to one `_foreach_norm` pass over them (the floor),
     likewise. Median of `rounds` interleaved rounds. Either way the set is larger than the L2 cache; how much of it the
     64 MB push out of the last-level cache depends on that cache's size."""
-    stats_native.prepare(wait=True)
+    stats_native.prepare()
     lam = stats._consts(F32, EPS)[0]
     evict = torch.zeros(16 << 20)
     print("\n== CPU fp32, ns per element: native read after 64 MB written | again; _foreach_norm after 64 MB | again")
@@ -498,7 +498,7 @@ def arrival_reads(rounds: int = 11):
     (`stats_cpu.RecordsOnArrival.take`, host work included), against its share of one native read of the batch (32 MB of
     such tensors, each written in turn, then read together, as the flush before the optimizer step meets them).
     Median of `rounds` interleaved rounds."""
-    stats_native.prepare(wait=True)
+    stats_native.prepare()
     lam = stats._consts(F32, EPS)[0]
     arrivals = stats.records_on_arrival(EPS, stats.fields_for_ops(DESIGN_OPS))
     arrivals.MIN_ELEMENTS = 1

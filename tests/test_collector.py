@@ -24,7 +24,7 @@ def collector_reading(monkeypatch, on_arrival: bool = False, fields=FIELDS):
     `on_arrival` every tensor takes the held path, none is read on arrival (`stats_cpu.RecordsOnArrival`)."""
     reads = []
     if on_arrival:
-        assert stats_native.prepare(wait=True)        # built: a library still building reads nothing on arrival
+        assert stats_native.prepare()
     else:
         monkeypatch.setattr(stats_cpu.RecordsOnArrival, "MIN_ELEMENTS", 1 << 62)
 

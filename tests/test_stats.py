@@ -94,7 +94,7 @@ def cpu_kernels(request, monkeypatch):
     (the path while the native one is being built, or where it cannot be)."""
     native = request.param == "native"
     if native:
-        assert stats_native.prepare(wait=True)
+        assert stats_native.prepare()
     monkeypatch.setattr(stats_native, "enabled", native)
 
 

@@ -454,14 +454,29 @@ def test_a_compile_process_that_crashes_or_fails_publishes_nothing_and_says_why(
 
 def test_settle_waits_no_longer_than_told_and_says_which_kernels_serve(tmp_path, monkeypatch, fresh_process):
     """A compile that outlasts `settle`'s timeout is left running and reported "warming"; once its package
-    lands, `settle` loads it and reports it "ready"."""
+    lands, `settle` reports it "warm": compiled for later runs, not loaded into this one, which asked for it
+    without waiting."""
     with another_rank_compiling(tmp_path, monkeypatch) as land:
         assert not stat_kernels.prepare(CPU, [torch.bfloat16])
         start = time.monotonic()
         assert stat_kernels.settle(timeout=0.3) == {"record/cpu/bfloat16": "warming"}
         assert 0.3 <= time.monotonic() - start < 5
         land()
-    assert stat_kernels.settle() == {"record/cpu/bfloat16": "ready"}
+    assert stat_kernels.settle() == {"record/cpu/bfloat16": "warm"}
+    assert not stat_kernels.prepare(CPU, [torch.bfloat16])
+
+
+def test_a_run_keeps_the_kernel_its_first_request_found(tmp_path, monkeypatch, fresh_process):
+    """A kernel compiled while the run goes on serves later runs only: every record of this run comes from the
+    kernels its first request found, so its figures do not change bits halfway (a rerun finds the package on disk
+    and uses it from its first step)."""
+    x = sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW + 5).bfloat16())
+    with another_rank_compiling(tmp_path, monkeypatch) as land:
+        first = tensor_records([x], 1e-3, ALL)
+        land()
+    stat_kernels.settle()
+    assert torch.equal(tensor_records([x], 1e-3, ALL), first)
+    check(first[0], x, 1e-3)
 
 
 @pytest.mark.slow  # compiles in a child process
@@ -583,11 +598,11 @@ def test_compiling_never_disturbs_the_training_loops_random_draws(tmp_path):
             "x = torch.randn(5000).bfloat16()\n"
             "torch.manual_seed(0)\n"
             "draws, deadline = [], time.time() + 280\n"
-            "while stat_kernels._state.get(('record', 'cpu', torch.bfloat16)) != 'ready' and time.time() < deadline:\n"
+            "while stat_kernels._state.get(('record', 'cpu', torch.bfloat16)) != 'warm' and time.time() < deadline:\n"
             "    stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
             "    draws.append(torch.rand(64))\n"
             "    time.sleep(0.02)\n"
-            "assert stats_fused.usable([x], torch.device('cpu')), stat_kernels._state\n"
+            "assert stat_kernels.prepare(torch.device('cpu'), [torch.bfloat16], wait=True), stat_kernels._state\n"
             "stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))\n"
             "draws.append(torch.rand(64))\n"
             "torch.manual_seed(0)\n"

@@ -12,7 +12,7 @@ def activation_reads(request, monkeypatch):
     if request.param == "held":
         yield request.param
         return
-    assert stats_native.prepare(wait=True)
+    assert stats_native.prepare()
     monkeypatch.setattr(stats_cpu.RecordsOnArrival, "MIN_ELEMENTS", 1)
     rows = []                                       # per call of `take`: its row, -1 where not taken
     take = stats_cpu.RecordsOnArrival.take

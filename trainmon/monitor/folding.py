@@ -24,6 +24,7 @@ from trainmon.monitor.stats_fused import PLAIN_TENSORS
 
 logger = logging.getLogger("trainmon")
 
+_METADATA_KEPT = 16                             # `fold_many` launches whose metadata stays on the device
 # Device types whose tensors Triton reads (Ascend's `npu` where Triton-Ascend is installed).
 _TRITON_DEVICES = ("cuda", "xpu", "npu")
 
@@ -63,22 +64,22 @@ class TritonFolder:
     """Folds with the Triton kernels: one launch per tensor (`fold_one`), or per dtype for contiguous tensors
     read together (`fold_many`)."""
 
-    def __init__(self, device: torch.device, eps: float, fields: stats.FieldSet):
-        import triton
-
-        from trainmon.monitor import fold_kernels
-
-        self._triton, self._kernels = triton, fold_kernels
+    def __init__(self, device: torch.device, eps: float, fields: stats.FieldSet, kernels=None):
+        """`kernels`: the module of the Triton kernels, `fold_kernels` unless given (a benchmark counts launches)."""
+        if kernels is None:
+            from trainmon.monitor import fold_kernels as kernels
+        self._kernels = kernels
         self.device, self.eps, self.fields = device, eps, fields
         with torch.inference_mode(False):           # usable in and out of the mode
             self.flag = torch.ones(1, dtype=torch.int32, device=device)
-            self._work = torch.empty(fold_kernels.MAX_PROGRAMS * schema.N_FIELDS, dtype=torch.float64, device=device)
+            self._work = torch.empty(kernels.MAX_PROGRAMS * schema.N_FIELDS, dtype=torch.float64, device=device)
             self._counters = torch.zeros(1, dtype=torch.int32, device=device)
         self._bounds: dict = {}                     # dtype -> [zeros threshold, saturation threshold] on the device
         self._subclasses = TorchFolder(device, eps, fields)  # a tensor subclass dispatches its own reads
-        self._accumulation = {torch.float64: fold_kernels.tl.float64}
-        self._many_dtype = {torch.float32: fold_kernels.tl.float32, torch.float64: fold_kernels.tl.float64,
-                            torch.bfloat16: fold_kernels.tl.bfloat16, torch.float16: fold_kernels.tl.float16}
+        self._metadata_kept: dict = {}              # `_fold_many`'s metadata, by its values
+        self._accumulation = {torch.float64: kernels.tl.float64}
+        self._many_dtype = {torch.float32: kernels.tl.float32, torch.float64: kernels.tl.float64,
+                            torch.bfloat16: kernels.tl.bfloat16, torch.float16: kernels.tl.float16}
 
     def _bounds_of(self, dtype: torch.dtype) -> torch.Tensor:
         bounds = self._bounds.get(dtype)
@@ -144,13 +145,26 @@ class TritonFolder:
         if not programs:
             return
         tensors = len(addresses)
-        meta = stats.host_values(addresses + lengths + slots + firsts + spans + owners, self.device)
+        meta = self._metadata(addresses + lengths + slots + firsts + spans + owners)
         work, counters = self._room(programs, tensors)
         kernels.fold_many_kernel[(programs,)](
             meta, meta[tensors:], meta[2 * tensors:], meta[3 * tensors:], meta[4 * tensors:], meta[5 * tensors:],
             table, self._bounds_of(dtype), work, counters, self.flag, DTYPE=self._many_dtype[dtype],
             ACC=self._accumulation.get(dtype, kernels.tl.float32), BLOCK_=kernels.BLOCK,
             WIDEST=kernels.MANY_PROGRAMS)
+
+    def _metadata(self, values: list[int]) -> torch.Tensor:
+        """`values` on the device: a family's parameters, Adam moments and (mostly) grads lie where they lay the step
+        before, so the last few are kept, and a family whose tensors have not moved costs no copy."""
+        key = tuple(values)
+        meta = self._metadata_kept.pop(key, None)
+        if meta is None:
+            with torch.inference_mode(False):
+                meta = stats.host_values(values, self.device)
+            if len(self._metadata_kept) >= _METADATA_KEPT:
+                self._metadata_kept.pop(next(iter(self._metadata_kept)))
+        self._metadata_kept[key] = meta             # the most recent last
+        return meta
 
     def _room(self, programs: int, tensors: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The workspace's first `programs` partial rows and `tensors` counters, grown as needed (counters are left

@@ -21,10 +21,9 @@ alone lacks. Either lands in inductor's cache directory, where the other ranks o
 than compile again, and later runs find and load it without compiling. The child loads and runs it on a
 sample before it is published, so that one which fails or crashes there never reaches a training process;
 its own exit skips the interpreter's teardown, whose crashes (an accelerator runtime's) would say nothing
-about the kernel. Calls take the engine's other kernels until the training thread has loaded it, at its
-first statistics after the compile. One already on disk is loaded at the first request instead, so that every
-record of a run comes from the same kernel whenever a background thread happens to finish: reruns and ranks
-then agree to the last bit. A loaded AOTInductor package costs a few µs of host time per call (a
+about the kernel. One already on disk is loaded at the first request; one compiled after that request serves later runs
+only, and the run's calls take the engine's other kernels: every record of a run comes from the same kernel
+whenever a background thread happens to finish, so its figures agree from step to step and with a rerun. A loaded AOTInductor package costs a few µs of host time per call (a
 `torch.compile`d function costs about 25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads
 its input as contiguous rows, so it is given nothing else. A compile that fails (no C++ compiler, an old
 torch; on an accelerator, no Triton) leaves the other kernels in place for good, with one message.
@@ -118,6 +117,7 @@ _EXAMPLE_ROWS = 1024
 # | "ready" | "failed"; place: see `_place`
 _state: dict = {}
 _threads: dict = {}
+_for_later_runs: set = set()                    # keys first asked for without waiting, compiled for later runs
 _lock = threading.Lock()
 _runners: dict = {}                             # (kernel, device, dtype) -> the loaded package's runner
 _constants: dict = {}                           # (value, dtype, device) -> the 0-d tensor passed for it
@@ -353,10 +353,12 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     """Starts compiling `kernel` for `dtypes` on `device` in the background (once each); with `wait`,
     waits for it. Returns whether the kernel is ready for all of them.
 
-    The compile runs in a child process; the main thread, the one that trains, then loads the package at its
-    first statistics after the compile. A package on disk already is loaded by the first request from the
-    main thread. A load costs about 1 s for a process's first package, mostly torch's imports, and 3-4 ms
-    for the next."""
+    The kernel a run's records come from is chosen at its first request: a package on disk already is loaded
+    then, by the main thread (the one that trains); one compiled after a first request that did not wait
+    serves later runs only, so that no run switches kernels halfway and every record of a run comes from
+    the same kernel (its figures agree to the last bit from step to step and with a rerun of the run). The
+    compile runs in a child process. A load costs about 1 s for a process's first package, mostly torch's
+    imports, and 3-4 ms for the next."""
     keys = [(kernel, _place(device), dtype) for dtype in dtypes]
     for key in keys:
         with _lock:
@@ -364,13 +366,17 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
                 _state[key] = "warm"                # loaded below, before this request is answered
             elif key not in _state:
                 _state[key] = "warming"
+                if not wait:
+                    _for_later_runs.add(key)
                 _threads[key] = threading.Thread(target=_warm, args=(key,), name="trainmon-stat-kernel-compile",
                                                  daemon=True)
                 _threads[key].start()
     for key in keys:
         if wait and key in _threads:
             _threads[key].join()
-        if _state[key] == "warm" and threading.current_thread() is threading.main_thread():
+            _for_later_runs.discard(key)            # a caller that waited uses it from now on
+        if _state[key] == "warm" and key not in _for_later_runs and \
+                threading.current_thread() is threading.main_thread():
             try:
                 _load(key)
                 _state[key] = "ready"
@@ -389,17 +395,14 @@ def _on_disk(key: tuple) -> bool:
 
 
 def settle(timeout: Optional[float] = None) -> dict:
-    """Waits for every kernel compile started so far (for `timeout` seconds in all, if given) and loads its
-    kernel: the steady state a long run reaches within seconds, for benchmarks of a few steps. Returns each
-    kernel's state, `{"record/cuda/bfloat16": "ready", ...}`: a compile still running is "warming"."""
+    """Waits for every kernel compile started so far (for `timeout` seconds in all, if given). Returns each
+    kernel's state, `{"record/cuda/bfloat16": "ready", ...}`: a compile still running is "warming", one
+    compiled for later runs (see `prepare`) "warm"."""
     deadline = None if timeout is None else time.monotonic() + timeout
     for key in list(_state):
         thread = _threads.get(key)
         if thread is not None:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if thread is None or not thread.is_alive():
-            kernel, place, dtype = key
-            prepare(place, [dtype], wait=True, kernel=kernel)
     return {f"{kernel}/{place}/{str(dtype).split('.')[1]}": state for (kernel, place, dtype), state in _state.items()}
 
 

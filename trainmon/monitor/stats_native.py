@@ -15,9 +15,8 @@ Python's headers are installed (Linux), the library is also built as an extensio
 function directly: through ctypes, whose conversion of its seven arguments costs about 1 µs, a call took as long as
 reading an 8 K-element tensor. The batch function is called through ctypes (a few calls a step).
 
-Not ready until built: the first request starts the build (one C compiler call, about 0.1 s) in a thread,
-and the engine's other kernels serve until it is loaded; a library an earlier run left on disk is loaded by
-the first request. It is built for this machine's CPU (`-march=native`) into inductor's cache directory,
+The first request builds it (one C compiler call, about 0.1 s) before it answers, or loads the library an earlier run
+left on disk: every record of a run then comes from the same kernel, and two runs of one job agree to the last bit. It is built for this machine's CPU (`-march=native`) into inductor's cache directory,
 under a name that changes with its source, the compiler flags and the CPU. A build or check that fails (no
 C compiler) leaves the other kernels in place, with one message.
 
@@ -179,7 +178,7 @@ _FLAGS = ["-O3", "-march=native", "-ffinite-math-only", "-fno-math-errno", "-fas
 DTYPES = (torch.float32, torch.float64)
 
 enabled = True                                      # tests of the other kernels turn it off
-_state = {"state": None}                            # None | "building" | "ready" | "failed"
+_state = {"state": None}                            # None | "ready" | "failed"
 _functions: dict = {}                               # dtype -> the loaded C function
 _one_functions: dict = {}                           # dtype -> its function of one tensor (`one`)
 _lock = threading.Lock()
@@ -214,12 +213,8 @@ def unavailable() -> bool:
     return not enabled or _state["state"] == "failed"
 
 
-def prepare(wait: bool = False) -> bool:
-    """Starts the build (once); with `wait`, waits for it. Whether the library is ready."""
-    ready()
-    thread = _state.get("thread")
-    if wait and thread is not None:
-        thread.join()
+def prepare() -> bool:
+    """Builds or loads the library (once). Whether it is ready."""
     return ready()
 
 
@@ -303,9 +298,7 @@ def _start() -> None:
     if path is not None and path.exists():          # an earlier run's: every record of this run comes from it
         _finish(path)
         return
-    _state["state"] = "building"
-    _state["thread"] = threading.Thread(target=_build, args=(path,), name="trainmon-stat-native-build", daemon=True)
-    _state["thread"].start()
+    _build(path)
 
 
 def _build(path: Optional[Path]) -> None:

@@ -122,8 +122,8 @@ def run_child(spec: dict) -> dict:
 
     for i in range(spec["warmup"]):
         step(i)
-    # the statistic kernels compiled by now, as in any longer run; a compile slower than half the process's
-    # time is left running, and the result says which kernels served
+    # no compile for later runs competes with the timed steps (one slower than half the process's time is left
+    # running); the result says which generated kernels this run used ("ready") and which it compiled for later
     settle_start = time.perf_counter()
     kernels_served = stat_kernels.settle(timeout=spec["timeout"] / 2)
     settle_s = time.perf_counter() - settle_start

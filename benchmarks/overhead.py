@@ -95,7 +95,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     cpu, wall, train_cpu, stats_cpu = [], [], [], []
     for i in range(warmup + steps * interleave):
         if i == warmup:
-            stat_kernels.settle()            # the statistic kernels compiled by now, as in any longer run
+            stat_kernels.settle()            # no compile for later runs competes with the timed steps
         batches = [synthetic_batch(gen, shape["batch"], shape["seq"], 1024) for _ in range(micro_batches)]
         c0, w0, t0, s0 = time.process_time(), time.perf_counter(), time.thread_time(), in_stats[0]
         for tokens, labels in batches:

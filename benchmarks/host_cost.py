@@ -4,11 +4,12 @@ The model is a chain of tiny blocks (`Linear(16, 16)` + GELU, batch 2) whose own
 tier adds is the host work of its hooks, keys, reads and writer: on an accelerator that work, not the kernels,
 sets a step's pace once the host is the bottleneck. Each tier trains in its own process; the figure is the
 process's CPU time a step (training thread and writer thread, from the first timed step to the end of
-`monitor.stop()`, which writes what the writer had left), less `none`'s, divided by the rows of a step in
+`monitor.stop()`, which writes what the writer had left), and the training thread's alone (the hooks up to the
+kernels' launches: what sets an accelerator step's pace), each less `none`'s and divided by the rows of a step in
 `monitor.db`. Each tier's figure is the median over `--repeats` processes.
 
     python benchmarks/host_cost.py                                  # the CPU path (the native read)
-    python benchmarks/host_cost.py --accelerator-path               # the accelerators' path, run on the CPU
+    python benchmarks/host_cost.py --accelerator-path --no-launch   # the accelerators' path up to the launch
     python benchmarks/host_cost.py --blocks 64 --steps 60 --tiers none,xy,all --repeats 3
 """
 from __future__ import annotations
@@ -33,16 +34,32 @@ TIERS = {
 OPS = ["min", "max", "norm", "zeros", "nans", "mean"]
 
 
-def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool) -> dict:
+class NoLaunch:
+    """A folder that launches nothing: the accelerators' path's host work up to its kernel launches, whose own
+    cost is measured on the device (`gpu.py --kernels`)."""
+
+    def __init__(self, *args):
+        pass
+
+    def fold(self, table, slots, tensors) -> None:
+        pass
+
+    def merge_row(self, table, source, target) -> None:
+        pass
+
+
+def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool) -> dict:
     """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if accelerator_path:
-        from trainmon.monitor import stats_fused
+        from trainmon.monitor import folding, stats_fused
 
         stats_fused.cpu_as_accelerator = True
+        if no_launch:
+            folding.folder_for = NoLaunch
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
                                   for _ in range(blocks)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -58,12 +75,16 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
             json.dump({"ops": OPS, "format": ["db"], **TIERS[tier]}, f)
         monitor = TrainerMon(path)
         monitor.set_monitor(model, optimizer=optimizer)
+    thread = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             start = time.process_time()
+        begin = time.thread_time()
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            thread += time.thread_time() - begin
     records = 0
     if monitor is not None:
         monitor.stop()  # the writer's work left at the end is the timed steps' too
@@ -72,7 +93,7 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
         db = monitor.output_dir / "monitor.db"
         with sqlite3.connect(db) as conn:
             records = conn.execute("SELECT count(*) FROM records WHERE step = ?", (warmup + steps - 1,)).fetchone()[0]
-    return {"cpu_ms": cpu_ms, "records": records}
+    return {"cpu_ms": cpu_ms, "thread_ms": thread * 1e3 / steps, "records": records}
 
 
 def main() -> None:
@@ -84,10 +105,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="processes per tier, interleaved")
     parser.add_argument("--accelerator-path", action="store_true",
                         help="the accelerators' slot-table path on CPU tensors (stats_fused.cpu_as_accelerator)")
+    parser.add_argument("--no-launch", action="store_true",
+                        help="with --accelerator-path: fold nothing, to count the host work up to the launches")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path)))
+        print(json.dumps(child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path,
+                               args.no_launch)))
         return
     tiers = args.tiers.split(",")
     if "none" not in tiers:
@@ -98,22 +122,26 @@ def main() -> None:
     for repeat in range(args.repeats):
         for tier in tiers if repeat % 2 == 0 else reversed(tiers):
             cmd = [sys.executable, __file__, "--child", tier, "--blocks", str(args.blocks), "--steps",
-                   str(args.steps), "--warmup", str(args.warmup)] + (["--accelerator-path"] if args.accelerator_path
-                                                                     else [])
+                   str(args.steps), "--warmup", str(args.warmup)] + \
+                (["--accelerator-path"] if args.accelerator_path else []) + (["--no-launch"] if args.no_launch else [])
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if done.returncode != 0:
                 raise SystemExit(f"{tier} failed:\n{done.stderr[-3000:]}")
             runs[tier].append(json.loads(done.stdout.strip().splitlines()[-1]))
     none = statistics.median(r["cpu_ms"] for r in runs["none"])
-    path = "accelerators' path on the CPU" if args.accelerator_path else "CPU path"
+    path = "CPU path" if not args.accelerator_path else \
+        "accelerators' path on the CPU" + (", no launch" if args.no_launch else "")
     print(f"{args.blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}; CPU ms a step, median of "
           f"{args.repeats} processes of {args.steps} steps")
-    print(f"{'tier':<6} {'ms/step':>8} {'records':>8} {'µs/record':>10}")
+    none_thread = statistics.median(r["thread_ms"] for r in runs["none"])
+    print(f"{'tier':<6} {'records':>8} {'process ms':>11} {'µs/record':>10} {'training thread ms':>19} {'µs/record':>10}")
     for tier in tiers:
         ms = statistics.median(r["cpu_ms"] for r in runs[tier])
+        thread_ms = statistics.median(r["thread_ms"] for r in runs[tier])
         records = runs[tier][0]["records"]
         per = f"{(ms - none) * 1e3 / records:10.1f}" if records else f"{'':>10}"
-        print(f"{tier:<6} {ms:8.2f} {records:8d} {per}")
+        per_thread = f"{(thread_ms - none_thread) * 1e3 / records:10.1f}" if records else f"{'':>10}"
+        print(f"{tier:<6} {records:8d} {ms:11.2f} {per} {thread_ms:19.2f} {per_thread}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def count_reads(tier: str, args, seq: int) -> dict:
     import torch
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
-    from trainmon.monitor import sentinel, stats, stats_cpu
+    from trainmon.engine import stats, stats_cpu
+    from trainmon.monitor import sentinel
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)

@@ -43,7 +43,7 @@ from trainmon.core.collective_ops import collective_name, compact_ranks
 from trainmon.monitor.output import run_metadata
 from trainmon.core.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, RecordKey, StepBatch)
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.core.derive import derive_rows
 from trainmon.writers import db_schema
 from trainmon.writers.base import SinkContainer, SinkContext

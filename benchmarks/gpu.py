@@ -89,7 +89,7 @@ def run_child(spec: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
-    from trainmon.monitor import stat_kernels
+    from trainmon.engine import stat_kernels
 
     faulthandler.dump_traceback_later(max(spec["timeout"] * 0.8, spec["timeout"] - 10))  # a hang shows where
     torch.manual_seed(0)
@@ -296,7 +296,7 @@ def _print_kernels(device) -> None:
     aminmax (the sentinel's probe); medians of 10 calls after 3."""
     import torch
 
-    from trainmon.monitor import stat_kernels, stats, stats_fused
+    from trainmon.engine import stat_kernels, stats, stats_fused
 
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     start = time.perf_counter()
@@ -326,7 +326,7 @@ def _print_kernels(device) -> None:
             stats_fused.enabled = True
 
     from trainmon.core import schema
-    from trainmon.monitor import folding
+    from trainmon.engine import folding
 
     folder = folding.folder_for(device, 1e-8, fields)
     print(f"slot-table folder: {type(folder).__name__}", flush=True)

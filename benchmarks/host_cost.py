@@ -55,7 +55,7 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if accelerator_path:
-        from trainmon.monitor import folding, stats_fused
+        from trainmon.engine import folding, stats_fused
 
         stats_fused.cpu_as_accelerator = True
         if no_launch:

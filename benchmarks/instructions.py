@@ -84,7 +84,7 @@ def megatron_child(tier: str, steps: int, warmup: int) -> None:
         monitor = None
         if config is not None:
             from trainmon import TrainerMon
-            from trainmon.monitor import stats_native
+            from trainmon.engine import stats_native
 
             monitor = TrainerMon(config_path)
             monitor.set_monitor(chunks, optimizer=optimizer, grad_acc_steps=args.micro_batches)

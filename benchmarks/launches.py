@@ -99,11 +99,11 @@ def _counting_folder(device, eps, fields):
     import importlib.util
     import types
 
-    from trainmon.monitor import folding
+    from trainmon.engine import folding
 
     if importlib.util.find_spec("triton") is None:
         return folding.TorchFolder(device, eps, fields)
-    from trainmon.monitor import fold_kernels
+    from trainmon.engine import fold_kernels
 
     counted = types.SimpleNamespace(**vars(fold_kernels))
     for name in ("fold_one", "fold_many", "merge_row"):
@@ -132,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch._inductor.config.cpp.enable_kernel_profile = True   # each generated kernel's call in the profile
-    from trainmon.monitor import folding, stats_fused
+    from trainmon.engine import folding, stats_fused
     stats_fused.cpu_as_accelerator = True
     folding.folder_for = _counting_folder
     base, base_ms = step_ops("none", args)

@@ -78,7 +78,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     import torch
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
-    from trainmon.monitor import stat_kernels
+    from trainmon.engine import stat_kernels
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
 
 def time_statistics() -> list:
     """Wraps the statistic engine: its training-thread CPU time adds up in the returned one-item list."""
-    from trainmon.monitor import stats
+    from trainmon.engine import stats
 
     spent = [0.0]
     engine = stats.tensor_records

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from trainmon.monitor import stats
-from trainmon.monitor.stats import OPS
+from trainmon.engine import stats
+from trainmon.engine.stats import OPS
 
 SHAPES = [(8, 128, 256)] * 24 + [(8, 128, 1024)] * 8 + [(1024, 256)] * 8 + [(256,)] * 16
 BASE = ["min", "max", "norm", "zeros", "nans", "mean"]

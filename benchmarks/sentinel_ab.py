@@ -16,7 +16,7 @@ import time
 import torch
 
 from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.sentinel import nan_sentinel
 from trainmon.monitor.state import HookState

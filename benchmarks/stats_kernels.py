@@ -1,4 +1,4 @@
-"""Micro-benchmark of candidate statistic kernels for trainmon.monitor.stats (not a test).
+"""Micro-benchmark of candidate statistic kernels for trainmon.engine.stats (not a test).
 
     python benchmarks/stats_kernels.py            # kernels on the design §7 hook tensors + train step
     python benchmarks/stats_kernels.py --quick    # 3 rounds instead of 11;  --no-step: kernels only
@@ -19,7 +19,7 @@ hooks on every module of the §7 model built below (4 layers, hidden 256, seq 12
 172 floating tensors / 81.9M elements per step, 89 distinct views / 47.5M elements.
 
 The CHOSEN rows are the branch-free exact kernels, which accelerators run. On CPU, tensor_records now
-computes the figures that hold for all-finite tensors first (trainmon/monitor/stats_cpu.py: sum, dot,
+computes the figures that hold for all-finite tensors first (trainmon/engine/stats_cpu.py: sum, dot,
 amin, amax, hardshrink/sign count; ~1 ns per element on this VM) and runs the exact kernels only on
 tensors that hold a NaN or Inf.
 
@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.monitor import stat_kernels, stats, stats_fused, stats_native  # noqa: E402
+from trainmon.engine import buffers, stat_kernels, stats, stats_fused, stats_native  # noqa: E402
 
 EPS = 1e-8
 INF = math.inf
@@ -224,7 +224,7 @@ def c_fast_raw_plus_codes(ts):
     (what exactness costs = chosen - this)."""
     out = []
     for x in ts:
-        for xc in stats._chunks(x, 1 << 18):
+        for xc in buffers.chunks(x, 1 << 18):
             f = xc.reshape(-1)
             c = torch.abs(f)
             torch.ops.aten.hardshrink.out(c, EPS, out=c)
@@ -382,7 +382,7 @@ def median_us(fn, calls: int) -> float:
 def one_pass_sizes():
     """CPU fp32 tensor_records, µs per tensor, with the multi-pass kernels against the assume-finite one-pass
     kernel (stats_cpu.ONE_PASS_MIN moved below / above each size): calls of 20 tensors, and calls of one."""
-    from trainmon.monitor import stats_cpu
+    from trainmon.engine import stats_cpu
 
     fields, shipped = stats.fields_for_ops(DESIGN_OPS), stats_cpu.ONE_PASS_MIN
     stat_kernels.prepare("cpu", [F32], wait=True, kernel="finite")
@@ -405,7 +405,7 @@ def gather_sizes():
     """µs per tensor, copied into shared kernel calls against a kernel call of each tensor's own: CPU bf16
     through the record kernel (stats_fused.GATHER_BELOW), in calls of 20; CPU fp32 through the assume-finite
     kernel (stats_cpu.GATHER_MAX), in calls of 100 distinct tensors or 8 MB, as a step's activations come."""
-    from trainmon.monitor import stats_cpu
+    from trainmon.engine import stats_cpu
 
     fields, shipped, shipped_max = stats.fields_for_ops(DESIGN_OPS), stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX
     stat_kernels.prepare("cpu", [torch.bfloat16], wait=True)
@@ -436,7 +436,7 @@ def contiguous_calls():
     route of such calls (stats_cpu.in_place_records), the general route, and the native read alone of contiguous
     tensors of the same size (the floor). The views are q, k and v split from one projection (Megatron's layout at
     hidden 64: [tokens, batch, heads, 3 x 16], a run of 16 elements per head and token)."""
-    from trainmon.monitor import stats_cpu
+    from trainmon.engine import stats_cpu
 
     stats_native.prepare()
     fields, shipped = stats.FieldSet(stats.FIELDS), stats_cpu.in_place_records
@@ -559,7 +559,7 @@ def ops_per_tensor(count: int = 20):
                 rec = stats._exact_records(tensors, dev, EPS, want)
                 stats._sat_counts(tensors, dev, stats.FieldSet())
                 for u in range(count):  # an accelerator counts +Inf in every tensor (no host read of infs)
-                    torch.stack([(c == INF).sum() for c in stats._chunks(tensors[u], accel_chunk)]).sum()
+                    torch.stack([(c == INF).sum() for c in buffers.chunks(tensors[u], accel_chunk)]).sum()
         finally:
             stats.CHUNK_ELEMS["cpu"] = shipped_chunk
         calls, real_run, real_spread = [], stat_kernels.run, stats_fused._spread

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from trainmon.monitor import stat_kernels
+from trainmon.engine import stat_kernels
 
 
 class GcClock:

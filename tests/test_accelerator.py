@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from trainmon.monitor import stats
-from trainmon.monitor.accelerator import collective_device, collective_device_type
+from trainmon.engine import stats
+from trainmon.engine.accelerator import collective_device, collective_device_type
 from trainmon.monitor.collector import StepCollector
 from trainmon.core.records import RecordKey
 

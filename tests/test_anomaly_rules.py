@@ -11,7 +11,7 @@ from trainmon import TrainerMon
 from trainmon.anomaly.processor import AlertRateLimit
 from trainmon.anomaly.rules import AnomalyNan, AnomalySpike, AnomalyTurbulence
 from trainmon.demo import lm_loss
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.monitor.config import ConfigError, load_config
 
 HEALTHY = dict(targets={}, all_xy=True, xy_distribution=True, wg_distribution=True, param_distribution=True,

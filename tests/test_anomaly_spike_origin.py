@@ -12,7 +12,7 @@ from trainmon.anomaly.processor import AnomalyProcessor
 from trainmon.anomaly.rules import AnomalySpike
 from trainmon.core.derive import derive_rows
 from trainmon.core.records import ACTV, ACTV_GRAD, RecordKey, StepBatch
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.read.csv_rows import read_csv_rows
 from trainmon.writers.base import SinkContext
 

@@ -3,7 +3,8 @@ nothing else from trainmon.
 
 Floors, bottom to top; a part may import its own modules and those of lower floors only:
   core: shared facts (record schema, records, anomaly event, ordering key, run layout)
-  monitor: hooks, adapters, statistic engine, config
+  engine: the statistic engine (records of tensors on their device, the accelerators' slot table)
+  monitor: hooks, adapters, config
   writers: the writer thread and sinks
   read: the one read layer
   anomaly: rules, the online processor, post-mortem analysis
@@ -23,6 +24,7 @@ import trainmon
 ROOT = Path(trainmon.__file__).parent
 FLOORS = (
     {"core"},
+    {"engine"},
     {"monitor"},
     {"writers"},
     {"read"},
@@ -96,8 +98,8 @@ def test_the_check_sees_lazy_and_relative_imports():
 
 # Where a host list may become a device tensor directly: the engine's pinned, non-blocking copy of small
 # metadata, and the kernels' thresholds and compile samples (once per run).
-HOST_TO_DEVICE = {("monitor/stats.py", "host_values"), ("monitor/stat_kernels.py", "_constant"),
-                  ("monitor/stat_kernels.py", "_sample")}
+HOST_TO_DEVICE = {("engine/buffers.py", "host_values"), ("engine/stat_kernels.py", "_constant"),
+                  ("engine/stat_kernels.py", "_sample")}
 
 
 def _tensors_made_on_a_device(source: str):
@@ -120,7 +122,7 @@ def test_host_values_reach_a_device_only_through_a_copy_that_does_not_block():
     found = [f"{path.relative_to(ROOT)}:{line} in {function}()"
              for path in _sources() for function, line in _tensors_made_on_a_device(path.read_text())
              if (str(path.relative_to(ROOT)), function) not in HOST_TO_DEVICE]
-    assert not found, ("host values copied to a device with a blocking copy; use stats.host_values (pinned, non-blocking):"
+    assert not found, ("host values copied to a device with a blocking copy; use buffers.host_values (pinned, non-blocking):"
                        "\n" + "\n".join(found))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainmon.core.records import RecordKey
-from trainmon.monitor import stats, stats_cpu, stats_native
+from trainmon.engine import stats, stats_cpu, stats_native
 from trainmon.monitor.collector import SNAPSHOT_MAX_BYTES, StepCollector
 
 FIELDS = stats.fields_for_ops(["norm", "min", "max"])

@@ -9,7 +9,7 @@ import torch
 
 from reference import reference_record
 from trainmon.core import schema
-from trainmon.monitor import folding, stats
+from trainmon.engine import folding, stats
 
 triton = pytest.importorskip("triton")
 

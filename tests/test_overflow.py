@@ -9,7 +9,7 @@ from torch import nn
 
 from trainmon import TrainerMon, open_run
 from trainmon.cli import main
-from trainmon.monitor import stats
+from trainmon.engine import stats
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from trainmon.monitor import stats
+from trainmon.engine import buffers, stats
 from trainmon.monitor.collector import StepCollector
 from trainmon.monitor.patching import patch_attribute
 from trainmon.monitor.shard_merge import identity_record, piece_records
@@ -22,7 +22,7 @@ def test_merged_pieces_equal_the_whole_tensor():
     flat = whole[1].reshape(-1)
     pieces = [[whole[0][:10], flat[:20]], [whole[0][10:25], None], [whole[0][25:], flat[20:]]]
     gathered = torch.stack([piece_records(state, p, torch.device("cpu")) for p in pieces])
-    merged = stats.merge_records(gathered)
+    merged = buffers.merge_records(gathered)
     direct = stats.tensor_records(whole, 1e-8, state.collector.fields)
     for got, want in zip(merged, direct):
         for g, w in zip(got.tolist(), want.tolist()):
@@ -31,7 +31,7 @@ def test_merged_pieces_equal_the_whole_tensor():
 
 def test_identity_record_leaves_a_record_unchanged():
     row = stats.tensor_records([torch.tensor([1.0, -2.0])], 1e-8, stats.fields_for_ops(["norm"]))
-    both = stats.merge_records(torch.stack([row, identity_record("cpu").unsqueeze(0)]))
+    both = buffers.merge_records(torch.stack([row, identity_record("cpu").unsqueeze(0)]))
     assert torch.equal(both, row)
 
 

@@ -15,7 +15,7 @@ from trainmon.core import sinks as table
 from trainmon.core.derive import derive_rows
 from trainmon.core.layout import DB_NAME, STREAM_NAME
 from trainmon.core.records import ACTV, GRAD_REDUCED, RecordKey, StepBatch
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.writers.base import Sink, SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 from trainmon.writers.tags import tag_of

@@ -14,7 +14,7 @@ from trainmon import TrainerMon
 from trainmon.core import schema
 from trainmon.core.records import ACTV, record_key
 from trainmon.monitor import collector as collector_module
-from trainmon.monitor import folding, stats, stats_fused
+from trainmon.engine import folding, stats, stats_fused
 from trainmon.monitor.collector import StepCollector
 from trainmon.read import open_run
 

@@ -1,4 +1,4 @@
-"""Tests of the statistic engine trainmon.monitor.stats (records, merge, derive, no-sync, no-copy)."""
+"""Tests of the statistic engine trainmon.engine.stats (records, merge, derive, no-sync, no-copy)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training import DEVICES
-from trainmon.monitor import stats, stats_native
+from trainmon.engine import stats, stats_native
 from trainmon.core.derive import derive_ops, derive_rows
-from trainmon.monitor.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, merge_records, tensor_records
+from trainmon.engine.buffers import merge_records
+from trainmon.engine.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, tensor_records
 
 ALL = frozenset(FIELDS)
 NAN, INF = math.nan, math.inf
@@ -412,7 +413,7 @@ def test_inference_mode_and_threads():
 def test_cpu_assume_finite_path_agrees_with_the_exact_kernels(cpu_kernels):
     """On CPU, finite fp32/fp64 tensors take the assume-finite path and the rest the exact kernels;
     both must give the same records (to fp32 summation order) for every field."""
-    from trainmon.monitor.stats import _exact_records
+    from trainmon.engine.stats import _exact_records
     finite = [torch.randn(300, 70), torch.randn(5000, dtype=torch.float64), torch.zeros(10), torch.randn(1 << 20)]
     mixed = finite + [sprinkle(torch.randn(400, 30))]
     want = (True,) * 8

@@ -1,4 +1,4 @@
-"""Tests of the one-pass statistic kernels (trainmon.monitor.stats_fused and stat_kernels) against direct torch
+"""Tests of the one-pass statistic kernels (trainmon.engine.stats_fused and stat_kernels) against direct torch
 computations."""
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
 from training import DEVICES
 from trainmon.core import schema
 from trainmon.core.records import RecordKey
-from trainmon.monitor import stat_kernels, stats_fused, stats_native
+from trainmon.engine import stat_kernels, stats_fused, stats_native
 from trainmon.monitor.collector import StepCollector
-from trainmon.monitor.stats import CHUNK_ELEMS, fields_for_ops, merge_records, tensor_records
-from trainmon.monitor.stats_cpu import ONE_PASS_MIN
+from trainmon.engine.buffers import merge_records
+from trainmon.engine.stats import CHUNK_ELEMS, fields_for_ops, tensor_records
+from trainmon.engine.stats_cpu import ONE_PASS_MIN
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

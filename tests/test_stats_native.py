@@ -1,4 +1,4 @@
-"""Tests of the native assume-finite kernel (trainmon.monitor.stats_native) against direct torch computations."""
+"""Tests of the native assume-finite kernel (trainmon.engine.stats_native) against direct torch computations."""
 from __future__ import annotations
 
 import logging
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from test_stats import ALL, check, sprinkle
-from trainmon.monitor import stats_native
-from trainmon.monitor.stats import fields_for_ops, records_on_arrival, tensor_records
-from trainmon.monitor.stats_cpu import RecordsOnArrival
+from trainmon.engine import stats_native
+from trainmon.engine.stats import fields_for_ops, records_on_arrival, tensor_records
+from trainmon.engine.stats_cpu import RecordsOnArrival
 
 BLOCK = stats_native.BLOCK
 # Around a block and around the lanes of one (128 bytes: 32 fp32, 16 fp64 elements), whole lanes with a tail and without
@@ -135,7 +135,7 @@ def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(native_reads
     """Non-contiguous views are copied side by side into a reused scratch buffer; those that do not fit in one
     fill are read in further calls, and every record still equals torch's. The contiguous tensor is read in place,
     in a call of its own."""
-    from trainmon.monitor.stats import CHUNK_ELEMS
+    from trainmon.engine.stats import CHUNK_ELEMS
 
     g = torch.Generator().manual_seed(5)
     cap = CHUNK_ELEMS["cpu"]
@@ -175,7 +175,7 @@ def test_a_damaged_library_is_removed_and_refused(fresh_state, monkeypatch, tmp_
 def test_the_first_request_builds_it_before_answering(fresh_state, monkeypatch, tmp_path):
     """No library on disk: the first request builds it, and the first records come from it already, as every later
     one does: the records of a run do not depend on when a build finished."""
-    from trainmon.monitor import stats_fused
+    from trainmon.engine import stats_fused
     monkeypatch.setattr(stats_native, "_library", lambda: tmp_path / "figures.so")   # none on disk yet
     monkeypatch.setattr(stats_fused, "usable", lambda *a, **k: pytest.fail("the generated kernel was asked for"))
     reads = []

@@ -17,7 +17,7 @@ from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE,
                                    StepBatch)
 from trainmon.core.derive import derive_rows
 from trainmon.hook_table import SetUp, build_groups, unreduced_mode, warn_about
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.monitor.adapters import ADAPTER_PER_MICRO_BATCH, PER_MICRO_BATCH, TrainingAdapter, select_adapter
 from trainmon.monitor.adapters.base import group_coordinates
 from trainmon.monitor.collector import StepCollector

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmon.monitor import stats_cpu, stats_native
+from trainmon.engine import stats_cpu, stats_native
 
 
 @pytest.fixture(autouse=True, params=["held", "read in the hook"])

@@ -15,7 +15,7 @@ import math
 import statistics
 from typing import Iterable, Mapping, Optional, Sequence
 
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.core.records import EXP_AVG_SQ
 
 NANS, INFS = stats.FIELDS.index("nans"), stats.FIELDS.index("infs")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from trainmon.compare.tensors import compare_tensors as tensor_figures
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.core.derive import derive_ops
 
 _OPS = ("norm", "nans", "infs")

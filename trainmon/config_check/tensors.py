@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.core.derive import derive_ops
 
 DIGEST_OPS = ("norm", "mean", "min", "max", "nans", "infs")

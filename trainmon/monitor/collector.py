@@ -8,10 +8,11 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.records import RecordKey, StepBatch
-from trainmon.monitor import in_graph, stats, stats_fused
-from trainmon.monitor.accelerator import copy_done_event
-from trainmon.monitor.slot_table import SlotTable
-from trainmon.monitor.stats_fused import PLAIN_TENSORS
+from trainmon.engine import buffers, stats, stats_fused
+from trainmon.monitor import in_graph
+from trainmon.engine.accelerator import copy_done_event
+from trainmon.engine.slot_table import SlotTable
+from trainmon.engine.stats_fused import PLAIN_TENSORS
 from trainmon.monitor.tensor_memo import TensorMemo
 
 logger = logging.getLogger("trainmon")
@@ -282,7 +283,7 @@ class StepCollector:
             keys, slots = [keys[i] for i in kept], [slots[i] for i in kept]
         if keys:
             if slots != list(range(rows.shape[0])):    # else every row in its key's order, as they are
-                rows = rows.index_select(0, stats.host_values(slots, rows.device))
+                rows = rows.index_select(0, buffers.host_values(slots, rows.device))
             self._add(keys, rows)
 
     def _end_trial(self) -> None:

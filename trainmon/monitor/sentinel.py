@@ -31,7 +31,7 @@ from trainmon.monitor.forward_passes import in_backward
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.monitor.selection import display_name
 from trainmon.monitor.state import HookState
-from trainmon.monitor.stats import host_values
+from trainmon.engine.buffers import host_values
 from trainmon.monitor.tensor_memo import TensorMemo
 from trainmon.monitor.tensor_select import floating_leaves, input_values, local_shard
 

@@ -4,7 +4,7 @@ Each rank reduces its local pieces to mergeable records (one `tensor_records` ca
 identity record where it holds nothing, and one `all_gather` of the small [n, N_FIELDS] record tensor
 of every family recorded at one point of the step (`PieceRecords`), per process group the parameters
 merge over, gives every rank the records of all pieces, which merge exactly to the full parameter's:
-sums for count/nans/infs/zeros/sum/sumsq, min of mins, max of maxes (stats.merge_records). Whole
+sums for count/nans/infs/zeros/sum/sumsq, min of mins, max of maxes (buffers.merge_records). Whole
 tensors are never gathered.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from trainmon.core import schema
-from trainmon.monitor import stats
-from trainmon.monitor.accelerator import collective_device
+from trainmon.engine import buffers, stats
+from trainmon.engine.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
 from trainmon.core.records import RecordKey, record_key
@@ -24,7 +24,7 @@ from trainmon.monitor.state import HookState
 
 def identity_record(device, dtype=torch.float64) -> torch.Tensor:
     """The record of no elements: merging it with any record leaves that record unchanged."""
-    return stats.host_values(schema.IDENTITY, torch.device(device), dtype)
+    return buffers.host_values(schema.IDENTITY, torch.device(device), dtype)
 
 
 def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], device) -> torch.Tensor:
@@ -34,7 +34,7 @@ def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], de
     rows = identity_record(device).expand(len(pieces), -1).clone()
     if present:
         local = stats.tensor_records([pieces[i] for i in present], collector.eps, collector.fields)
-        rows[stats.host_values(present, torch.device(device))] = local.to(device=device, dtype=rows.dtype)
+        rows[buffers.host_values(present, torch.device(device))] = local.to(device=device, dtype=rows.dtype)
     return rows
 
 
@@ -120,7 +120,7 @@ class _Merge:
             gathered = torch.empty((ranks * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
             with not_monitored():  # trainmon's own collective is not part of the training's communication
                 _all_gather_single(gathered, rows, group)
-            rows = stats.merge_records(gathered.view(ranks, *rows.shape))
+            rows = buffers.merge_records(gathered.view(ranks, *rows.shape))
         return rows
 
 

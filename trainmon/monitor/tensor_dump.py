@@ -20,7 +20,7 @@ import torch
 from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.dump_capture import host_copy
 from trainmon.monitor import in_graph
-from trainmon.monitor.accelerator import copy_done_event
+from trainmon.engine.accelerator import copy_done_event
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.core.records import StepBatch
 from trainmon.writers import db_schema
 from trainmon.writers.base import Sink, SinkContext

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from trainmon.writers.tensor_files import save_tensors
-from trainmon.monitor import stats
+from trainmon.engine import stats
 from trainmon.core.derive import derive_ops
 from trainmon.core.schema import OPS
 from trainmon.monitor.tensor_dump import StepCapture

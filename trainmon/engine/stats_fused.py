@@ -23,8 +23,9 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainmon.core import schema
-from trainmon.monitor import stat_kernels
-from trainmon.monitor.stat_kernels import ROW
+from trainmon.engine import stat_kernels
+from trainmon.engine.buffers import chunks, host_values, merge_records, workspace
+from trainmon.engine.stat_kernels import ROW
 
 # Tensors below this size are copied into shared batches, one kernel call per batch: the copy costs less
 # than the host work of a call of their own (CPU bf16: 10.6 against 15.5 µs per tensor of 4 K elements, the
@@ -96,8 +97,7 @@ def _flat_segments(t: torch.Tensor, cap: int):
     if t.is_contiguous():
         yield t.view(-1)
         return
-    from trainmon.monitor.stats import _chunks    # the engine's chunking of any strides
-    for chunk in _chunks(t, cap):
+    for chunk in chunks(t, cap):
         yield chunk.contiguous().view(-1)
 
 
@@ -153,11 +153,9 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
     The batch is the engine's reused workspace on CPU: a fresh buffer per call would fault in every page of
     it, which costs more than the kernel, while the reused one is still in the cache.
     """
-    from trainmon.monitor.stats import _workspace   # the engine's reused per-thread buffers
-
     t0 = gathered[0][1]
     # accelerators: a buffer of the caching allocator; batches on one stream run in order, so one serves all
-    workspace = _workspace(t0.device, t0.dtype, cap)[0] if t0.device.type == "cpu" else \
+    scratch = workspace(t0.device, t0.dtype, cap)[0] if t0.device.type == "cpu" else \
         torch.empty(cap, dtype=t0.dtype, device=t0.device)
     per_batch = cap // ROW
     partials, pieces, filled = [], [], 0
@@ -165,7 +163,7 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
         n = t.numel()
         rows = -(-n // ROW)
         if pieces and filled + rows > per_batch:
-            partials.append(_batch_rows(workspace, pieces, filled, lam, sat_lam))
+            partials.append(_batch_rows(scratch, pieces, filled, lam, sat_lam))
             pieces, filled = [], 0
         pieces.append(t if t.dim() == 1 else t.reshape(-1))
         if rows * ROW > n:
@@ -173,7 +171,7 @@ def _gathered_rows(gathered: list, owners: list, pads: list, lam: float, sat_lam
         filled += rows
         owners.append((u, rows))
         pads[u] += rows * ROW - n
-    partials.append(_batch_rows(workspace, pieces, filled, lam, sat_lam))
+    partials.append(_batch_rows(scratch, pieces, filled, lam, sat_lam))
     return partials
 
 
@@ -203,8 +201,6 @@ def _padding(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
 
 def _combine(partials, owners, pads, n: int, device: torch.device) -> torch.Tensor:
     """Row partials -> one record per tensor (counts and sums add, min of mins, max of maxes)."""
-    from trainmon.monitor.stats import host_values, merge_records
-
     if not partials:                                # only empty tensors
         return host_values(schema.IDENTITY, device, torch.float64).repeat(n, 1)
     if _merged_each(partials, owners, n, device):   # each tensor's rows reduced as they are: no index, no atomics
@@ -259,8 +255,6 @@ def _merged(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The fp64 record of one tensor's row partials: on accelerators by the compiled merge kernel (one or two
     launches, where `merge_records`' ops launch six: most of a one-tensor call's host time there), once it
     is ready; else, and on CPU, whose ops launch nothing, by `merge_records`."""
-    from trainmon.monitor.stats import merge_records
-
     if (device.type != "cpu" or cpu_as_accelerator) and stat_kernels.prepare(device, [rows.dtype], kernel="merge"):
         try:
             return stat_kernels.run("merge", rows)

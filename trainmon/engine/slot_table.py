@@ -19,7 +19,7 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.records import RecordKey
-from trainmon.monitor import folding, stats
+from trainmon.engine import buffers, folding, stats
 
 logger = logging.getLogger("trainmon")
 
@@ -39,7 +39,7 @@ class SlotTable:
         self.keys: list[RecordKey] = []             # this step's keys, first touch first
         self.rows: list[int] = []                   # their slots
         with torch.inference_mode(False):           # usable in and out of the mode
-            self._empty = stats.host_values(schema.IDENTITY, device, torch.float64).repeat(_FIRST_ROWS, 1)
+            self._empty = buffers.host_values(schema.IDENTITY, device, torch.float64).repeat(_FIRST_ROWS, 1)
             self.table = self._empty.clone()
 
     def slots(self, keys: Sequence[RecordKey]) -> list[int]:

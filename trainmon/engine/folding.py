@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 
 from trainmon.core import schema
-from trainmon.monitor import stats
-from trainmon.monitor.stats_fused import PLAIN_TENSORS
+from trainmon.engine import buffers, stats
+from trainmon.engine.stats_fused import PLAIN_TENSORS
 
 logger = logging.getLogger("trainmon")
 
@@ -52,12 +52,12 @@ class TorchFolder:
                 self.fold(table, [slot], [tensor])
             return
         records = stats.tensor_records(tensors, self.eps, self.fields, unasked_zeroed=False)
-        index = stats.host_values(slots, self.device)
-        merged = stats.merge_records(torch.stack([table.index_select(0, index), records.to(table.device)]))
+        index = buffers.host_values(slots, self.device)
+        merged = buffers.merge_records(torch.stack([table.index_select(0, index), records.to(table.device)]))
         table.index_copy_(0, index, merged)
 
     def merge_row(self, table: torch.Tensor, source: int, target: int) -> None:
-        table[target] = stats.merge_records(table[[target, source]])
+        table[target] = buffers.merge_records(table[[target, source]])
 
 
 class TritonFolder:
@@ -67,7 +67,7 @@ class TritonFolder:
     def __init__(self, device: torch.device, eps: float, fields: stats.FieldSet, kernels=None):
         """`kernels`: the module of the Triton kernels, `fold_kernels` unless given (a benchmark counts launches)."""
         if kernels is None:
-            from trainmon.monitor import fold_kernels as kernels
+            from trainmon.engine import fold_kernels as kernels
         self._kernels = kernels
         self.device, self.eps, self.fields = device, eps, fields
         with torch.inference_mode(False):           # usable in and out of the mode
@@ -85,7 +85,7 @@ class TritonFolder:
         bounds = self._bounds.get(dtype)
         if bounds is None:
             with torch.inference_mode(False):
-                bounds = self._bounds[dtype] = stats.host_values(
+                bounds = self._bounds[dtype] = buffers.host_values(
                     [stats.zeros_threshold(dtype, self.eps), stats.saturation_threshold(dtype, self.fields)],
                     self.device, torch.float64)
         return bounds
@@ -160,7 +160,7 @@ class TritonFolder:
         meta = self._metadata_kept.pop(key, None)
         if meta is None:
             with torch.inference_mode(False):
-                meta = stats.host_values(values, self.device)
+                meta = buffers.host_values(values, self.device)
             if len(self._metadata_kept) >= _METADATA_KEPT:
                 self._metadata_kept.pop(next(iter(self._metadata_kept)))
         self._metadata_kept[key] = meta             # the most recent last

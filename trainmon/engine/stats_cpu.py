@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from trainmon.core.schema import N_FIELDS
-from trainmon.monitor import stats_fused, stats_native
-from trainmon.monitor.stat_kernels import ROW
+from trainmon.engine import stats_fused, stats_native
+from trainmon.engine.stat_kernels import ROW
 
 _CPU = torch.device("cpu")
 

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from torch._C import _len_torch_dispatch_stack
 
-from trainmon.monitor.stat_kernels import hardware
-from trainmon.monitor.stats_fused import PLAIN_TENSORS
+from trainmon.engine.stat_kernels import hardware
+from trainmon.engine.stats_fused import PLAIN_TENSORS
 
 logger = logging.getLogger("trainmon")
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import struct
 import sys
-import threading
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -40,7 +39,8 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
-from trainmon.monitor import stats_cpu, stats_fused, stats_native
+from trainmon.engine import stats_cpu, stats_fused, stats_native
+from trainmon.engine.buffers import chunks, host_values, merge_records, workspace
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8
@@ -150,50 +150,6 @@ def _consts(dtype: torch.dtype, eps: float):
         p = min(2.0 ** math.floor(math.log2(thr)), cap) if thr != _INF else cap
         c = _CONSTS[key] = (lam, p, acc)
     return c
-
-
-# ---- chunking and workspace ---------------------------------------------------------------------------
-def _chunks(x: torch.Tensor, cap: int):
-    """Views covering every element of ``x`` once, each with at most ``cap`` elements (any strides)."""
-    n = x.numel()
-    if n <= cap:
-        yield x
-    elif x.is_contiguous():
-        flat = x.view(-1)
-        for i in range(0, n, cap):
-            yield flat[i:i + cap]
-    else:
-        inner = n // x.shape[0]
-        if inner <= cap:
-            step = cap // inner
-            for i in range(0, x.shape[0], step):
-                yield x[i:i + step]
-        else:
-            for i in range(x.shape[0]):
-                yield from _chunks(x[i], cap)
-
-
-_TLS = threading.local()
-
-
-def _workspace(device: torch.device, dtype: torch.dtype, cap: int):
-    """Two flat scratch buffers of ``cap`` elements in the tensor's own dtype.  Cached per thread on
-    CPU (avoids page-faulting fresh buffers every call); fresh from the caching allocator elsewhere."""
-    if device.type != "cpu":
-        return torch.empty(cap, dtype=dtype, device=device), torch.empty(cap, dtype=dtype, device=device)
-    cache = _TLS.__dict__.setdefault("ws", {})
-    ws = cache.get(dtype)
-    if ws is None or ws[0].numel() < cap:
-        with torch.inference_mode(False):            # a normal tensor works in and out of the mode
-            ws = cache[dtype] = (torch.empty(cap, dtype=dtype), torch.empty(cap, dtype=dtype))
-    return ws
-
-
-def host_values(values, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Small host-known metadata on ``dev``: pinned + non_blocking on accelerators, so no stream
-    synchronisation (a pageable host->device copy, which `torch.tensor(values, device=...)` makes, blocks)."""
-    t = torch.tensor(values, dtype=dtype, device=dev if dev.type in ("cpu", "meta") else "cpu")
-    return t if t.device == dev else t.pin_memory().to(dev, non_blocking=True)
 
 
 # ---- the engine -------------------------------------------------------------------------------------
@@ -338,7 +294,7 @@ def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tupl
     if dev.type != "cpu":
         return _exact_records(uniq, dev, eps, want)
     cap = CHUNK_ELEMS["cpu"]
-    return stats_cpu.finite_first_records(uniq, eps, want, _consts, lambda dtype: _workspace(dev, dtype, cap),
+    return stats_cpu.finite_first_records(uniq, eps, want, _consts, lambda dtype: workspace(dev, dtype, cap),
                                           lambda tensors: _exact_records(tensors, dev, eps, want))
 
 
@@ -356,12 +312,12 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
         lam, p, acc = _consts(dtype, eps)
         vmin, vmax = (torch.amin, torch.amax) if dtype == acc else (torch.min, torch.max)  # fastest
         big = min(cap, max(uniq[u].numel() for u in members))
-        buf, buf2 = _workspace(dev, dtype, -(-big // _ROW) * _ROW)
+        buf, buf2 = workspace(dev, dtype, -(-big // _ROW) * _ROW)
         codes = (-65536.0 * p, -256.0 * p, -256.0 * p)   # NaN, +Inf, -Inf
         owner, ns, ends, mins, maxs, sums, sqs, rows = [], [], [], [], [], [], [], []
         nrow = 0
         for u in members:
-            for xc in _chunks(uniq[u], cap):
+            for xc in chunks(uniq[u], cap):
                 n = xc.numel()
                 npad = -(-n // _ROW) * _ROW
                 wp = buf.narrow(0, 0, npad)
@@ -475,9 +431,9 @@ def _sat_counts(uniq: list[torch.Tensor], dev: torch.device, sat: FieldSet) -> t
     for t in uniq:
         acc = torch.float64 if t.dtype == torch.float64 else torch.float32
         lam = _sat_lambda(t.dtype, sat.sat_limit(t.dtype))
-        buf = _workspace(dev, t.dtype, min(cap, max(1, t.numel())))[0]
+        buf = workspace(dev, t.dtype, min(cap, max(1, t.numel())))[0]
         parts = []
-        for xc in _chunks(t, cap):
+        for xc in chunks(t, cap):
             w = buf.narrow(0, 0, xc.numel())
             torch.ops.aten.hardshrink.out(xc, lam, out=w.view(xc.shape))
             w.nan_to_num_(0.0, 0.0, 0.0).sign_()
@@ -524,22 +480,5 @@ def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device,
     if not rows:
         return
     cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
-    counts = [torch.stack([(xc == _INF).sum() for xc in _chunks(uniq[u], cap)]).sum() for u in rows]
+    counts = [torch.stack([(xc == _INF).sum() for xc in chunks(uniq[u], cap)]).sum() for u in rows]
     rec.select(1, _PINFS).index_copy_(0, host_values(rows, dev), torch.stack(counts).to(torch.float64))
-
-
-def merge_records(records: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Records merged over `dim` by the schema's merge rules (counts and sums add, min of mins, max of maxes):
-    ``[k, N_FIELDS]`` -> ``[N_FIELDS]``, or any ``[..., N_FIELDS]`` without `dim`. Any device, no sync."""
-    if records.dim() < 2 or records.shape[-1] != N_FIELDS or not -records.dim() <= dim < records.dim() - 1:
-        raise ValueError(f"merge_records expects records [..., {N_FIELDS}] merged over a dimension before the "
-                         f"last, got {tuple(records.shape)} and dim {dim}")
-    dim %= records.dim()
-    r = records.to(torch.float64)
-    out = r.sum(dim)                                # the min and max columns are replaced below
-    if r.shape[dim] == 0:
-        return out.copy_(host_values(schema.IDENTITY, r.device, torch.float64))
-    for columns, reduce in ((schema.MIN_COLUMNS, torch.amin), (schema.MAX_COLUMNS, torch.amax)):
-        for column in columns:
-            out.select(-1, column).copy_(reduce(r.select(-1, column), dim))
-    return out

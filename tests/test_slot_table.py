@@ -154,3 +154,27 @@ def test_a_failing_triton_kernel_hands_over_to_the_torch_kernels_once(monkeypatc
     assert isinstance(collector._table.folder, folding.TorchFolder)
     values = _values(collector.finish_step())
     assert values["a"]["count"] == 50 and values["b2"]["min"] == pytest.approx(float(y.min()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
+def test_a_gpu_records_what_the_cpu_records(output_dir, write_config, monkeypatch, tmp_path):
+    """The same training on a GPU (the slot table, Triton's kernels) and on the CPU (its own path): the same keys,
+    the same counts, figures within the two devices' float differences."""
+    def records(device: str):
+        monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / device))
+        model = make_model(layers=2, hidden=32, device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        monitor = TrainerMon(write_config(**EVERY_FAMILY)).set_monitor(model, optimizer=optimizer, grad_acc_steps=2)
+        run_steps(model, optimizer, 2, grad_acc_steps=2)
+        monitor.stop()
+        with open_run(monitor.output_dir.parent) as run:
+            out = run.records()
+        return out.sort_values(["step", "family", "name", "micro_step", "call_index"]).reset_index(drop=True)
+
+    gpu, cpu = records("cuda"), records("cpu")
+    order = ["step", "family", "name", "micro_step", "call_index"]
+    assert gpu[order].fillna(-1).equals(cpu[order].fillna(-1))
+    for field in ("count", "nans", "infs"):
+        np.testing.assert_array_equal(gpu[f"raw_{field}"], cpu[f"raw_{field}"], err_msg=field)
+    for field in ("sumsq", "min", "max"):
+        np.testing.assert_allclose(gpu[f"raw_{field}"], cpu[f"raw_{field}"], rtol=1e-3, atol=1e-5, err_msg=field)

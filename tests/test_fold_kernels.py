@@ -142,3 +142,24 @@ def test_a_hundred_million_elements(device):
     table = _empty_table(1, device)
     _folder(device).fold(table, [0], [x])
     _assert_record(table[0], [x])
+
+
+def test_records_outside_a_step_come_from_the_same_kernels(device, monkeypatch):
+    """Parameter pieces, checkpoints and digests on an accelerator are read by the Triton kernels too, one launch per
+    dtype, each tensor into its own fresh row; the fields not asked for are 0."""
+    from trainmon.engine import records, stats_fused
+
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", True)
+    fields = stats.fields_for_ops(["norm", "nans"])
+    tensors = [_sample(n, dtype, device, n) for n, dtype in [(3000, torch.bfloat16), (5, torch.float32),
+                                                            (70, torch.bfloat16)]]
+    launches = []
+    real = folding.TritonFolder.fold
+    monkeypatch.setattr(folding.TritonFolder, "fold", lambda self, *a: launches.append(len(a[1])) or real(self, *a))
+    rows = records.tensor_records(tensors, EPS, fields)
+    assert launches == [3]
+    for row, tensor in zip(rows, tensors):
+        expected = reference_record([tensor], EPS, fields)
+        assert row[schema.INDEX["count"]] == expected["count"] and row[schema.INDEX["nans"]] == expected["nans"]
+        assert float(row[schema.INDEX["sumsq"]]) == pytest.approx(expected["sumsq"], rel=1e-5)
+        assert row[schema.INDEX["min"]] == 0 and row[schema.INDEX["zeros"]] == 0   # not asked for

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from trainmon.compare.tensors import compare_tensors as tensor_figures
-from trainmon.engine import stats
+from trainmon.engine import records, stats
 from trainmon.core.derive import derive_ops
 
 _OPS = ("norm", "nans", "infs")
@@ -32,8 +32,8 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     figures = tensor_figures(a64, b64, rtol=0.0, atol=0.0)
     both = a64.isfinite() & b64.isfinite()
     diff = torch.where(both, a64 - b64, 0.0)  # inf - inf is NaN: differences count where both are finite
-    records = stats.tensor_records([diff, a64, b64], 0.0, _FIELDS).cpu()
-    d, ra, rb = (derive_ops(r, _OPS, _FIELDS) for r in records)
+    rows = records.tensor_records([diff, a64, b64], 0.0, _FIELDS).cpu()
+    d, ra, rb = (derive_ops(r, _OPS, _FIELDS) for r in rows)
     out.update(l2=d["norm"], cosine=1.0 if out["identical"] else figures["cosine"], max_abs_diff=figures["max_abs"],
                norm_a=ra["norm"], norm_b=rb["norm"], nonfinite_mismatch=figures["nonfinite_mismatch"],
                nonfinite_a=int(ra["nans"] + ra["infs"]), nonfinite_b=int(rb["nans"] + rb["infs"]))

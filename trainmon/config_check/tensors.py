@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainmon.engine import stats
+from trainmon.engine import records, stats
 from trainmon.core.derive import derive_ops
 
 DIGEST_OPS = ("norm", "mean", "min", "max", "nans", "infs")
@@ -32,7 +32,7 @@ def digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
                "sha256": tensor_hash(tensor)}
         if tensor.is_floating_point() and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16,
                                                            torch.float64):
-            record = stats.tensor_records([tensor.detach()], 0.0, _FIELDS)[0].cpu()
+            record = records.tensor_records([tensor.detach()], 0.0, _FIELDS)[0].cpu()
             row.update(derive_ops(record, DIGEST_OPS, _FIELDS))
         elif tensor.numel():  # token ids, masks: the engine takes floating tensors only
             as_float = tensor.detach().double()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainmon.core import schema
-from trainmon.engine import buffers, stats
+from trainmon.engine import buffers, records
 from trainmon.engine.accelerator import collective_device
 from trainmon.monitor.adapters.base import WatchedParam
 from trainmon.monitor.collectives import not_monitored
@@ -33,7 +33,7 @@ def piece_records(state: HookState, pieces: Sequence[Optional[torch.Tensor]], de
     present = [i for i, t in enumerate(pieces) if t is not None]
     rows = identity_record(device).expand(len(pieces), -1).clone()
     if present:
-        local = stats.tensor_records([pieces[i] for i in present], collector.eps, collector.fields)
+        local = records.tensor_records([pieces[i] for i in present], collector.eps, collector.fields)
         rows[buffers.host_values(present, torch.device(device))] = local.to(device=device, dtype=rows.dtype)
     return rows
 

@@ -340,9 +340,6 @@ def test_full_msprobe_example_warns_once_per_unhonoured_key():
 
 @pytest.mark.parametrize("raw, key", [
     ({"mg_distribution": True}, "'mg_distribution'"),
-    ({"recording_l2_features": True}, "'recording_l2_features'"),
-    ({"l2_targets": {"linear_hook": []}}, "'l2_targets'"),
-    ({"sa_order": "b,s,h,d"}, "'sa_order'"),
     ({"alert": {"inform": {"recipient": "database"}}}, "'alert.inform'"),
     ({"ops": ["id", "norm", "id"]}, "op 'id'"),
 ])
@@ -356,6 +353,17 @@ def test_unhonoured_keys_at_their_inert_values_do_not_warn():
     raw = {"mg_distribution": False, "recording_l2_features": False, "l2_targets": {}, "sa_order": "s,b,h,d",
            "ur_distribution": False, "cc_distribution": {"enable": False}}
     assert not_honoured_warnings(raw)[1] == []
+
+
+def test_the_l2_feature_keys_are_honoured_and_checked():
+    cfg, warned = not_honoured_warnings({"recording_l2_features": True, "sa_order": "b, s, h, d",
+                                         "l2_targets": {"moe_router_logit_hook": ["0:layers.0.router"]}})
+    assert warned == [] and cfg.sa_order == "b,s,h,d"
+    assert cfg.l2_targets == {"moe_router_logit_hook": ["0:layers.0.router"]}
+    with pytest.raises(ConfigError, match=r"l2_targets\.atention_hook.*did you mean \"attention_hook\""):
+        load_config({"l2_targets": {"atention_hook": []}})
+    with pytest.warns(UserWarning, match="no effect without"):
+        load_config({"l2_targets": {"linear_hook": []}})
 
 
 def test_not_honoured_list_is_one_constant():

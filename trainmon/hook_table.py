@@ -21,11 +21,13 @@ from trainmon.monitor import in_graph
 from trainmon.monitor.adapters import ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH
 from trainmon.monitor.collectives import CollectiveMonitor
 from trainmon.monitor.config import MonitorConfig
+from trainmon.monitor.feature_hooks import L2Features, feature_modules
 from trainmon.monitor.forward_passes import ForwardPasses
 from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
 from trainmon.monitor.hook_group import HookGroup
 from trainmon.monitor.loss_scale import LossScaleWatch
 from trainmon.monitor.module_hooks import ActivationHooks
+from trainmon.monitor.moe_load import MoeLoad
 from trainmon.monitor.optimizer_hooks import OptimizerHooks
 from trainmon.monitor.saved import SavedVariables
 from trainmon.monitor.selection import watched_modules
@@ -134,6 +136,11 @@ def _collectives(s: SetUp) -> Optional[HookGroup]:
     return CollectiveMonitor(s.state, cc.cc_pre_hook, cc.cc_codeline, cc.cc_log_only, s.output_dir / CC_LOG_FILE)
 
 
+def _l2_features(s: SetUp) -> HookGroup:
+    modules = feature_modules(s.chunks, s.config.l2_targets, s.config.squash_name, s.adapter.rename)
+    return L2Features(s.state, modules, s.config.sa_order)
+
+
 GROUPS: tuple[Group, ...] = (
     Group("sentinel", lambda s: s.config.sentinel, _sentinel),
     Group("alert_action", lambda s: s.config.alert.action != "warn" and s.anomalies is not None, _alert_action),
@@ -141,6 +148,11 @@ GROUPS: tuple[Group, ...] = (
     Group("activations", lambda s: s.config.xy_distribution and s.writes,
           lambda s: ActivationHooks(s.state, s.modules, forward=not s.config.backward_only,
                                     backward=not s.config.forward_only)),
+    # features are a rank's own, never merged: a rank that writes nothing computes none
+    Group("l2_features", lambda s: s.config.recording_l2_features and s.writes, _l2_features),
+    # merged over the expert-parallel group: every rank of it collects (TrainerMon's schedule), writing or not
+    Group("moe_load", lambda s: s.config.moe_load,
+          lambda s: MoeLoad(s.state, s.chunks, s.config.squash_name, s.adapter.rename)),
     Group("stacks", lambda s: s.config.xy_distribution and s.writes and s.config.stack_info,
           lambda s: StackRecorder(s.state, s.modules, s.output_dir / STACK_INFO_FILE)),
     Group("grad_unreduced", lambda s: s.config.wg_distribution, _unreduced_grads),

@@ -13,8 +13,8 @@ import torch
 from trainmon.anomaly.processor import AnomalyProcessor, processor_for
 from trainmon.core.layout import DYNAMIC_STATE_FILE, MODULE_STRUCT_FILE, RUN_JSON
 from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
-                                   GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED, SAVED_FAMILIES,
-                                   StepBatch)
+                                   GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED,
+                                   PER_MICRO_FEATURE_FAMILIES, SAVED_FAMILIES, StepBatch)
 from trainmon.core.derive import derive_rows
 from trainmon.hook_table import SetUp, build_groups, unreduced_mode, warn_about
 from trainmon.engine import stats
@@ -162,7 +162,8 @@ class TrainerMon:
     def _start_writer(self) -> AsyncWriter:
         cfg = self.config
         per_micro_grads = unreduced_mode(cfg, self._adapter) in (PER_MICRO_BATCH, ADAPTER_PER_MICRO_BATCH)
-        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES) | ({GRAD_UNREDUCED} if per_micro_grads else set())
+        per_micro = set(ACTIVATION_FAMILIES | SAVED_FAMILIES | PER_MICRO_FEATURE_FAMILIES) | \
+            ({GRAD_UNREDUCED} if per_micro_grads else set())
         stream = self._filesystem.write_path == filesystem.STREAM_PATH
         context = SinkContext(rank_dir=self.output_dir, rank=self.rank, ops=tuple(cfg.ops), ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record,
@@ -185,7 +186,8 @@ class TrainerMon:
         params = self._adapter.prepare([dataclasses.replace(w, name=self._adapter.rename(w.vpp_stage, w.name))
                                         for w in watched_params(self._chunks, config)])
         self._schedule = CollectionSchedule(config.start_step, config.step_interval, config.collect_times,
-                                            rank_enabled=writes or self._merges_across_ranks(params))
+                                            rank_enabled=writes or config.moe_load or
+                                            self._merges_across_ranks(params))
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
         warn_about(config)

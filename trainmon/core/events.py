@@ -9,6 +9,8 @@ Names: a record's `RecordKey.name` is split into `module` and `tensor`.
 - Parameter families: module is the parameter name (`layers.0.mlp.0.weight`), tensor is named by the
   family: `grad` (before the reduction), `reduced_grad`, `param`, `updated_param`, `exp_avg`,
   `exp_avg_sq`, `adam_update`, `adam_ratio`, `mg_direction`.
+- Feature families (`attention_hook`, `linear_hook`, `moe_router_*_hook`, `moe_load`, `moe_expert_load`):
+  `<module>.<feature>` -> module `<module>`, tensor the feature (`entropy`, `kernel_norm`, `imbalance`, ...).
 - Any other family (e.g. collectives) keeps the whole name as module and the family as tensor.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional
 
 from trainmon.core import ordering
 from trainmon.core.records import (ACTV, ACTV_GRAD, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ,
-                                      GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
+                                      FEATURE_FAMILIES, GRAD_REDUCED, GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN,
                                       PARAM_UPDATED, PHASES)
 
 
@@ -48,6 +50,9 @@ def split_name(family: str, name: str) -> tuple[str, str]:
     if family in (ACTV, ACTV_GRAD):
         module, _, leaf = name.rpartition(".")
         return module, (f"grad_{leaf}" if family == ACTV_GRAD else leaf)
+    if family in FEATURE_FAMILIES:
+        module, _, feature = name.rpartition(".")
+        return module, feature
     return name, PARAM_TENSORS.get(family, family)
 
 

@@ -31,11 +31,29 @@ COMM = "comm"
 # (their grads, in backward); a record's name is the one the script gave (see trainmon.monitor.saved).
 SAVE = "save"
 SAVE_GRAD = "save_grad"
+# msprobe's L2 features (`recording_l2_features`, `l2_targets`), one family per hook of `l2_targets`, named as
+# msprobe names its CSV files. A record's name is `<module>.<feature>` (e.g. `layers.0.attn.core.entropy`), and
+# its value is the record of a one-element tensor: min = max = mean = the feature (trainmon.monitor.features).
+ATTENTION_HOOK = "attention_hook"
+LINEAR_HOOK = "linear_hook"
+MOE_ROUTER_WEIGHT_HOOK = "moe_router_weight_hook"
+MOE_ROUTER_LOGIT_HOOK = "moe_router_logit_hook"
+# Mixture-of-experts routing per layer and step (`moe_load`), merged over the expert-parallel group: per router
+# `<router>.imbalance`, `.idle_experts`, `.dropped_tokens`, `.router_entropy` in MOE_LOAD and the tokens of each
+# expert, `<router>.expert_<e>`, in MOE_EXPERT_LOAD; one-element records like the features'.
+MOE_LOAD = "moe_load"
+MOE_EXPERT_LOAD = "moe_expert_load"
 
 FAMILIES = (ACTV, ACTV_GRAD, ACTV_EVAL, GRAD_UNREDUCED, GRAD_REDUCED, PARAM_ORIGIN, PARAM_UPDATED,
-            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION, COMM, SAVE, SAVE_GRAD)
+            EXP_AVG, EXP_AVG_SQ, ADAM_UPDATE, ADAM_RATIO, MG_DIRECTION, COMM, SAVE, SAVE_GRAD,
+            ATTENTION_HOOK, LINEAR_HOOK, MOE_ROUTER_WEIGHT_HOOK, MOE_ROUTER_LOGIT_HOOK, MOE_LOAD, MOE_EXPERT_LOAD)
 ACTIVATION_FAMILIES = frozenset({ACTV, ACTV_GRAD, ACTV_EVAL})
 SAVED_FAMILIES = frozenset({SAVE, SAVE_GRAD})
+# Families whose records each hold one value (a feature of a module): named `<module>.<value's name>`.
+FEATURE_FAMILIES = frozenset({ATTENTION_HOOK, LINEAR_HOOK, MOE_ROUTER_WEIGHT_HOOK, MOE_ROUTER_LOGIT_HOOK, MOE_LOAD,
+                              MOE_EXPERT_LOAD})
+# Those recorded at every training forward (the others once per step), as msprobe does.
+PER_MICRO_FEATURE_FAMILIES = frozenset({ATTENTION_HOOK, MOE_ROUTER_LOGIT_HOOK})
 
 # Phase of training in which a family's tensors are produced (used to name where a fault appeared).
 PHASES = {
@@ -54,6 +72,12 @@ PHASES = {
     COMM: "communication",
     SAVE: "forward",
     SAVE_GRAD: "backward",
+    ATTENTION_HOOK: "forward",
+    LINEAR_HOOK: "forward",
+    MOE_ROUTER_WEIGHT_HOOK: "forward",
+    MOE_ROUTER_LOGIT_HOOK: "forward",
+    MOE_LOAD: "forward",
+    MOE_EXPERT_LOAD: "forward",
 }
 
 

@@ -36,8 +36,8 @@ from trainmon.monitor.config_keys import (
     ACCEPTED_ONLY, ALERT_ACTIONS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
     OUTPUT_FILESYSTEMS, REMOVED, SAT_DTYPES, STAT_OPS,
     Check, ConfigError, ConfigNotHonouredWarning, TargetSpec, check_append_output, check_bool, check_choice,
-    check_formats, check_int, check_list, check_number, check_optional, check_regex, check_rule_args,
-    check_str, check_targets,
+    check_formats, check_int, check_l2_targets, check_list, check_number, check_optional, check_regex,
+    check_rule_args, check_sa_order, check_str, check_targets,
     closest, join_key, parse_target_spec, reject_duplicates, warn_not_honoured,
 )
 
@@ -293,6 +293,19 @@ class MonitorConfig:
     """Record Adam's bias-corrected update m̂/(√v̂+ε) (`adam_update`) and ratio m̂/√v̂ (`adam_ratio`)."""
     cc_distribution: CCConfig = _field(_section(CCConfig), factory=CCConfig)
     """Collective-communication statistics (see CCConfig)."""
+    recording_l2_features: bool = _field(check_bool, default=False)
+    """msprobe's L2 features of the modules `l2_targets` names (families `attention_hook`, `linear_hook`,
+    `moe_router_weight_hook`, `moe_router_logit_hook`; trainmon.monitor.features)."""
+    l2_targets: dict[str, list[str]] = _field(check_l2_targets, factory=dict)
+    """Hook name -> module names (as `targets` names modules, with or without the `<vpp>:` prefix): `attention_hook`
+    (modules whose first two inputs are q and k), `linear_hook` (2-D weights; an empty list: every such module),
+    `moe_router_weight_hook` (router weights), `moe_router_logit_hook` (modules whose output is router logits)."""
+    sa_order: str = _field(check_sa_order, default="s,b,h,d")
+    """Layout of the q and k an `attention_hook` module takes: "s,b,h,d" (Megatron-Core) or "b,s,h,d"."""
+    moe_load: bool = _field(check_bool, default=False)
+    """trainmon: per mixture-of-experts layer and step, from the router's own routing decision (Megatron-Core's
+    TopKRouter, DeepSpeed's TopKGate), merged over the expert-parallel group: tokens per expert, load imbalance
+    (max over mean), experts without a token, tokens dropped by capacity, router entropy (family `moe_load`)."""
     ops: list[str] = _field(_check_ops, factory=lambda: ["norm"])
     """Statistics per tensor, from min, max, norm, mean, zeros (fraction with |x| < eps), nans, infs, sat
     (elements at or beyond the saturation limit, see `sat_threshold`).
@@ -362,6 +375,9 @@ class MonitorConfig:
                               allowed="at most one of forward_only, backward_only set to true", closest=False)
         if not self.targets and self.xy_distribution:
             self.all_xy = True  # msprobe's validate_config does the same
+        if self.l2_targets and not self.recording_l2_features:
+            warnings.warn("monitor config 'l2_targets' has no effect without \"recording_l2_features\": true (as in "
+                          "msprobe): no L2 feature is recorded", UserWarning, stacklevel=2)
         if self.collect_times == 0:
             warnings.warn("monitor config 'collect_times' = 0: no step will be collected (only logged scalars are "
                           "written); give the number of steps to record, or leave the key out for all",

@@ -43,15 +43,15 @@ ALERT_ACTIONS: tuple[str, ...] = ("warn", "skip_step", "stop")
 # The keys of one `targets` entry (msprobe: forward input/output, backward grads of both).
 TARGET_FIELDS: tuple[str, ...] = ("input", "output", "input_grad", "output_grad")
 MAX_NDIGITS = 20  # msprobe's MonitorConst.MAX_NDIGITS
+# msprobe's MonitorConst.L2_HOOKS (the keys of `l2_targets`) and SA_ORDERS (the values of `sa_order`).
+L2_HOOKS: tuple[str, ...] = ("linear_hook", "attention_hook", "moe_router_weight_hook", "moe_router_logit_hook")
+SA_ORDERS: tuple[str, ...] = ("s,b,h,d", "b,s,h,d")
 
 # msprobe keys (and values) that are accepted but have no effect yet, with the reason shown to the
 # user. Each produces exactly one ConfigNotHonouredWarning per load when set to anything but its
 # inert value. Entries are dotted config keys; "ops:<name>" stands for an op name inside `ops`.
 # Remove an entry once the feature is honoured.
 NOT_HONOURED: dict[str, str] = {
-    "recording_l2_features": "L2 interpretability features (attention entropy, stable rank) are not computed",
-    "l2_targets": "L2 interpretability features are not computed",
-    "sa_order": "L2 interpretability features are not computed",
     "mg_distribution": "msprobe validates this key but never reads it; use mg_direction",
     "alert.inform": "email/database notifications of the kj600-era alert are not sent",
     "ops:id": "the 'id' op is not computed",
@@ -385,17 +385,20 @@ def reject_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def _check_sa_order(value: Any, key: str) -> str:
-    orders = ("s,b,h,d", "b,s,h,d")  # msprobe's MonitorConst.SA_ORDERS; it strips spaces first
-    return check_choice(orders)(value.replace(" ", "") if isinstance(value, str) else value, key)
+def check_sa_order(value: Any, key: str) -> str:
+    """msprobe's `sa_order`, the layout of an attention module's q and k (spaces dropped, as msprobe does)."""
+    return check_choice(SA_ORDERS)(value.replace(" ", "") if isinstance(value, str) else value, key)
 
 
-def _check_l2_targets(value: Any, key: str) -> dict:
-    value = check_mapping(value, key)
-    for hook, names in value.items():
-        check_choice(("linear_hook", "attention_hook"))(hook, key)
-        check_list(check_str, "module names")(names, f"{key}.{hook}")
-    return value
+def check_l2_targets(value: Any, key: str) -> dict[str, list[str]]:
+    """msprobe's `l2_targets`: {hook name: [module names]}, hook names from L2_HOOKS."""
+    targets = {}
+    for hook, names in check_mapping(value, key).items():
+        if hook not in L2_HOOKS:
+            raise ConfigError("is not an L2 feature hook", key=f"{key}.{hook}", allowed=L2_HOOKS,
+                              closest=closest(hook, L2_HOOKS))
+        targets[hook] = check_list(check_str, "module names")(names, f"{key}.{hook}")
+    return targets
 
 
 # msprobe keys that have no MonitorConfig field: dotted key -> (inert value, checker). They are
@@ -407,9 +410,6 @@ REMOVED: dict[str, str] = {
 
 # validated as msprobe validates them, then dropped; a non-inert value warns (NOT_HONOURED).
 ACCEPTED_ONLY: dict[str, tuple[Any, Check]] = {
-    "recording_l2_features": (False, check_bool),
-    "l2_targets": ({}, _check_l2_targets),
-    "sa_order": ("s,b,h,d", _check_sa_order),
     "mg_distribution": (False, check_bool),
     "alert.inform": (None, check_mapping),
 }

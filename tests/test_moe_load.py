@@ -1,0 +1,97 @@
+"""MoE load (`moe_load`) from DeepSpeed's own TopKGate in one process: the tokens per expert equal the gate's own
+dispatch mask summed over the step's micro-steps, the layer figures follow from them, dropped tokens from the counts
+the gate returns beside the mask, and the tap reads nothing on the host. Megatron-Core's TopKRouter and the merge
+over expert-parallel ranks are tested on real jobs (tests/distributed/test_moe_load_jobs.py)."""
+import collections
+import math
+
+import pytest
+import torch
+
+from trainmon import TrainerMon, open_run
+
+EXPERTS, HIDDEN, TOKENS, GA, STEPS = 4, 16, 24, 2, 3
+
+
+def gate_model():
+    sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            # capacity 0.5 x tokens / experts: most routes are dropped
+            self.gate = sharded_moe.TopKGate(HIDDEN, EXPERTS, k=1, capacity_factor=0.5, min_capacity=1)
+            self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            l_aux, combine, _, _ = self.gate(x)
+            return self.lin(x).square().mean() + l_aux + combine.sum()
+
+    torch.manual_seed(0)
+    return Model()
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_load_is_the_gates_own_decision(output_dir, write_config):
+    model = gate_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []  # per forward: tokens per expert after the drop, routes before it, the logits
+    model.gate.register_forward_hook(lambda m, args, out: seen.append(
+        (out[2].sum(dim=(0, 2)).double(), float(out[3].sum()), (args[0] @ m.wg.weight.t()).detach())))
+    monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"]))
+    monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=GA)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        for _ in range(GA):
+            model(torch.randn(TOKENS, HIDDEN, generator=gen)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.stop()
+    with open_run(monitor.output_dir.parent) as run:
+        frame = run.records()
+    written = {(r.family, r.name, int(r.step)): r.max for r in frame.itertuples()}
+    dropped_somewhere = False
+    for step in range(STEPS):
+        forwards = seen[step * GA:(step + 1) * GA]
+        load = sum(f[0] for f in forwards)
+        routed = sum(f[1] for f in forwards)
+        probs = torch.cat([f[2] for f in forwards]).softmax(-1)
+        entropy = float(-(probs * probs.log()).sum(-1).mean())
+        for e in range(EXPERTS):
+            assert written[("moe_expert_load", f"gate.expert_{e}", step)] == float(load[e])
+        assert written[("moe_load", "gate.imbalance", step)] == pytest.approx(float(load.max() / load.mean()))
+        assert written[("moe_load", "gate.idle_experts", step)] == float((load == 0).sum())
+        assert written[("moe_load", "gate.dropped_tokens", step)] == routed - float(load.sum())
+        assert written[("moe_load", "gate.router_entropy", step)] == pytest.approx(entropy, rel=1e-5)
+        dropped_somewhere |= routed > float(load.sum())
+    assert dropped_somewhere
+    assert not any(math.isnan(v) for v in written.values())
+
+
+def test_the_tap_reads_nothing_on_the_host(output_dir, write_config):
+    model = gate_model()
+    x = torch.randn(TOKENS, HIDDEN)
+    with _Ops() as plain:
+        model(x)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"]))
+    monitor.set_monitor(model, optimizer=optimizer)
+    with _Ops() as tapped:
+        model(x)
+    model(x).backward()
+    optimizer.step()
+    monitor.stop()
+    added = tapped.ops - plain.ops
+    assert added and "aten._local_scalar_dense" not in added and "aten.item" not in added, added
+    with _Ops() as after:  # stop() took the hook off
+        model(x)
+    assert after.ops == plain.ops

@@ -132,7 +132,8 @@ def loss_scale_summary(run: Run) -> Optional[dict]:
 
 def analyze(path: str | Path, steps=None, ranks=None) -> dict:
     """The overflow report of a run (of `ranks` only, when given): the first bad module, classified, the
-    loss-scale summary, and the ranks of the run without output (`missing_ranks`).
+    loss-scale summary, and the ranks of the run without output (`missing_ranks`; none when `ranks` are given,
+    since they are all there).
 
     Raises:
         InputError: bad input, one of `ranks` is not in the run, or no record to judge: `steps` outside the run,
@@ -150,8 +151,8 @@ def analyze(path: str | Path, steps=None, ranks=None) -> dict:
             earliest = min(firsts, key=lambda rows: order_key(next(r for r in rows if r.what())))
             chain = classify(earliest)
         return {"run": str(run.path), "saturation_counted": "sat" in ops, "modules": chain,
-                "loss_scale": loss_scale_summary(run), "missing_ranks": run.missing_ranks,
-                "missing_warning": run.missing_warning}
+                "loss_scale": loss_scale_summary(run), "missing_ranks": run.missing_ranks if ranks is None else [],
+                "missing_warning": run.missing_warning if ranks is None else None}
 
 
 def format_report(result: dict) -> str:

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
             warn(args, warning)
     result["incomplete"] = any(stream.lost for stream in streams)
     # what was not read may hold what was not found: a missing rank, a part of a stream
-    unread = result["incomplete"] or (result["missing_ranks"] and not args.ranks)
+    unread = result["incomplete"] or result["missing_ranks"]
     text = format_report(result)
     if unread and not result["modules"]:
         text += "\nnot known to be clean: part of the run could not be read (see the warnings)"

@@ -5,10 +5,12 @@ AOTAutograd) without its C++ compile time; one end-to-end test uses inductor."""
 import contextlib
 import json
 import logging
+import re
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from training import DEVICES, batches, make_model
 from trainmon import TrainerMon
@@ -59,11 +61,14 @@ def train(model, optimizer, fault=None, steps=STEPS):
     return losses
 
 
-def monitored_run(write_config, config: dict | None, mode: str | None, backend="aot_eager", device="cpu"):
-    """(losses, graph breaks, graphs, monitor) of a 4-block run; mode None is eager."""
+def monitored_run(write_config, config: dict | None, mode: str | None, backend="aot_eager", device="cpu",
+                  prepare=None):
+    """(losses, graph breaks, graphs, monitor) of a 4-block run; mode None is eager. `prepare(model)` runs first."""
     torch._dynamo.reset()
     counters.clear()
     model = make_model(layers=4, device=device)
+    if prepare is not None:
+        prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run_model = model if mode is None else compiled(model, mode, backend)
     monitor = None
@@ -121,31 +126,118 @@ def _records(monitor) -> dict:
             for r in frame.itertuples()}
 
 
-@pytest.mark.parametrize("mode", ["default", "blocks"])
+@pytest.mark.parametrize("mode", ["default", "fullgraph", "blocks"])
 def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, mode):
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         *_, eager = monitored_run(write_config, ALL, None)
         *_, comp = monitored_run(write_config, ALL, mode)
     eager_records, compiled_records = _records(eager), _records(comp)
     assert not any("_orig_mod" in key[1] for key in compiled_records)
-    # Grads of activations made inside the compiled region are the one family not collected, and a
-    # message says so; those of the region's outputs (where its backward starts) are.
-    missing = set(eager_records) - set(compiled_records)
-    assert missing and all(key[0] == "actv_grad" for key in missing)
+    # Every family, the grads of activations made inside the compiled region included; only the sentinel's
+    # backward probes skip them, and a message says so.
+    assert set(compiled_records) == set(eager_records)
     assert any(in_graph.GRADS_REFUSED in r.getMessage() for r in caplog.records)
-    if mode == "blocks":  # a block's output is outside its region, its grad a graph input of the backward
-        assert ("actv_grad", "layers.2.output", 1, 1) in compiled_records
-    assert set(compiled_records) - set(eager_records) == set()
     families = {key[0] for key in compiled_records}
-    assert {"actv", "grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq"} <= families
+    assert {"actv", "actv_grad", "grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq"} <= families
     for key, got in compiled_records.items():
         want = eager_records[key]
         for op in OPS:
             assert getattr(got, op) == pytest.approx(getattr(want, op), rel=1e-4, abs=1e-6), (key, op)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def _activation_order(monitor) -> list:
+    """(step, micro-step, call index, family, name) of the activation and activation-grad records, in call order."""
+    with open_run(monitor.output_dir, source="db") as run:
+        frame = run.records()
+    return sorted((r.step, r.micro_step, r.call_index, r.family, r.name) for r in frame.itertuples()
+                  if r.family in ("actv", "actv_grad"))
+
+
+def hooks_of_their_own(model):
+    """A forward pre-hook and a forward hook on every module (as FSDP2 has on the modules it shards): trainmon's then
+    go on as hooks too, not around the forward."""
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda module, args: None)
+        module.register_forward_hook(lambda module, args, output: None)
+
+
+@pytest.mark.parametrize("mode,prepare", [*((mode, None) for mode in MODES), ("blocks", hooks_of_their_own)],
+                         ids=[*MODES, "blocks-hooks_of_their_own"])
+def test_compiled_activation_grads_take_the_eager_places_in_the_call_order(output_dir, write_config, mode, prepare):
+    """Inside a compiled region the grads come to the hooks from the compiled backward: at the place where eager
+    grad hooks record them, with the same call indices, down to a module and its last submodule, which return one
+    tensor (eager records the submodule's first)."""
+    config = TIERS["activation_grads"] | {"backward_only": False}
+    *_, eager = monitored_run(write_config, config, None, prepare=prepare)
+    *_, comp = monitored_run(write_config, config, mode, prepare=prepare)
+    order = _activation_order(comp)
+    assert order == _activation_order(eager)
+    grads = [name for step, micro, _, family, name in order if (step, micro, family) == (1, 1, "actv_grad")]
+    assert grads.index("layers.2.mlp.2.output") + 1 == grads.index("layers.2.mlp.output")
+    assert grads.index("head.output") + 1 == grads.index(".output")
+    assert grads.index("layers.2.mlp.0.input") < grads.index("layers.2.mlp.input") < grads.index("layers.2.input")
+
+
+def checkpointed_blocks(model):
+    """Each block in torch's checkpoint wrapper, as torchtitan's activation checkpointing puts it."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
+
+
 @pytest.mark.parametrize("mode", ["default", "blocks"])
+def test_activation_checkpointing_inside_a_compiled_region_trains_and_says_what_it_does_not_collect(
+        output_dir, write_config, caplog, mode):
+    """torch recomputes in the backward what a checkpointed region of a compiled graph saves: there no grad is tapped,
+    and one message says so. The blocks' own grads (their wrappers' calls, outside the checkpointed region) and
+    every other record are the eager run's."""
+    config = TIERS["activation_grads"] | {"backward_only": False, "squash_name": True}
+    *_, eager = monitored_run(write_config, config, None, prepare=checkpointed_blocks)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        losses, breaks, graphs, comp = monitored_run(write_config, config, mode, prepare=checkpointed_blocks)
+    assert (breaks, graphs) == (0, 1) and len(losses) == STEPS * GA
+    assert [r.getMessage() for r in caplog.records].count(f"trainmon: {in_graph.SUBGRAPH_GRADS_REFUSED}") == 1
+    eager_records, compiled_records = _records(eager), _records(comp)
+    missing = set(eager_records) - set(compiled_records)
+    assert missing and all(key[0] == "actv_grad" and re.match(r"layers\.\d\.\w", key[1]) for key in missing)
+    assert {("actv_grad", f"layers.{i}.{io}", 2, 1) for i in range(4) for io in ("input", "output")} <= \
+        set(compiled_records)
+    assert set(compiled_records) < set(eager_records)
+    for key, got in compiled_records.items():
+        assert got.norm == pytest.approx(eager_records[key].norm, rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("mode", ["default", "blocks"])
+def test_compiled_activation_grads_are_those_of_a_full_backward_hook(output_dir, write_config, mode):
+    """The grads a compiled graph hands the hooks are the `grad_output` and `grad_input` a full backward hook on the
+    module sees: an input's grad as the module's own backward computed it, before the residual branch's is added
+    (a block's input feeds its first norm and its residual sum)."""
+    torch._dynamo.reset()
+    reference, seen = make_model(layers=4), {}
+    for name in ("layers.1.ln1", "layers.1.mlp"):
+        dict(reference.named_modules())[name].register_full_backward_hook(
+            lambda module, grad_input, grad_output, name=name: seen.update(
+                {f"{name}.input": grad_input[0], f"{name}.output": grad_output[0]}))
+    tokens, labels = next(batches())
+    lm_loss(reference, tokens, labels).backward()
+    model = make_model(layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_model = compiled(model, mode)
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **TIERS["activation_grads"]))
+    monitor.set_monitor(run_model, optimizer=optimizer)
+    lm_loss(run_model, tokens, labels).backward()
+    optimizer.step()
+    monitor.stop()
+    records = _records(monitor)
+    block_input = records[("actv_grad", "layers.0.output", 0, 0)]  # the same tensor's whole grad
+    assert block_input.norm != pytest.approx(seen["layers.1.ln1.input"].norm().item(), rel=1e-3)
+    for name, grad in seen.items():
+        record = records[("actv_grad", name, 0, 0)]
+        assert (record.norm, record.min, record.max) == pytest.approx(
+            (grad.norm().item(), grad.min().item(), grad.max().item()), rel=1e-5, abs=1e-9), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["default", "fullgraph", "blocks"])
 def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode, device):
     """Inductor reuses the memory of a dead intermediate for later kernels without bumping a version counter:
     the tensors a compiled graph lends trainmon's hooks are read before the hooks return, never later and never
@@ -154,6 +246,7 @@ def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode, dev
     *_, eager = monitored_run(write_config, ALL, None, device=device)
     *_, comp = monitored_run(write_config, ALL, mode, backend="inductor", device=device)
     eager_records, compiled_records = _records(eager), _records(comp)
+    assert set(compiled_records) == set(eager_records)
     step_0 = [key for key in compiled_records if key[2] == 0 and key[0] in ("actv", "actv_grad", "grad_unreduced")]
     assert {key[0] for key in step_0} == {"actv", "actv_grad", "grad_unreduced"}
     for key in step_0:
@@ -295,7 +388,7 @@ def no_autograd_cache():
 
 
 @pytest.mark.parametrize("session_flag", [True, False], ids=["compile-session-flag", "no-compile-session-flag"])
-@pytest.mark.parametrize("tier", ["sentinel", "activations"])
+@pytest.mark.parametrize("tier", ["sentinel", "activations", "activation_grads"])
 def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(output_dir, write_config, monkeypatch,
                                                                              no_autograd_cache, tier, session_flag):
     """trainmon's op in the graph made AOTAutograd's partitioner save fp32 products of LayerNorm and GELU that it
@@ -303,11 +396,16 @@ def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(out
 
     Without the flag torch holds for a whole compile (releases before it, such as the GPU runs' 2.11, which held
     2.33 GB more), `torch.compiler.is_compiling()` is False in the op's fake implementation, which Dynamo runs
-    untraced."""
+    untraced.
+
+    With activation grads, the graph holds the taps that hand them back: its partition may differ (it holds 1.7 KB
+    less, of 500 KB), never to hold more."""
     if not session_flag and hasattr(torch.compiler, "_compile_session_context"):
         monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
     setting = torch._functorch.config.ban_recompute_used_far_apart
-    assert _bytes_held_for_backward(write_config, TIERS[tier]) == _bytes_held_for_backward(write_config, None)
+    held = _bytes_held_for_backward(write_config, TIERS[tier])
+    unmonitored = _bytes_held_for_backward(write_config, None)
+    assert held <= unmonitored if tier == "activation_grads" else held == unmonitored
     assert torch._functorch.config.ban_recompute_used_far_apart == setting
 
 

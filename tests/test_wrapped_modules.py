@@ -104,6 +104,9 @@ def train_gpt(write_config, model, steps=2):
 WRAPS = {
     "ddp": lambda model: nn.parallel.DistributedDataParallel(model),
     "checkpointed_blocks_in_ddp": lambda model: nn.parallel.DistributedDataParallel(_checkpointed_layers(model)),
+    # torch.compile's `_orig_mod`, inside DDP and around it
+    "compiled_in_ddp": lambda model: nn.parallel.DistributedDataParallel(torch.compile(model, backend="aot_eager")),
+    "ddp_compiled": lambda model: torch.compile(nn.parallel.DistributedDataParallel(model), backend="aot_eager"),
 }
 
 
@@ -115,6 +118,7 @@ def _checkpointed_layers(model):
 
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_a_ddp_model_is_recorded_once_as_the_model_itself(output_dir, write_config, reference, one_rank_group, wrap):
+    torch._dynamo.reset()
     unwrapped = reference(make_model, train_gpt)
     wrapped = records(train_gpt(write_config, WRAPS[wrap](make_model())).output_dir)
     assert repeated(wrapped) == []

@@ -10,15 +10,15 @@ bias-dropout-add) and cost time even when idle:
   sees the grads the module's backward computed for them, before they are summed with grads from other
   consumers of the same tensors;
 - except where a module's one input is taken by one autograd node of its own (most leaf modules: an
-  activation function, a norm, a linear layer): that node's post-hook sees the same grad (and the output's,
-  where the node made the output), without the tap's two nodes. A module's first recorded call is tapped,
-  and learns whether its graph has that shape (`grad_watch.sole_consumer`) and leaves the input as it was;
-  later calls check both on their own.
+  activation function, a norm, a linear layer): that node's post-hook sees the same grad, without the tap's
+  two nodes. A module's first recorded call is tapped, and learns whether its graph has that shape
+  (`grad_watch.sole_consumer`) and leaves the input as it was; later calls check both on their own.
 
 These are the `grad_output` and `grad_input` a full backward hook would see (it covers positional
 arguments only). The tap hands the module aliases of its inputs (sharing storage and version counter)
 rather than autograd views, so a module that modifies its inputs in place (Megatron's masked softmax)
-runs as it does unmonitored.
+runs as it does unmonitored. Inside a `torch.compile`d region, where neither attachment can run, the compiled
+graph hands the same grads to the hooks, in the same order (`in_graph.graph_call`).
 
 A call's input records take their place in the call order when the call starts (its forward pre-hook),
 before anything the module runs: a NaN that came in with the batch is then first at the model's input.
@@ -131,16 +131,18 @@ def _apply_tap(call: _Call, tensors: list) -> tuple:
     return _apply_tap_directly(call, *tensors)
 
 
-def _tapped_inputs(inputs: list, selector) -> tuple[list[int], tuple[str, ...]]:
+def _tapped_inputs(inputs: list, selector, requires_grad=None) -> tuple[list[int], tuple[str, ...]]:
     """The positions in `inputs` of the selected floating tensors that require grad (a tensor passed twice:
-    once), and their leaf-name suffixes ("" or "_<i>")."""
+    once), and their leaf-name suffixes ("" or "_<i>"). `requires_grad(tensor)` tells, where the tensors' own
+    flag does not (a compiled graph's buffers)."""
     if len(inputs) == 1 and selector is None:     # most calls: one tensor, named `input`
         t = inputs[0]
-        return ([0], ("",)) if t.requires_grad and t.is_floating_point() else ([], ())
+        grad = t.requires_grad if requires_grad is None else requires_grad(t)
+        return ([0], ("",)) if grad and t.is_floating_point() else ([], ())
     suffixes = {id(t): suffix for suffix, t in floating_leaves(inputs, selector)}
     tapped, seen = [], set()
     for i, t in enumerate(inputs):
-        if id(t) in suffixes and id(t) not in seen and t.requires_grad:
+        if id(t) in suffixes and id(t) not in seen and (t.requires_grad if requires_grad is None else requires_grad(t)):
             tapped.append(i)
             seen.add(id(t))
     return tapped, tuple(suffixes[id(inputs[i])] for i in tapped)
@@ -176,7 +178,7 @@ class ActivationHooks(Hooks):
                 watched.output_grad_hooks.clear()
             self._handles.append(in_graph.around_forward(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
-                self.state.guarded(item, self._make_forward(watched)), grads_refused=self.backward))
+                self.state.guarded(item, self._make_forward(watched)), grads=self.backward))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -220,6 +222,10 @@ class ActivationHooks(Hooks):
                          (state.forward_micro if training else state.eval_pass)(watched.vpp_stage))
             watched.open_calls.append(call)
             if self.backward and training and torch.is_grad_enabled():
+                graph = in_graph.graph_call()
+                if graph is not None:
+                    self._watch_graph_inputs(call, graph, args, kwargs)
+                    return None
                 return self._tap_inputs(call, args, kwargs)
             return None
 
@@ -248,6 +254,15 @@ class ActivationHooks(Hooks):
             (args if positional else kwargs)[key] = alias
         return tuple(args), kwargs
 
+    @staticmethod
+    def _watch_graph_inputs(call: _Call, graph: in_graph.GraphCall, args: tuple, kwargs: dict) -> None:
+        """Asks the compiled graph running the call for the grads of its selected inputs, for the call's tap
+        recorder (as `_tap_inputs` does in eager mode)."""
+        inputs = input_values(args, kwargs)
+        tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel, graph.takes_grad)
+        if tapped:
+            graph.on_grads([inputs[i] for i in tapped], functools.partial(call.watched.grad_recorders[0], call))
+
     def _make_forward(self, watched: WatchedModule):
         state = self.state
 
@@ -268,14 +283,18 @@ class ActivationHooks(Hooks):
                 call.names = names
                 shared = output_leaves is not None and watched.output_grad_sel == watched.output_sel
                 grad_leaves = output_leaves if shared else floating_leaves(output, watched.output_grad_sel, prefix)
-                if call.source is not None:
-                    grad_leaves = self._hook_input_node(watched, call, micro, grad_leaves)
-                elif call.tapped_places:
-                    aliases = values_at(call.tapped_places, args, kwargs)
-                    grad_leaves, call.output_grads = _split_tapped_outputs(grad_leaves, aliases)
-                    if watched.untapped is None:
-                        watched.untapped = _readable_untapped(watched, call, aliases, grad_leaves)
-                self._hook_output_grads(watched, micro, grad_leaves)
+                graph = in_graph.graph_call()
+                if graph is not None:
+                    self._watch_graph_outputs(watched, micro, graph, grad_leaves)
+                else:
+                    if call.source is not None:
+                        self._hook_input_node(watched, call, micro, grad_leaves)
+                    elif call.tapped_places:
+                        aliases = values_at(call.tapped_places, args, kwargs)
+                        grad_leaves, call.output_grads = _split_tapped_outputs(grad_leaves, aliases)
+                        if watched.untapped is None:
+                            watched.untapped = _readable_untapped(watched, call, aliases, grad_leaves)
+                    self._hook_output_grads(watched, micro, grad_leaves)
             elif training and self.backward:
                 watched.unrecomputed.append((collector.step, micro, names))
             if self.forward:
@@ -286,6 +305,15 @@ class ActivationHooks(Hooks):
                                          call.input_index, inputs, output_leaves)
 
         return forward_hook
+
+    @staticmethod
+    def _watch_graph_outputs(watched: WatchedModule, micro: int, graph: in_graph.GraphCall,
+                             output_leaves: list) -> None:
+        """Asks the compiled graph running a call for the grads of its output leaves, for the output-grad recorder."""
+        leaves = [(leaf_name, t) for leaf_name, t in output_leaves if graph.takes_grad(t)]
+        if leaves:
+            graph.on_grads([t for _, t in leaves], functools.partial(_record_leaf_grads, watched.grad_recorders[1],
+                                                                     watched, micro, [name for name, _ in leaves]))
 
     def _hook_recomputed(self, watched: WatchedModule, call: _Call, output) -> None:
         """Grad hooks on a call run again by activation checkpointing, named as when it first ran.
@@ -304,8 +332,10 @@ class ActivationHooks(Hooks):
         call.names, call.micro = names, micro  # its input grads, if tapped, are recorded under the first run's name
         self._hook_output_grads(watched, micro, floating_leaves(output, watched.output_grad_sel, names.output))
 
-    def _hook_input_node(self, watched: WatchedModule, call: _Call, micro: int, grad_leaves: list) -> list:
-        """Hooks the node that takes an untapped call's input; returns the output leaves left for output-grad hooks.
+    def _hook_input_node(self, watched: WatchedModule, call: _Call, micro: int, grad_leaves: list) -> None:
+        """Hooks the node that takes an untapped call's input, for its input grad (its output grads are hooked as
+        a tapped call's are: a node's post-hook would record them after the pre-hooks of enclosing modules that
+        return the same tensor, where a tapped call's are recorded before).
         A call whose graph has not the shape its module's first call had (or that modified its input in place, which
         its first call did not) cannot tell its input's grad from what other consumers add to it: it is not
         recorded, said once, counted in run.json, and the module's later calls are tapped."""
@@ -314,7 +344,7 @@ class ActivationHooks(Hooks):
         # An input modified in place has a new node; where it is a view, its old node has left the graph.
         taking = _taking_node(grad_leaves, node, output_nr) if tensor._version == version else None
         if taking is NO_CONSUMER:  # no grad reaches the input from this call
-            return grad_leaves
+            return
         if taking is None:
             watched.untapped = False
             missing = self.state.collector.input_grads_not_recorded
@@ -324,19 +354,14 @@ class ActivationHooks(Hooks):
                                "its grad cannot be told apart from other grads of the same tensor (counted in "
                                "run.json); its later calls are tapped", input_leaf, self.state.collector.step)
             missing[input_leaf] = missing.get(input_leaf, 0) + 1
-            return grad_leaves
-        node, index, output_leaf = taking
-        output_nr = None if output_leaf is None else output_leaf[1].output_nr
-        output_name = None if output_leaf is None else output_leaf[0]
-        where = (micro, input_leaf, index, output_name, output_nr)
+            return
+        node, index = taking
+        where = (micro, input_leaf, index)
         hook = watched.output_grad_hooks.get(where)
         if hook is None:
             hook = watched.output_grad_hooks[where] = NodeGrads(
-                functools.partial(watched.grad_recorders[2], watched, micro, output_name, input_leaf), index, output_nr)
+                functools.partial(watched.grad_recorders[2], watched, micro, input_leaf), index, None)
         node.register_hook(hook)
-        if output_leaf is None:
-            return grad_leaves
-        return [] if len(grad_leaves) == 1 else [leaf for leaf in grad_leaves if leaf is not output_leaf]
 
     @staticmethod
     def _hook_output_grads(watched: WatchedModule, micro: int, output_leaves: list) -> None:
@@ -344,6 +369,11 @@ class ActivationHooks(Hooks):
         for leaf_name, tensor in output_leaves:
             grad_fn = tensor.grad_fn
             if grad_fn is not None:  # made in this forward: the hook goes with its graph
+                graph = in_graph.graph_output_call(tensor, grad_fn)
+                if graph is not None:  # its grad comes with a tapped call's inside a compiled region
+                    graph.on_grads([tensor], functools.partial(_record_leaf_grads, watched.grad_recorders[1], watched,
+                                                               micro, [leaf_name]))
+                    continue
                 where = (micro, leaf_name, tensor.output_nr)
                 hook = hooks.get(where)
                 if hook is None:
@@ -354,12 +384,11 @@ class ActivationHooks(Hooks):
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
         self._record_grads(watched, micro, [(leaf_name, grad)])
 
-    def _record_node_grads(self, watched: WatchedModule, micro: int, output_name: Optional[str], input_leaf: str,
-                           input_grad: Optional[torch.Tensor], output_grad: Optional[torch.Tensor]) -> None:
-        named = [] if output_grad is None else [(output_name, output_grad)]
+    def _record_node_grads(self, watched: WatchedModule, micro: int, input_leaf: str,
+                           input_grad: Optional[torch.Tensor], output_grad: None) -> None:
+        """The input grad a node's post-hook sees (its `NodeGrads` is made without an output: `output_grad` is None)."""
         if input_grad is not None:
-            named.append((input_leaf, input_grad))
-        self._record_grads(watched, micro, named)
+            self._record_grads(watched, micro, [(input_leaf, input_grad)])
 
     def _record_tap_grads(self, call: _Call, grads) -> None:
         """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their
@@ -405,6 +434,13 @@ class ActivationHooks(Hooks):
         collector.record(keys, tensors, defer=True)
 
 
+def _record_leaf_grads(record_output_grad, watched: WatchedModule, micro: int, leaf_names: list, grads: list) -> None:
+    """Records, with `record_output_grad`, the grads that arrived of a call's output leaves `leaf_names`."""
+    for leaf_name, grad in zip(leaf_names, grads):
+        if grad is not None:
+            record_output_grad(watched, micro, leaf_name, grad)
+
+
 def _readable_untapped(watched: WatchedModule, call: _Call, aliases: list, grad_leaves: list) -> bool:
     """Whether a tapped call shows that its module's later calls can be read untapped: its one tapped input is taken
     by one node behind its one output, which is not that input, and no selector hides outputs grads may come from.
@@ -419,10 +455,9 @@ def _readable_untapped(watched: WatchedModule, call: _Call, aliases: list, grad_
 
 
 def _taking_node(grad_leaves: list, source, source_nr: int) -> Optional[tuple]:
-    """(node, input edge, output leaf or None) where one autograd node of a call takes its input (output `source_nr`
-    of node `source`) and lies behind the one output the call made (`output leaf` where that node made it);
-    NO_CONSUMER where no grad can reach the input from that output; None otherwise. Outputs without a graph
-    (Parameters, constants) are left aside."""
+    """(node, input edge) where one autograd node of a call takes its input (output `source_nr` of node `source`)
+    and lies behind the one output the call made; NO_CONSUMER where no grad can reach the input from that output;
+    None otherwise. Outputs without a graph (Parameters, constants) are left aside."""
     made = grad_leaves if len(grad_leaves) == 1 else [leaf for leaf in grad_leaves if leaf[1].grad_fn is not None]
     if len(made) > 1:
         return None
@@ -431,11 +466,7 @@ def _taking_node(grad_leaves: list, source, source_nr: int) -> Optional[tuple]:
         return NO_CONSUMER
     if start is source:
         return None
-    found = sole_consumer(start, source, source_nr)
-    if found is None or found is NO_CONSUMER:
-        return found
-    node, index = found
-    return node, index, (made[0] if node is start else None)
+    return sole_consumer(start, source, source_nr)
 
 
 def _split_tapped_outputs(output_leaves: list, aliases: list) -> tuple[list, tuple]:

@@ -35,19 +35,28 @@ def _matches_prefix(targets: dict, name: str, vpp: int) -> bool:
     return False
 
 
+# torch's checkpoint wrappers (and its offload wrapper) hold the module they wrap under this name
+_CHECKPOINTED = "_checkpoint_wrapped_module"
+
+
 def module_places(chunk: torch.nn.Module, squash: bool) -> list[tuple[str, tuple[str, ...], torch.nn.Module]]:
     """(name written, the module names folded into it, the module hooked there) of each module of `chunk`.
 
     Where `squash` folds a wrapper's name into the module it wraps (DDP's and DeepSpeed's `module`, a checkpoint
-    wrapper's `_checkpoint_wrapped_module`), the chain is one place, hooked once: at its innermost module, which
-    every call through the chain reaches, and whose tensors are those of the model as written (a wrapper may
-    move or cast what it passes on: Megatron's Float16Module). Hooking each would record every call twice
-    under one name."""
+    wrapper's `_checkpoint_wrapped_module`), the chain is one place, hooked once (hooking each would record
+    every call twice under one name): at its innermost module, which every call through the chain reaches, and
+    whose tensors are those of the model as written (a wrapper may move or cast what it passes on: Megatron's
+    Float16Module, FSDP's mixed precision); but at a checkpoint wrapper rather than the module it wraps, which
+    it calls with the same tensors, inside the checkpointed region (run a second time in backward, and where a
+    compiled graph hands back no grads)."""
     places: dict[str, tuple[tuple[str, ...], torch.nn.Module]] = {}
     for name, module in in_graph.named_modules(chunk):  # an outer module before those it wraps
         place = display_name(name, squash)
-        folded = places[place][0] if place in places else ()
-        places[place] = (folded + (name,), module)
+        if place not in places:
+            places[place] = ((name,), module)
+            continue
+        folded, hooked = places[place]
+        places[place] = (folded + (name,), hooked if name.endswith(_CHECKPOINTED) else module)
     return [(place, names, module) for place, (names, module) in places.items()]
 
 

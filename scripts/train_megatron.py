@@ -35,6 +35,8 @@ def parse_args(argv=None):
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits --moe-experts)")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall",
                         help="MoE token dispatcher (both run on gloo)")
+    parser.add_argument("--moe-capacity", type=float, default=None,
+                        help="MoE: expert capacity factor (tokens beyond it are dropped; default: no capacity)")
     parser.add_argument("--optimizer", choices=["megatron", "torch"], default="megatron",
                         help="megatron: DDP-wrapped chunks and get_megatron_optimizer; torch: AdamW, no DDP")
     parser.add_argument("--bf16", action="store_true", help="bf16 model (Float16Module), fp32 main params")
@@ -91,7 +93,7 @@ def setup(args):
         batch_p2p_comm=vpp is None, deallocate_pipeline_outputs=args.deallocate_outputs,
         **(dict(num_moe_experts=args.moe_experts, expert_model_parallel_size=args.ep, moe_router_topk=2,
                 moe_ffn_hidden_size=args.hidden, moe_token_dispatcher_type=args.dispatcher,
-                moe_grouped_gemm=False) if args.moe_experts else {}),
+                moe_grouped_gemm=False, moe_expert_capacity_factor=args.moe_capacity) if args.moe_experts else {}),
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
            if args.recompute else {}))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.distopt,

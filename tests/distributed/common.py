@@ -119,7 +119,7 @@ def finish(monitor, out_dir: str = None, patched_objects=()) -> None:
     monitor.stop()
     if out_dir is not None:
         leftovers = sorted({f"{type(o).__name__}.{name}" for o in patched_objects
-                            for name in ("step", "start_grad_sync") if name in vars(o)})
+                            for name in ("step", "start_grad_sync", "routing") if name in vars(o)})
         with open(os.path.join(out_dir, f"restored.rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"objects": len(patched_objects), "leftovers": leftovers}, f)
     dist.barrier()

@@ -34,6 +34,10 @@ parser.add_argument("--stage", type=int, default=1, choices=[1, 2])
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--moe-experts", type=int, default=4)
 parser.add_argument("--ep", type=int, default=2)
+parser.add_argument("--moe-load", action="store_true",
+                    help="record moe_load, with the gate's own token counts (its dispatch mask and the counts it returns "
+                         "beside it, added over the expert-parallel group) in Truth")
+parser.add_argument("--capacity", type=float, default=2.0, help="the gate's capacity factor")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 LOCAL_EXPERTS = args.moe_experts // args.ep
@@ -44,7 +48,7 @@ class TinyMoELM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, HIDDEN)
         expert = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
-        self.moe = MoE(HIDDEN, expert, num_experts=args.moe_experts, ep_size=args.ep, k=1, capacity_factor=2.0)
+        self.moe = MoE(HIDDEN, expert, num_experts=args.moe_experts, ep_size=args.ep, k=1, capacity_factor=args.capacity)
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, x, y):
@@ -70,7 +74,38 @@ config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 6}
 engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2),
                                                config=config)
-monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), xy_distribution=True))
+monitor = TrainerMon(write_config(os.path.join(args.out, f"config.rank{rank}.json"), xy_distribution=True,
+                                  moe_load=args.moe_load))
+gate = model.moe.deepspeed_moe.gate
+loads = []  # per forward of the running step: the gate's tokens per expert after the drop, routes before it
+
+
+def gate_decision(module, inputs, out):
+    """Tokens per expert after the drop: from the dispatch mask, or with sparse routes (MOELayer's) from the experts
+    the gate names per token (-1 where dropped); and the routes before the drop, the counts it returns beside them."""
+    if len(out) == 4:
+        received = out[2].sum(dim=(0, 2)).double()
+    else:
+        chosen = out[3].reshape(-1)
+        received = torch.stack([(chosen == e).sum() for e in range(args.moe_experts)]).double()
+    loads.append(torch.cat([received, out[-1].sum().double().reshape(1)]))
+
+
+gate.register_forward_hook(gate_decision)
+
+
+def record_loads(step):
+    merged = sum(loads)
+    with not_monitored():
+        dist.all_reduce(merged, group=gate.ep_group)
+    load = merged[:-1]
+    for e, tokens in enumerate(load):
+        truth.add(step, "moe_expert_load", f"moe.deepspeed_moe.gate.expert_{e}", tokens)
+    truth.add(step, "moe_load", "moe.deepspeed_moe.gate.imbalance", load.max() / load.mean())
+    truth.add(step, "moe_load", "moe.deepspeed_moe.gate.idle_experts", (load == 0).sum().double())
+    truth.add(step, "moe_load", "moe.deepspeed_moe.gate.dropped_tokens", merged[-1] - load.sum())
+    loads.clear()
+
 monitor.set_monitor(engine, optimizer=optimizer)
 
 
@@ -123,6 +158,8 @@ for step in range(args.steps):
         truth.add(step, "param_origin", name, p.detach())
     partitions.consumed = {}
     engine.step()
+    if args.moe_load:
+        record_loads(step)
     with not_monitored():  # the job's own sums over ranks are no part of the training's collectives
         for name, p in named:
             truth.add(step, "grad_reduced", name, partitions.grad(p))

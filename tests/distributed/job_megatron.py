@@ -8,6 +8,9 @@
   # With --cc and --distopt: comm_truth.rank<R>.json, this rank's figures of the DP reduce-scatter and
   # all-gather buffers, per step and bucket, read from Megatron's buffers.
   # --clip 0.05: Megatron's clip_grad (default the example's 1.0), small enough to bite; also writes monitor.db
+  # --moe-load: moe_load and the attention_hook L2 features on, with the routers' own token counts (summed over
+  # the step's micro-steps and the expert-parallel group) and the attention features of core_attention's q and k
+  # (msprobe's formulas, re-derived) in Truth
   # Always writes steps.rank<R>.json: per step, whether Megatron's optimizer applied the update ("applied"; with
   # --fp16 it skips a step with non-finite grads), and the steps whose grads the inner torch optimizer consumed.
 
@@ -41,6 +44,7 @@ own.add_argument("--inject-module", metavar="CHUNK:PATH", help="where --inject p
 own.add_argument("--inject-grad", metavar="RANK:STEP", help="NaN grads of every parameter there")
 own.add_argument("--xy", action="store_true", help="also record activations and their grads (xy_distribution)")
 own.add_argument("--clip", type=float, help="Megatron's clip_grad (default: the example's)")
+own.add_argument("--moe-load", action="store_true", help="record moe_load and attention features; their truth")
 known, rest = own.parse_known_args()
 out = known.out
 args = train_megatron.parse_args(rest + ["--steps", "3"])
@@ -69,6 +73,10 @@ if known.clip is not None:
     for chained in optimizer.chained_optimizers:
         chained.config.clip_grad = known.clip
     extra["format"] = ["csv", "db"]  # the clipping scalars are in the database
+if known.moe_load:
+    extra.update(moe_load=True, recording_l2_features=True,
+                 l2_targets={"attention_hook": [n for chunk in chunks for n, _ in chunk.named_modules()
+                                                if n.endswith("core_attention")]})
 monitor = TrainerMon(write_config(os.path.join(out, f"config.rank{rank}.json"), cc_distribution=CC_MODES[known.cc],
                                   mg_direction=True, **extra))
 from megatron.core.distributed import param_and_grad_buffer
@@ -241,10 +249,66 @@ def record_optimizer_state(step):
                 truth.add_sign_agreement(step, name, reduced[name], full)
 
 
+class RouterTruth:
+    """The routers' own decisions (the routing map each returns) and the attention features of core_attention's q
+    and k, per layer under its global number; token counts summed over the step and the expert-parallel group."""
+
+    def __init__(self):
+        self.loads = {}  # router name: [tokens per expert, routes before the drop] of the running step
+        self.micro = {}  # core_attention name: its micro-step in the running step
+        for chunk in chunks:
+            for module in chunk.modules():
+                if hasattr(module, "layer_number") and hasattr(module, "self_attention"):
+                    layer = f"decoder.layers.{module.layer_number - 1}"
+                    if hasattr(module.mlp, "router"):
+                        module.mlp.router.register_forward_hook(self.routed(f"{layer}.mlp.router"))
+                    module.self_attention.core_attention.register_forward_hook(
+                        self.attended(f"{layer}.self_attention.core_attention"))
+
+    def routed(self, name):
+        def hook(router, inputs, output):
+            if router.training and torch.is_grad_enabled():
+                routing_map = output[1]
+                load, routes = self.loads.get(name, (0, 0))
+                self.loads[name] = (load + routing_map.sum(dim=0).double(), routes + routing_map.shape[0] * router.topk)
+        return hook
+
+    def attended(self, name):
+        def hook(module, inputs, output):
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            micro = self.micro[name] = self.micro.get(name, -1) + 1
+            q, k = inputs[0][:, 0, 0].double(), inputs[1][:, 0, 0].double()  # head 0 of sequence 0
+            logits = q @ k.t() / q.shape[-1] ** 0.5
+            causal = torch.ones_like(logits, dtype=torch.bool).tril()
+            p = logits.masked_fill(~causal, -float("inf")).softmax(-1)
+            figures = {"entropy": -(p * torch.where(p > 0, p.log(), 0)).sum(-1).mean(),
+                       "softmax_max": p.max(-1).values.mean(), "max_logit": logits[causal].max()}
+            for feature, value in figures.items():
+                truth.add(step, "attention_hook", f"{name}.{feature}", value, micro=micro)
+        return hook
+
+    def end_step(self, at_step):
+        with not_monitored():
+            for name, (load, routes) in sorted(self.loads.items()):
+                merged = torch.cat([load, torch.tensor([float(routes)], dtype=torch.float64)])
+                dist.all_reduce(merged, group=ps.get_expert_model_parallel_group())
+                load = merged[:-1]
+                for e, tokens in enumerate(load):
+                    truth.add(at_step, "moe_expert_load", f"{name}.expert_{e}", tokens)
+                truth.add(at_step, "moe_load", f"{name}.imbalance", load.max() / load.mean())
+                truth.add(at_step, "moe_load", f"{name}.idle_experts", (load == 0).sum().double())
+                truth.add(at_step, "moe_load", f"{name}.dropped_tokens", merged[-1] - load.sum())
+        self.loads, self.micro = {}, {}
+
+
+router_truth = RouterTruth() if known.moe_load else None
 data = train_megatron.data_iterators(args, chunks)
 applied = {}
 for step in range(args.steps):
     applied[step] = train_megatron.train_step(args, chunks, optimizer, data)[1]
+    if router_truth is not None:
+        router_truth.end_step(step)
     if args.distopt and not args.overlap:  # gathered in the optimizer's step
         record_buffers(step, "all_gather_output", [b.param_data for b in buckets])
     with not_monitored():
@@ -259,5 +323,6 @@ with open(os.path.join(out, f"steps.rank{rank}.json"), "w") as f:
 truth.write(out, rank)
 with open(os.path.join(out, f"comm_truth.rank{rank}.json"), "w") as f:
     json.dump(comm_truth, f)
-finish(monitor, out, [optimizer] + [group for chunk in chunks
-                                    for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups])
+routers = [m for chunk in chunks for m in chunk.modules() if type(m).__name__ == "TopKRouter"]
+finish(monitor, out, [optimizer] + routers + [group for chunk in chunks
+                                              for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups])

@@ -1,6 +1,7 @@
 """The writer thread: back-pressure, dropping, failing sinks, and what survives SIGTERM, SIGKILL and exit."""
 import errno
 import json
+import logging
 import math
 import os
 import signal
@@ -17,6 +18,8 @@ from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon import trainer_mon
 from trainmon.core.derive import derive_rows
+from trainmon.core.records import StepBatch
+from trainmon.writers.async_writer import AsyncWriter
 from trainmon.writers.base import Sink
 
 CHILD = os.path.join(os.path.dirname(__file__), "train_child.py")
@@ -215,3 +218,40 @@ def test_figures_are_derived_once_per_step_and_only_for_sinks_that_read_them(out
         assert len(derived) == max(steps_derived_by_sinks, 1) and len(set(derived)) == 1
         assert len(wgrad) == derived[0] and all(math.isfinite(figures["norm"]) for figures in wgrad.values())
         monitor.stop()
+
+
+class WorkerKiller(Sink):
+    """A sink whose first write raises what no handler of a batch catches, and ends the writer's worker."""
+
+    name = "killer"
+
+    def __init__(self):
+        self.reached = threading.Event()
+
+    def write(self, batch):
+        self.reached.set()
+        raise SystemExit("the worker is gone")
+
+
+def test_a_producer_blocked_on_a_writer_whose_worker_died_goes_on(caplog):
+    """The queue is full and the policy is to wait: the worker dies; the waiting put returns, later puts return at
+    once, close() returns, and every step not written is counted as dropped."""
+    sink = WorkerKiller()
+    writer = AsyncWriter(sink, derive=lambda values: [], max_queue=1, policy="block")
+    writer.start()
+    done = threading.Event()
+
+    def produce():
+        for step in range(5):
+            writer.put(StepBatch(step=step, rank=0, pp_stage=0, keys=[]))
+        writer.close()
+        done.set()
+
+    with caplog.at_level(logging.ERROR, logger="trainmon"):
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        assert done.wait(30), "the producer hangs on a writer whose worker died"
+    report = writer.report()
+    assert sink.reached.is_set() and report["written_steps"] == 0
+    assert report["dropped_steps"] + report["failed_steps"] == 5 - 1 and report["queued_steps"] >= 1
+    assert caplog.text.count("the writer stopped") == 1

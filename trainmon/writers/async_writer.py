@@ -25,7 +25,10 @@ class AsyncWriter:
     accounted in `blocked_seconds`) or drops the batch (policy "drop", counted in `dropped_steps`).
     The worker writes the batches, each with `derive`, which turns its records into figures when a sink
     first asks for them (a step written only to the database derives nothing). A batch that fails is
-    logged and skipped, never retried forever. `report()` gives every count, for the run metadata.
+    logged and skipped, never retried forever. A worker that stops all the same (an error that escapes it)
+    is logged once; the batches queued then and later are dropped and counted, so that a training thread
+    waiting on a full queue goes on instead of waiting for ever. `report()` gives every count, for the run
+    metadata.
 
     Args:
         sink: where batches go (usually a SinkContainer).
@@ -47,6 +50,7 @@ class AsyncWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._stopped: Optional[BaseException] = None  # what ended the worker before close()
         self.queued_steps = 0
         self.blocked_seconds = 0.0
         self.blocked_puts = 0
@@ -66,6 +70,9 @@ class AsyncWriter:
         """Queues one step batch (training thread); never does I/O."""
         if self._closed:
             return
+        if self._stopped is not None:
+            self.dropped_steps += 1
+            return
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
@@ -80,12 +87,45 @@ class AsyncWriter:
                 logger.warning("trainmon: the writer falls behind (%s steps queued); training waits for it "
                                "(writer_policy 'block'), the time waited is recorded in run.json", self.max_queue)
             start = time.perf_counter()
-            self._queue.put(batch)
+            queued = self._put_while_the_worker_runs(batch)
             self.blocked_seconds += time.perf_counter() - start
             self.blocked_puts += 1
+            if not queued:
+                self.dropped_steps += 1
+                return
         self.queued_steps += 1
 
+    def _put_while_the_worker_runs(self, batch) -> bool:
+        """Waits for room in the queue as long as the worker runs; whether the batch was queued."""
+        while self._stopped is None:
+            try:
+                self._queue.put(batch, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def _run(self) -> None:
+        try:
+            self._drain_queue()
+        except BaseException as exc:            # an error no batch's handling caught: the worker is gone
+            self._stopped = exc
+            logger.error("trainmon: the writer stopped (%s: %s); the steps queued now and later are not written, "
+                         "and are counted in run.json", type(exc).__name__, exc)
+            self._discard_queued()
+
+    def _discard_queued(self) -> None:
+        """Takes every batch left in the queue, counted as dropped, so that no one waits for them."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                self.dropped_steps += 1
+            self._queue.task_done()
+
+    def _drain_queue(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -112,6 +152,9 @@ class AsyncWriter:
                                  "counted in run.json)", batch.step)
             else:
                 logger.debug("trainmon: writing step %s failed", batch.step, exc_info=True)
+        except BaseException:                       # it ends the worker (see _run): this step is lost with it
+            self.dropped_steps += 1
+            raise
 
     def _flush(self) -> None:
         try:
@@ -129,8 +172,7 @@ class AsyncWriter:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(_STOP)
+        if self._thread is not None and self._thread.is_alive() and self._put_while_the_worker_runs(_STOP):
             self._thread.join()
         self._flush()
         try:

@@ -81,11 +81,18 @@ def _row_figures(x: torch.Tensor, lam: float, sat_lam: float) -> torch.Tensor:
     return torch.stack([columns[f] for f in schema.FIELDS], 1)
 
 
+# The assume-finite figures of stats_cpu's path, in the order of their columns: the "finite" kernel's rows and the
+# native read's (stats_native) figures alike.
+FINITE_FIGURES = ("sum", "sumsq", "min", "max", "above")  # above: the count of |x| > lam
+
+
 def _finite_row_figures(x: torch.Tensor, lam: float) -> torch.Tensor:
     """`[rows, 5]` sum, sumsq, min, max and count of |x| > lam of each row of fp32/fp64 `x`, in its dtype:
     the figures of stats_cpu's assume-finite path, right only where every element is finite (a NaN or an Inf
     makes the sum non-finite, which sends the tensor to the exact kernels). Half the work of `_row_figures`."""
-    return torch.stack([x.sum(1), (x * x).sum(1), x.amin(1), x.amax(1), (x.abs() > lam).to(x.dtype).sum(1)], 1)
+    columns = {"sum": x.sum(1), "sumsq": (x * x).sum(1), "min": x.amin(1), "max": x.amax(1),
+               "above": (x.abs() > lam).to(x.dtype).sum(1)}
+    return torch.stack([columns[f] for f in FINITE_FIGURES], 1)
 
 
 def _merged_rows(rows: torch.Tensor) -> torch.Tensor:

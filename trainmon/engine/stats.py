@@ -44,6 +44,8 @@ from trainmon.engine.buffers import chunks, host_values, merge_records, workspac
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
 _PACKED = 8
+_ZEROS, _SUM, _SUMSQ = schema.INDEX["zeros"], schema.INDEX["sum"], schema.INDEX["sumsq"]
+_MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
 _SAT = schema.INDEX["sat"]
 _PINFS, _INFS = schema.INDEX["pinfs"], schema.INDEX["infs"]
 _ROW = 128                                   # row width of the count code (fields of 8 bits fit fp32)
@@ -300,7 +302,7 @@ def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tupl
 
 def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
     """The branch-free exact kernels (module docstring)."""
-    w_min, w_max, w_sum, w_sq, w_zero = want[6], want[7], want[4], want[5], want[3]
+    w_min, w_max, w_sum, w_sq, w_zero = want[_MIN], want[_MAX], want[_SUM], want[_SUMSQ], want[_ZEROS]
     need_a = w_sum or w_sq or not w_zero
     cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
     groups: dict = {}
@@ -369,9 +371,9 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
         return parts[0][1]                            # common case: one chunk per tensor, one dtype
     rec = torch.zeros(len(uniq), N_FIELDS, dtype=torch.float64, device=dev)
     if w_min:                                         # empty tensors keep the identity record
-        rec.select(1, 6).fill_(_INF)
+        rec.select(1, _MIN).fill_(_INF)
     if w_max:
-        rec.select(1, 7).fill_(-_INF)
+        rec.select(1, _MAX).fill_(-_INF)
     for owner, ch in parts:
         uid = host_values(owner, dev)
         if len(set(owner)) == len(owner):
@@ -379,9 +381,9 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
             continue
         rec.narrow(1, 0, 6).index_add_(0, uid, ch.narrow(1, 0, 6))
         if w_min:
-            rec.select(1, 6).scatter_reduce_(0, uid, ch.select(1, 6), "amin")
+            rec.select(1, _MIN).scatter_reduce_(0, uid, ch.select(1, _MIN), "amin")
         if w_max:
-            rec.select(1, 7).scatter_reduce_(0, uid, ch.select(1, 7), "amax")
+            rec.select(1, _MAX).scatter_reduce_(0, uid, ch.select(1, _MAX), "amax")
     return rec
 
 
@@ -415,8 +417,9 @@ def _assemble(dev, p, want, ns, ends, mins, maxs, sums, sqs, rows) -> torch.Tens
         stacked = torch.stack([v for _, vals in items for v in vals]).to(f64).view(len(items), -1)
         col.update(zip((name for name, _ in items), stacked.unbind(0)))
     z = col["zero"]
-    return torch.stack([count, nan, i, count - b if want[3] else z, col.get("sum", z), col.get("sq", z),
-                        col.get("min", z), col.get("max", z)] + [z] * (N_FIELDS - _PACKED), 1)
+    columns = {"count": count, "nans": nan, "infs": i, "zeros": count - b if want[_ZEROS] else z,
+               "sum": col.get("sum", z), "sumsq": col.get("sq", z), "min": col.get("min", z), "max": col.get("max", z)}
+    return torch.stack([columns.get(field, z) for field in FIELDS], 1)
 
 
 def _sat_counts(uniq: list[torch.Tensor], dev: torch.device, sat: FieldSet) -> torch.Tensor:
@@ -448,7 +451,7 @@ def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, wa
     """Fills the `sat` column. On CPU, where reading a value waits for no device, a tensor whose finite
     min and max (when computed) stay inside the limit has no saturated element: only the others are
     counted, so the usual case costs no pass at all. `table`: as for `_with_counts`."""
-    if dev.type == "cpu" and want[6] and want[7]:
+    if dev.type == "cpu" and want[_MIN] and want[_MAX]:
         dtypes = {t.dtype for t in uniq}
         if len(dtypes) == 1:                          # most calls: one limit for all
             limits = sat.sat_limit(dtypes.pop())
@@ -457,7 +460,7 @@ def _fill_sat(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device, wa
             limits = [limit_of[t.dtype] for t in uniq]
             limits = torch.tensor(limits, dtype=torch.float64) if table is None else np.array(limits)
         figures = rec if table is None else table
-        reach = (figures[:, 7] >= limits) | (figures[:, 6] <= -limits)
+        reach = (figures[:, _MAX] >= limits) | (figures[:, _MIN] <= -limits)
         rows = (reach.nonzero().flatten() if table is None else np.flatnonzero(reach)).tolist()
         if rows:
             rec[rows, _SAT] = _sat_counts([uniq[i] for i in rows], dev, sat)

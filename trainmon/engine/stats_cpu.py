@@ -18,9 +18,17 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from trainmon.core import schema
 from trainmon.core.schema import N_FIELDS
 from trainmon.engine import stats_fused, stats_native
-from trainmon.engine.stat_kernels import ROW
+from trainmon.engine.stat_kernels import FINITE_FIGURES, ROW
+
+# The record's columns this path fills, and the assume-finite figures' (stat_kernels.FINITE_FIGURES).
+_COUNT, _ZEROS = schema.INDEX["count"], schema.INDEX["zeros"]
+_SUM, _SUMSQ, _MIN, _MAX = (schema.INDEX[f] for f in ("sum", "sumsq", "min", "max"))
+_F_SUM, _F_SUMSQ, _F_MIN, _F_MAX, _F_ABOVE = (FINITE_FIGURES.index(f) for f in ("sum", "sumsq", "min", "max", "above"))
+# A figure and the record field it fills.
+_FILLS = ((_SUM, _F_SUM), (_SUMSQ, _F_SUMSQ), (_MIN, _F_MIN), (_MAX, _F_MAX))
 
 _CPU = torch.device("cpu")
 
@@ -59,7 +67,8 @@ class RecordsOnArrival:
         self._bounds = {dtype: (lam[dtype], limit[dtype]) for dtype in lam}
         # no tensor of fewer bytes is taken (fp32 is the smallest dtype read): a caller may skip the call
         self.min_bytes = self.MIN_ELEMENTS * 4
-        self._figures = np.empty((256, 5))
+        self._figures = np.empty((256, len(FINITE_FIGURES)))
+        self._row_bytes = self._figures.itemsize * len(FINITE_FIGURES)
         self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
         self._lengths: list[int] = []
 
@@ -86,7 +95,7 @@ class RecordsOnArrival:
         if row == len(self._figures):
             self._figures = np.concatenate([self._figures, np.empty_like(self._figures)])
             self._address = self._figures.ctypes.data
-        if not read(t.data_ptr(), n, run, step, *self._bounds[t.dtype], self._address + 40 * row):
+        if not read(t.data_ptr(), n, run, step, *self._bounds[t.dtype], self._address + self._row_bytes * row):
             return -1
         self._lengths.append(n)
         return row
@@ -185,7 +194,7 @@ def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, c
     table = np.zeros((len(taken), N_FIELDS))
     pack_figures(table, lengths, figures, want)
     rec = torch.from_numpy(table)
-    slow = [] if np.isfinite(figures[:, :4]).all() else _not_finite(table)
+    slow = [] if np.isfinite(figures[:, [_F_SUM, _F_SUMSQ, _F_MIN, _F_MAX]]).all() else _not_finite(table)
     if slow:
         rec[slow] = exact([tensors[taken[u]] for u in slow])
     return taken, rec
@@ -194,7 +203,8 @@ def in_place_records(tensors: Sequence[torch.Tensor], eps: float, want: tuple, c
 def _not_finite(table: np.ndarray, rows: Optional[list[int]] = None) -> list[int]:
     """Those of `rows` (default: all) of a records table whose assume-finite figures came out non-finite: finite sums
     and extremes mean no element was NaN or Inf, so only these need the exact kernels."""
-    bad = np.flatnonzero(~np.isfinite(table[:, 4:8] if rows is None else table[rows, 4:8]).all(1)).tolist()
+    values = [_SUM, _SUMSQ, _MIN, _MAX]
+    bad = np.flatnonzero(~np.isfinite(table[:, values] if rows is None else table[rows][:, values]).all(1)).tolist()
     return bad if rows is None else [rows[i] for i in bad]
 
 
@@ -307,7 +317,7 @@ def _stacked_figures(dtypes: list, figures: list, at_least: list) -> np.ndarray:
         if members:
             stacked = torch.stack([f for j in members for f in figures[j]]).to(torch.float64)
             values[members, :len(_FIGURES)] = stacked.view(len(members), len(_FIGURES)).numpy()
-    values[:, len(_FIGURES)] = at_least
+    values[:, _F_ABOVE] = at_least
     return values
 
 
@@ -320,15 +330,15 @@ def _merged_rows(owners: list[int], counts: list[int], blocks: list[torch.Tensor
     with np.errstate(invalid="ignore", over="ignore"):   # a NaN or Inf here sends its tensor to the exact kernels
         if len(set(owners)) == 1:                 # one tensor: no segments to find
             merged = partials.sum(0, keepdims=True)
-            merged[0, 2], merged[0, 3] = partials[:, 2].min(), partials[:, 3].max()
+            merged[0, _F_MIN], merged[0, _F_MAX] = partials[:, _F_MIN].min(), partials[:, _F_MAX].max()
             return np.asarray(owners[:1]), merged
         owner = np.asarray(owners)
         first = np.ones(len(owner), dtype=bool)   # the first segment of each tensor starts its rows
         first[1:] = owner[1:] != owner[:-1]
         starts = np.cumsum([0] + counts[:-1])[first]
         merged = np.add.reduceat(partials, starts)
-        merged[:, 2] = np.minimum.reduceat(partials[:, 2], starts)
-        merged[:, 3] = np.maximum.reduceat(partials[:, 3], starts)
+        merged[:, _F_MIN] = np.minimum.reduceat(partials[:, _F_MIN], starts)
+        merged[:, _F_MAX] = np.maximum.reduceat(partials[:, _F_MAX], starts)
     return owner[first], merged
 
 
@@ -382,14 +392,14 @@ def _by_passes(flat: torch.Tensor, work: "_Scratch", want: tuple) -> tuple[list[
     of the scratch buffer's size."""
     n, cap = flat.numel(), work.cap
     if n <= cap:                                  # most tensors: one chunk, no slicing
-        return _chunk_figures(flat, want), (work.count_at_least(flat) if want[3] else 0)
+        return _chunk_figures(flat, want), (work.count_at_least(flat) if want[_ZEROS] else 0)
     chunks = [flat.narrow(0, start, min(cap, n - start)) for start in range(0, n, cap)]
     return (_combine_chunks([_chunk_figures(chunk, want) for chunk in chunks]),
-            sum(work.count_at_least(chunk) for chunk in chunks) if want[3] else 0)
+            sum(work.count_at_least(chunk) for chunk in chunks) if want[_ZEROS] else 0)
 
 
 # The figures of one chunk (0-d tensors of its dtype), and how the figures of chunks combine.
-_FIGURES = ("sum", "sumsq", "min", "max")
+_FIGURES = FINITE_FIGURES[:_F_ABOVE]  # the last figure, "above", is counted apart
 _COMBINE = (torch.sum, torch.sum, torch.amin, torch.amax)
 
 
@@ -397,14 +407,14 @@ def _chunk_figures(part: torch.Tensor, want: tuple) -> list[torch.Tensor]:
     """The `_FIGURES` of one contiguous chunk; a figure not in `want` is a placeholder (its sum)."""
     total = part.sum()                            # fp32/fp64 only: accumulates in the chunk's dtype
     figures = [total, total, total, total]
-    if want[5]:
-        figures[1] = torch.dot(part, part)
-    if want[6] and want[7]:
-        figures[2], figures[3] = torch.aminmax(part)  # one pass where amin and amax take two
-    elif want[6]:
-        figures[2] = part.amin()
-    elif want[7]:
-        figures[3] = part.amax()
+    if want[_SUMSQ]:
+        figures[_F_SUMSQ] = torch.dot(part, part)
+    if want[_MIN] and want[_MAX]:
+        figures[_F_MIN], figures[_F_MAX] = torch.aminmax(part)  # one pass where amin and amax take two
+    elif want[_MIN]:
+        figures[_F_MIN] = part.amin()
+    elif want[_MAX]:
+        figures[_F_MAX] = part.amax()
     return figures
 
 
@@ -415,26 +425,26 @@ def _combine_chunks(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 def _packed_records(count: np.ndarray, values: np.ndarray, want: tuple) -> np.ndarray:
     """[n, 8] records from the element counts, the `_FIGURES` columns and a last one, the count of
     |x| >= eps; fields not in `want` hold 0."""
-    rec = np.zeros((len(count), 8))
+    rec = np.zeros((len(count), len(want)))
     pack_figures(rec, count, values, want)
     return rec
 
 
 def pack_figures(rec: np.ndarray, count, values: np.ndarray, want: tuple) -> None:
     """`_packed_records` into the first 8 columns of `rec`, zeros (`count`: an array or a list)."""
-    rec[:, 0] = count
-    if want[3]:
-        rec[:, 3] = rec[:, 0] - values[:, 4]
-    if all(want[4:8]):
-        rec[:, 4:8] = values[:, :4]
+    rec[:, _COUNT] = count
+    if want[_ZEROS]:
+        rec[:, _ZEROS] = rec[:, _COUNT] - values[:, _F_ABOVE]
+    if all(want[field] for field, _ in _FILLS):
+        rec[:, [field for field, _ in _FILLS]] = values[:, [figure for _, figure in _FILLS]]
         return
     # Detection needs a finite check of every element: the sum (always computed) provides it, and is
     # kept where it is not finite even when its figure is not wanted.
-    total = values[:, 0]
-    rec[:, 4] = total if want[4] else np.where(np.isfinite(total), 0.0, total)
-    for field, column in ((5, 1), (6, 2), (7, 3)):
+    total = values[:, _F_SUM]
+    rec[:, _SUM] = total if want[_SUM] else np.where(np.isfinite(total), 0.0, total)
+    for field, figure in _FILLS[1:]:
         if want[field]:
-            rec[:, field] = values[:, column]
+            rec[:, field] = values[:, figure]
 
 
 def _assume_finite_native(tensors: Sequence[torch.Tensor], want: tuple, lam: float,
@@ -479,13 +489,13 @@ def _assume_finite_small(tensors: Sequence[torch.Tensor], eps: float, want: tupl
 
     total = per_tensor(flat, "sum")
     columns = [total, total, total, total, total]
-    if want[3]:
-        columns[4] = per_tensor(flat.abs().gt_(lam), "sum")
-    if want[5]:
-        columns[1] = per_tensor(flat.square(), "sum")
-    if want[6]:
-        columns[2] = per_tensor(flat, "min")
-    if want[7]:
-        columns[3] = per_tensor(flat, "max")
+    if want[_ZEROS]:
+        columns[_F_ABOVE] = per_tensor(flat.abs().gt_(lam), "sum")
+    if want[_SUMSQ]:
+        columns[_F_SUMSQ] = per_tensor(flat.square(), "sum")
+    if want[_MIN]:
+        columns[_F_MIN] = per_tensor(flat, "min")
+    if want[_MAX]:
+        columns[_F_MAX] = per_tensor(flat, "max")
     values = torch.stack(columns, 1).to(torch.float64).numpy()
     return _packed_records(lengths.numpy().astype(np.float64), values, want)

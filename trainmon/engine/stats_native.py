@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch._C import _len_torch_dispatch_stack
 
-from trainmon.engine.stat_kernels import hardware
+from trainmon.engine.stat_kernels import FINITE_FIGURES, hardware
 from trainmon.engine.stats_fused import PLAIN_TENSORS
 
 logger = logging.getLogger("trainmon")
@@ -65,7 +65,7 @@ _SOURCE = r"""
 #include <string.h>
 #define BLOCK %(block)d
 #define LANES %(lanes)d
-/* out[5 * i ...]: sum, sum of squares, min, max and count of |x| > lam of tensor i: lens[i] elements from ptrs[i],
+/* out[5 * i ...]: sum, sum of squares, min, max and count of |x| > lam of tensor i (stat_kernels.FINITE_FIGURES): lens[i] elements from ptrs[i],
    in runs of runs[i] contiguous elements, each run steps[i] elements after the one before (a contiguous tensor is
    one run); partials of at most BLOCK elements in the data's type, added in double. */
 #define PREFETCH 4096
@@ -222,7 +222,7 @@ def figures(tensors: Sequence[torch.Tensor], lam: float) -> np.ndarray:
     """float64 `[len(tensors), 5]`: sum, sum of squares, min, max and count of |x| > lam of each tensor, all
     contiguous and of one dtype of DTYPES (`ready()` must have said so). Right where every element is finite."""
     if not tensors:
-        return np.empty((0, 5))
+        return np.empty((0, len(FINITE_FIGURES)))
     # From lists: a generator costs a resumption per tensor.
     lengths = [t.numel() for t in tensors]
     return read(tensors[0].dtype, [t.data_ptr() for t in tensors], lengths, lam, lengths, lengths)
@@ -243,7 +243,7 @@ def read(dtype: torch.dtype, addresses: list[int], lengths: list[int], lam: floa
          steps: list[int]) -> np.ndarray:
     """`figures` of the tensors of `dtype` whose data starts at `addresses`, `lengths` elements each, in runs of
     `runs` contiguous elements `steps` elements apart (`run_layout`; a contiguous tensor: its length both)."""
-    out = np.empty((len(addresses), 5))
+    out = np.empty((len(addresses), len(FINITE_FIGURES)))
     if addresses:
         # the four lists in one array, whose address is taken once (about 1 µs each time)
         n, layout = len(addresses), np.array([addresses, lengths, runs, steps], dtype=np.int64)

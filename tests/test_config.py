@@ -364,6 +364,8 @@ def test_the_l2_feature_keys_are_honoured_and_checked():
         load_config({"l2_targets": {"atention_hook": []}})
     with pytest.warns(UserWarning, match="no effect without"):
         load_config({"l2_targets": {"linear_hook": []}})
+    with pytest.warns(UserWarning, match="add \"max\" to 'ops'"):
+        load_config({"moe_load": True, "ops": ["norm"]})
 
 
 def test_not_honoured_list_is_one_constant():

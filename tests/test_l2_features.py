@@ -234,7 +234,7 @@ def test_every_sink_and_show_have_the_features(output_dir, write_config, capsys)
     config = write_config(recording_l2_features=True, l2_targets=L2_TARGETS, format=["csv", "db", "tensorboard"],
                           ops=["max"], output_filesystem="network")
     monitor = train(lambda m, o: TrainerMon(config).set_monitor(m, optimizer=o, grad_acc_steps=GA), "s,b,h,d")
-    api = monitor._api.latest(["attention_hook"])
+    api = monitor._latest(["attention_hook"])  # the last step's, once the writer has written it
     monitor.stop()
     run, rank_dir = monitor.output_dir.parent, monitor.output_dir
     assert (rank_dir / "records.stream").exists() and not (rank_dir / "monitor.db").exists()

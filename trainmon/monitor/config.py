@@ -378,6 +378,10 @@ class MonitorConfig:
         if self.l2_targets and not self.recording_l2_features:
             warnings.warn("monitor config 'l2_targets' has no effect without \"recording_l2_features\": true (as in "
                           "msprobe): no L2 feature is recorded", UserWarning, stacklevel=2)
+        if (self.recording_l2_features or self.moe_load) and not {"min", "max", "mean"} & set(self.ops):
+            warnings.warn("monitor config: an L2 feature or MoE load figure is written as the record of one value, "
+                          f"whose min, max and mean are the value; with 'ops' {self.ops} only its norm, |value|, is "
+                          "written (a negative value loses its sign): add \"max\" to 'ops'", UserWarning, stacklevel=2)
         if self.collect_times == 0:
             warnings.warn("monitor config 'collect_times' = 0: no step will be collected (only logged scalars are "
                           "written); give the number of steps to record, or leave the key out for all",

@@ -20,11 +20,14 @@ import math
 
 import torch
 
+from trainmon.core import feature_table
+from trainmon.core.records import ATTENTION_HOOK, LINEAR_HOOK, MOE_ROUTER_LOGIT_HOOK, MOE_ROUTER_WEIGHT_HOOK
+
 # The features of each hook of `l2_targets`, in the order a hook's values come.
-ATTENTION_FEATURES = ("entropy", "softmax_max", "max_logit")
-LINEAR_FEATURES = ("sr", "kernel_norm")
-ROUTER_WEIGHT_FEATURES = ("router_weight_similarity",)
-ROUTER_LOGIT_FEATURES = ("per_token_expert_entropy",)
+ATTENTION_FEATURES = feature_table.names(ATTENTION_HOOK)
+LINEAR_FEATURES = feature_table.names(LINEAR_HOOK)
+ROUTER_WEIGHT_FEATURES = feature_table.names(MOE_ROUTER_WEIGHT_HOOK)
+ROUTER_LOGIT_FEATURES = feature_table.names(MOE_ROUTER_LOGIT_HOOK)
 # msprobe draws the power iteration's start from the global generator at every call, which changes the training's
 # random stream; this start is drawn once per module from a generator of its own seeded with this, so a change of
 # `kernel_norm` from step to step is the weight's, not the draw's (msprobe's call after torch.manual_seed(this)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from trainmon.core import feature_table
 from trainmon.core.records import MOE_EXPERT_LOAD, MOE_LOAD, record_key
 from trainmon.engine.accelerator import collective_device
 from trainmon.monitor.collectives import not_monitored
@@ -34,7 +35,7 @@ from trainmon.monitor.state import HookState
 
 logger = logging.getLogger("trainmon")
 
-LAYER_FIGURES = ("imbalance", "idle_experts", "dropped_tokens", "router_entropy")
+LAYER_FIGURES = feature_table.names(MOE_LOAD)
 # The step's sums of one router after its experts' token counts: routed tokens, entropy sum, tokens.
 ROUTED, ENTROPY_SUM, TOKENS = range(3)
 

@@ -8,6 +8,7 @@ showing its worst rank (NaN, then +Inf, then the largest |value|); above 250 ste
 same way. A picture of more than `canvas.MAX_ROWS` rows (tensor rows of a large model) is split into
 `<name>_part1of3`, `<name>_part2of3`, ... of equal size. The first NaN/Inf (the alert's `first`) is circled
 in the row of the layer (or the tensor) holding its module, and the column or row holding its step and rank.
+With MoE load, `moe_load_layer_x_expert`: the tokens each expert of each layer received at the latest step.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from trainmon.core.records import MOE_EXPERT_LOAD
 from trainmon.watch.aggregate import layer_of
 from trainmon.watch.canvas import MAX_ROWS, Picture, draw
 from trainmon.watch.grid import MAX_RANKS, MAX_STEPS, Axis, buckets, holds, layers, reduce, single
@@ -103,6 +105,8 @@ def pictures(history: History, first: Optional[dict] = None, families: Optional[
             out += _drawn(f"{family}_{rows}_x_rank", values, missing, row_axis, rank_axis,
                           f"{family}: {history.op} at step {latest_step}, {rows} x rank", (rows, "rank"),
                           _mark(hit if at_first else None, rank_axis, grid.ranks, first and first["rank"]))
+    if history.expert_load is not None and (families is None or MOE_EXPERT_LOAD in families):
+        out += _expert_load(*history.expert_load)
     for series in RANK_SERIES:
         if families is not None and series not in families:
             continue
@@ -119,3 +123,15 @@ def pictures(history: History, first: Optional[dict] = None, families: Optional[
         out += _drawn(f"{series}_rank_x_step", values, missing, rank_axis, column_axis, f"{series}, rank x step",
                       ("rank", "step"), _mark(hit, column_axis, column_steps, first and first["step"]), note)
     return out
+
+
+def _expert_load(step: int, loads: dict[str, dict[int, float]]) -> list[Picture]:
+    """Tokens per expert (columns) of each MoE layer's router (rows) at `step`; above MAX_STEPS experts, contiguous
+    buckets of experts, each showing its largest load."""
+    routers = list(loads)
+    experts = list(range(max(max(by_expert) for by_expert in loads.values()) + 1))
+    values, missing = _matrix([[loads[router].get(e) for e in experts] for router in routers])
+    columns = buckets(experts, MAX_STEPS, "e")
+    values, missing = reduce(values, missing, columns, 1, magnitude=True)
+    return _drawn("moe_load_layer_x_expert", values, missing, single(routers), columns,
+                  f"MoE tokens per expert at step {step}, layer x expert", ("layer", "expert"), None)

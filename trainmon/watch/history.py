@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from trainmon.core.records import FEATURE_FAMILIES, MOE_EXPERT_LOAD
 from trainmon.watch.aggregate import GRAD_NORM, StepFigures, StepRows, label_of, reduce_groups
 
 LOSS = "loss"
@@ -63,17 +64,25 @@ class History:
         self.rank_columns: deque = deque(maxlen=window)  # (step, {series: {rank: value}})
         # family -> {label: (name, vpp)} in order of first appearance
         self.rows: dict[str, dict[str, tuple[str, int]]] = {}
+        # (step, {router: {expert: tokens}}) of the newest step with MoE expert loads (the same on every EP rank)
+        self.expert_load: Optional[tuple[int, dict[str, dict[int, float]]]] = None
         self._latest: Optional[StepFigures] = None  # the newest step with records of `op`
         self._by_rank: Optional[dict] = None  # its values per rank, once asked for
 
     def add(self, figures: StepFigures) -> None:
         column: dict[str, dict[str, float]] = {}
+        experts: dict[str, dict[int, float]] = {}
         for (family, name, vpp, op), (_, _, high, _) in figures.stats.items():
-            if op != self.op:
+            if family == MOE_EXPERT_LOAD and op == "max":
+                router, _, expert = name.rpartition(".expert_")
+                experts.setdefault(label_of(router, vpp), {})[int(expert)] = high
+            if op != self.op or family in FEATURE_FAMILIES:  # one-value families: no per-op picture of theirs
                 continue
             label = label_of(name, vpp)
             self.rows.setdefault(family, {})[label] = (name, vpp)
             column.setdefault(family, {})[label] = high  # the max: an outlier must not be averaged away
+        if experts:
+            self.expert_load = (figures.step, experts)
         if column:
             self.columns.append((figures.step, column))
             self._latest, self._by_rank = figures, None

@@ -10,6 +10,10 @@
   reduced over ranks, so each layer chart draws the min, median and max over ranks. Collectives are layers
   of their own, one per op and group, named by the group's role (`all_reduce@dp`, `send@pp`) from the
   ranks' `parallel` metadata.
+- One-value families (L2 features, MoE load; `trainmon.core.feature_table`): per value one chart per layer,
+  `<family>/<layer>/<value>`, and its worst over the model, `Overview/<family>_<value>_{max|min}`: the largest, or the
+  smallest where a fall is the failure (an entropy collapsing); not the generic per-op charts, which would mix the
+  values of a module. The tokens of each expert (`moe_expert_load`) are drawn as a heatmap only.
 - `scalars/<name>/{min,median,max}`: the spread across ranks of each logged scalar (more than one rank only).
 - What the user selects: `detail/<family>/<tensor>/<op>` for every tensor whose name matches a `--detail`
   pattern (with more than one rank the cross-rank min/median/max and the rank of the max), and every figure
@@ -23,8 +27,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from trainmon.core import feature_table
 from trainmon.core.collective_ops import parse_comm_name
-from trainmon.core.records import COMM
+from trainmon.core.records import COMM, FEATURE_FAMILIES
 from trainmon.watch.aggregate import (MAX_RANK, SCALARS, StepFigures, cross_rank, family_rank, label_of, layer_of,
                                       tag_base)
 
@@ -128,7 +133,7 @@ class View:
         self.first_nonfinite: Optional[tuple] = None
 
     def tag_values(self, figure: StepFigures, stalled: int = 0) -> list[tuple[str, float]]:
-        out = self._overview(figure, stalled) + self._layers(figure) + self._spread(figure)
+        out = self._overview(figure, stalled) + self._layers(figure) + self._features(figure) + self._spread(figure)
         out += self._detail(figure) + self._ranks(figure)
         return out
 
@@ -152,6 +157,8 @@ class View:
         largest: dict[str, list] = {}
         extremes: dict[str, list] = {}
         for (family, _, _, key_op), (low, _, high, _) in figure.stats.items():
+            if family in FEATURE_FAMILIES:
+                continue  # summarised per value (`_features`)
             if key_op == op:
                 largest.setdefault(family, []).append(high)
             elif key_op in ("min", "max"):
@@ -178,6 +185,8 @@ class View:
         layers: dict[tuple[str, str], list] = {}
         families = set()
         for (family, name, vpp, key_op), (_, _, high, _) in figure.stats.items():
+            if family in FEATURE_FAMILIES:
+                continue  # per value, not per op (`_features`)
             families.add(family)
             if key_op == op:
                 layers.setdefault((family, self.options.layer(family, name, vpp)), []).append(high)
@@ -187,11 +196,38 @@ class View:
             out += [(f"{family}/{NAN_ELEMENTS}", nans), (f"{family}/{INF_ELEMENTS}", infs)]
         return out
 
+    def _features(self, figure: StepFigures) -> list[tuple[str, float]]:
+        """Per one-value family, value and layer: the worst over the layer's modules and the ranks; per value, its
+        worst over the model in the overview. A value is its record's max (= min = mean), or |value| (norm) where
+        the run's ops have neither."""
+        layers: dict[tuple, list] = {}
+        for (family, name, vpp, key_op), (low, _, high, _) in figure.stats.items():
+            if family not in feature_table.VALUES:
+                continue
+            module, _, value = name.rpartition(".")
+            low_worse = feature_table.low_is_worse(family, value)
+            wanted = ("min" if low_worse else "max", "norm")
+            if key_op not in wanted or (key_op == "norm" and (family, name, vpp, wanted[0]) in figure.stats):
+                continue
+            layers.setdefault((family, self.options.layer(family, module, vpp), value, low_worse), []).append(
+                low if low_worse else high)
+        out, model = [], {}
+        for (family, layer, value, low_worse), values in layers.items():
+            worst_here = -worst(-v for v in values) if low_worse else worst(values)
+            out.append((f"{family}/{layer}/{value}", worst_here))
+            model.setdefault((family, value, low_worse), []).append(worst_here)
+        for (family, value, low_worse), values in model.items():
+            out.append((f"{OVERVIEW}/{family}_{value}_{'min' if low_worse else 'max'}",
+                        -worst(-v for v in values) if low_worse else worst(values)))
+        return out
+
     def spread_values(self, figure: StepFigures) -> dict[str, list[tuple[str, float]]]:
         """Per stat of SPREAD_STATS, the layer charts' values over ranks: each rank's layer value (the largest of
         its tensors) reduced over ranks. Empty with one rank."""
         out: dict[str, list] = {stat: [] for stat in SPREAD_STATS} if figure.layer_spread else {}
         for (family, layer), (low, median, _, _) in figure.layer_spread.items():
+            if family in FEATURE_FAMILIES:
+                continue  # a value per layer, the worst over ranks (`_features`)
             tag = f"{family}/{layer}/{self.options.op}"
             out["min"].append((tag, low))
             out["median"].append((tag, median))
@@ -246,7 +282,12 @@ def layout(scalar_names: Iterable[str], families: Iterable[str], op: str, single
                 ("multiline", "Inf elements per family", [rf"^[^/]+/{INF_ELEMENTS}$"])]
     out = {OVERVIEW: overview}
     for family in families:
-        out[family] = [("multiline", f"{family}: {op} per layer", [rf"^{re.escape(family)}/[^/]+/{op}$"])]
+        if family in feature_table.VALUES:
+            overview.append(("multiline", f"{family}: worst per value", [rf"^{OVERVIEW}/{re.escape(family)}_"]))
+            out[family] = [("multiline", f"{family}: {value} per layer", [rf"^{re.escape(family)}/[^/]+/{value}$"])
+                           for value in feature_table.names(family)]
+        elif family not in FEATURE_FAMILIES:
+            out[family] = [("multiline", f"{family}: {op} per layer", [rf"^{re.escape(family)}/[^/]+/{op}$"])]
     if not single_rank:
         out[SCALARS] = [("margin", name, f"{SCALARS}/{name}/median", f"{SCALARS}/{name}/min", f"{SCALARS}/{name}/max")
                         for name in sorted(scalar_names)]

@@ -78,6 +78,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     import torch
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
+    from trainmon.core.layout import WRITER_REPORT
     from trainmon.engine import stat_kernels
 
     torch.set_num_threads(1)
@@ -114,7 +115,7 @@ def run_tier(tier: str, formats: list[str], steps: int, warmup: int, extra: dict
     writer = {}
     if monitor is not None:
         with open(monitor.output_dir / "run.json") as f:
-            writer = json.load(f).get("writer", {})
+            writer = json.load(f).get(WRITER_REPORT, {})
     collected_steps = [i for i in range(warmup, len(cpu)) if i % interleave == 0]
     collected = [cpu[i] for i in collected_steps]
     idle = [c for i, c in enumerate(cpu) if i >= warmup and i % interleave != 0]

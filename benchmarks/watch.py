@@ -84,7 +84,7 @@ def _writer(job) -> None:
     import numpy as np
 
     from generate_run import SHAPE, _keys
-    from trainmon.core.layout import DB_NAME
+    from trainmon.core.layout import DB_NAME, WRITER_REPORT
     from trainmon.writers import db_schema
     from trainmon.writers.db_sink import MonitorDb
     rank_dir = Path(run) / f"rank_{rank}"
@@ -108,7 +108,7 @@ def _writer(job) -> None:
         time.sleep(max(0.0, start + (step + 1) * pause - time.monotonic()))
     db.close()
     meta = json.loads((rank_dir / "run.json").read_text())
-    (rank_dir / "run.json").write_text(json.dumps({**meta, "writer": {"written_steps": steps}}))
+    (rank_dir / "run.json").write_text(json.dumps({**meta, WRITER_REPORT: {"written_steps": steps}}))
 
 
 def _cpu_s(pid: int) -> float:

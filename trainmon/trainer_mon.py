@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainmon.anomaly.processor import AnomalyProcessor, processor_for
-from trainmon.core.layout import DYNAMIC_STATE_FILE, MODULE_STRUCT_FILE, RUN_JSON
+from trainmon.core.layout import DYNAMIC_STATE_FILE, MODULE_STRUCT_FILE, RUN_JSON, WRITER_REPORT
 from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
                                    GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED,
                                    PER_MICRO_FEATURE_FAMILIES, SAVED_FAMILIES, StepBatch)
@@ -363,7 +363,7 @@ class TrainerMon:
         report = self._writer.report()
         path = self.output_dir / RUN_JSON
         try:
-            write_json(path, {**self._metadata, "writer": report, **unrecorded})
+            write_json(path, {**self._metadata, WRITER_REPORT: report, **unrecorded})
             details = f"details in {path}"
         except OSError as err:
             logger.error("trainmon: cannot write %s (%s); writer report: %s", path, err, report)

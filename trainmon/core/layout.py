@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 RUN_JSON = "run.json"                  # what the rank's job was: config, parallel layout, writer report
+WRITER_REPORT = "writer"               # run.json's key of the writer's report, added at stop(): the rank finished
 ANOMALIES_FILE = "anomalies.jsonl"     # one AnomalyEvent per line
 DB_NAME = "monitor.db"                 # the database sink (local filesystems)
 STREAM_NAME = "records.stream"         # the database sink's record stream (network filesystems)

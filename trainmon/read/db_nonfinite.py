@@ -23,9 +23,8 @@ from trainmon.core.events import AnomalyEvent, phase_of, split_name
 from trainmon.core.records import COMM
 from trainmon.writers import db_schema
 
-_RECORD_NONFINITE = "(r.nans > 0 OR r.infs > 0)"  # the partial indexes' condition (db_schema.NONFINITE_RECORD)
-# AnomalyEvent.nonfinite in SQL: a NaN/Inf op, or a NaN (stored NULL with is_nan) or infinite value
-_ANOMALY_NONFINITE = "(a.op IN ('nans', 'infs', 'nonfinite') OR a.is_nan = 1 OR a.value IN (9e999, -9e999))"
+_RECORD_NONFINITE = f"({db_schema.nonfinite_record('r')})"
+_ANOMALY_NONFINITE = f"({db_schema.nonfinite_anomaly('a')})"
 _RECORD_COLUMNS = "r.tag_id, r.step, r.micro_step, r.call_index, r.pp_stage, r.nans, r.infs"
 _ANOMALY_COLUMNS = ", ".join(f"a.{c}" for c in db_schema.ANOMALY_COLUMNS) + ", a.is_nan"
 

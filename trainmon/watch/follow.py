@@ -14,11 +14,10 @@ import sqlite3
 import time
 from typing import Optional
 
+from trainmon.core.layout import WRITER_REPORT
 from trainmon.read.errors import InputError
 from trainmon.read.layout import RankDir
 from trainmon.read.rank_records import open_rank
-
-WRITER_REPORT = "writer"  # the run.json key TrainerMon.stop() adds: the rank has finished
 
 
 class RankFollower:

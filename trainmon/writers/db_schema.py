@@ -26,6 +26,20 @@ BLOCKS_SINCE = 4  # the first version whose blocks have today's BLOCK_DTYPE
 
 _BITS = 1 << np.arange(len(FIELDS), dtype=np.int64)
 
+def nonfinite_record(alias: str = "") -> str:
+    """The condition of the partial index `records_nonfinite`, its columns qualified by `alias` where given: a query
+    must spell the condition the same to use the index."""
+    at = f"{alias}." if alias else ""
+    return f"{at}nans > 0 OR {at}infs > 0"
+
+
+def nonfinite_anomaly(alias: str = "") -> str:
+    """AnomalyEvent.nonfinite in SQL, the condition of the partial index `anomalies_nonfinite`: a NaN/Inf op, or a
+    NaN (stored NULL with is_nan) or infinite value."""
+    at = f"{alias}." if alias else ""
+    return f"{at}op IN ('nans', 'infs', 'nonfinite') OR {at}is_nan = 1 OR {at}value IN (9e999, -9e999)"
+
+
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -54,7 +68,7 @@ CREATE TABLE IF NOT EXISTS records (
 -- steps reads this one by skip-scan, see _PLANNER_HINT).
 CREATE INDEX IF NOT EXISTS records_step_tag ON records (step, tag_id);
 -- the post-mortem reads only the non-finite records: a partial index holds just those
-CREATE INDEX IF NOT EXISTS records_nonfinite ON records (step, call_index) WHERE nans > 0 OR infs > 0;
+CREATE INDEX IF NOT EXISTS records_nonfinite ON records (step, call_index) WHERE {nonfinite_record()};
 -- and each tag's first step with a non-finite record (insert_records keeps it): one seek per tag
 CREATE TABLE IF NOT EXISTS first_nonfinite (
     tag_id INTEGER PRIMARY KEY REFERENCES tags(id),
@@ -105,10 +119,9 @@ CREATE INDEX IF NOT EXISTS anomalies_order ON anomalies (step, micro_step, rank,
 -- the post-mortem's first non-finite anomaly of each (phase, module), and the collectives' (read.db_nonfinite);
 -- it holds the columns of its condition so that reading it needs no table row
 CREATE INDEX IF NOT EXISTS anomalies_nonfinite ON anomalies (phase, module, step, op, is_nan, value)
-    WHERE op IN ('nans', 'infs', 'nonfinite') OR is_nan = 1 OR value IN (9e999, -9e999);
+    WHERE {nonfinite_anomaly()};
 """
-# The condition of the partial index `records_nonfinite`; a query must spell it the same to use it.
-NONFINITE_RECORD = "nans > 0 OR infs > 0"
+NONFINITE_RECORD = nonfinite_record()
 # The non-finite records of some steps into `first_nonfinite`, where they come before its step for their tag
 # (a step written again, by a job resumed from an earlier checkpoint, can). `WHERE` before `ON CONFLICT`:
 # SQLite's grammar needs it there.

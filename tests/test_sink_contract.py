@@ -191,3 +191,11 @@ def test_the_api_sink_keeps_each_familys_last_step_that_recorded_it():
     latest = sink.latest([ACTV, GRAD_REDUCED])
     assert latest[tag_of(KEYS[ACTV], 0)]["norm"] == pytest.approx(expected(1)[ACTV])
     assert latest[tag_of(KEYS[GRAD_REDUCED], 0)]["norm"] == pytest.approx(expected(0)[GRAD_REDUCED])
+
+
+def test_every_built_in_format_has_its_sink():
+    from trainmon.core import sinks
+    from trainmon.writers import registry
+
+    made = registry.build_sinks([name for name in sinks.BUILT_IN])
+    assert len(made) == len(sinks.BUILT_IN) - 1  # api: the monitor's own

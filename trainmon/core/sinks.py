@@ -1,8 +1,8 @@
-"""The output formats: a config `format` name -> the sink that writes it, in one table.
+"""The output formats: the names a config's `format` may give, in one table.
 
-The config's allowed formats are this table's names; `trainmon.writers.registry.build_sinks` makes the sinks.
-Built-in sinks are named by "module:class" and imported only when a run uses them (a job that writes CSV
-never imports TensorBoard). `register_sink` adds a format of one's own, before the config is loaded:
+The built-in formats' sinks are made by `trainmon.writers.registry.build_sinks` (which imports each only when a run
+uses it: a job that writes CSV never imports TensorBoard). `register_sink` adds a format of one's own, before the
+config is loaded:
 
     class JsonLinesSink(trainmon.writers.base.Sink): ...
     trainmon.register_sink("jsonl", JsonLinesSink)   # then "format": ["csv", "jsonl"]
@@ -12,27 +12,21 @@ A sink is made by calling its factory with no arguments; it learns where and wha
 """
 from __future__ import annotations
 
-from typing import Callable, Union
-
-Factory = Union[str, Callable[[], object]]
+from typing import Callable, Optional
 
 API = "api"  # the in-memory sink behind `generate_*_metrics`: always present, whatever `format` says
-_SINKS: dict[str, Factory] = {
-    "csv": "trainmon.writers.csv_sink:CsvSink",
-    API: "trainmon.writers.api_sink:ApiSink",
-    "tensorboard": "trainmon.writers.tensorboard_sink:TensorBoardSink",
-    "db": "trainmon.writers.db_sink:DbSink",
-}
+BUILT_IN: tuple[str, ...] = ("csv", API, "tensorboard", "db")
+_REGISTERED: dict[str, Callable[[], object]] = {}
 
 
 def formats() -> tuple[str, ...]:
     """The format names a config may give, built-in first, then registered ones in their order."""
-    return tuple(_SINKS)
+    return BUILT_IN + tuple(_REGISTERED)
 
 
-def factory(name: str) -> Factory:
-    """The factory of format `name` ("module:class" for built-ins); KeyError for an unknown name."""
-    return _SINKS[name]
+def registered(name: str) -> Optional[Callable[[], object]]:
+    """The factory of a format registered with `register_sink`; None for another name."""
+    return _REGISTERED.get(name)
 
 
 def register_sink(name: str, make: Callable[[], object]) -> None:
@@ -40,19 +34,16 @@ def register_sink(name: str, make: Callable[[], object]) -> None:
     returning a Sink). Registering a name again replaces it; a built-in name cannot be replaced."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"a sink format needs a non-empty name, got {name!r}")
-    if name in _BUILT_IN:
+    if name in BUILT_IN:
         raise ValueError(f"{name!r} is a built-in format; register yours under another name")
     if not callable(make):
         raise TypeError(f"register_sink({name!r}, ...) needs a Sink class or a callable returning a Sink, "
                         f"got {make!r}")
-    _SINKS[name] = make
+    _REGISTERED[name] = make
 
 
 def unregister_sink(name: str) -> None:
     """Removes a registered format (built-ins stay)."""
-    if name in _BUILT_IN:
+    if name in BUILT_IN:
         raise ValueError(f"{name!r} is a built-in format and cannot be removed")
-    _SINKS.pop(name, None)
-
-
-_BUILT_IN = frozenset(_SINKS)
+    _REGISTERED.pop(name, None)

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.engine import buffers, stat_kernels, stats, stats_fused, stats_native  # noqa: E402
+from trainmon.engine import buffers, paths, stat_kernels, stats, stats_fused, stats_native  # noqa: E402
 
 EPS = 1e-8
 INF = math.inf
@@ -237,12 +237,12 @@ def c_fast_raw_plus_codes(ts):
 def c_records(fields, chunk=None):
     """The engine as shipped (it computes each distinct storage view once)."""
     def run(ts):
-        old = stats.CHUNK_ELEMS["cpu"]
-        stats.CHUNK_ELEMS["cpu"] = chunk or old
+        old = paths.CHUNK_ELEMS["cpu"]
+        paths.CHUNK_ELEMS["cpu"] = chunk or old
         try:
             return stats.tensor_records(ts, EPS, fields)
         finally:
-            stats.CHUNK_ELEMS["cpu"] = old
+            paths.CHUNK_ELEMS["cpu"] = old
     return run
 
 
@@ -381,10 +381,10 @@ def median_us(fn, calls: int) -> float:
 
 def one_pass_sizes():
     """CPU fp32 tensor_records, µs per tensor, with the multi-pass kernels against the assume-finite one-pass
-    kernel (stats_cpu.ONE_PASS_MIN moved below / above each size): calls of 20 tensors, and calls of one."""
+    kernel (paths.ONE_PASS_MIN moved below / above each size): calls of 20 tensors, and calls of one."""
     from trainmon.engine import stats_cpu
 
-    fields, shipped = stats.fields_for_ops(DESIGN_OPS), stats_cpu.ONE_PASS_MIN
+    fields, shipped = stats.fields_for_ops(DESIGN_OPS), paths.ONE_PASS_MIN
     stat_kernels.prepare("cpu", [F32], wait=True, kernel="finite")
     print("\n== CPU fp32, µs per tensor (median of 200 calls, in the cache): multi-pass | one-pass kernel")
     print(f"  {'elements':>9s} {'20 per call':>21s} {'1 per call':>21s}")
@@ -394,20 +394,20 @@ def one_pass_sizes():
             for count in (20, 1):
                 ts = [torch.randn(n) for _ in range(count)]
                 for threshold in (1 << 62, 1):
-                    stats_cpu.ONE_PASS_MIN = threshold
+                    paths.ONE_PASS_MIN = threshold
                     row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 200) / count)
             print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f} {row[2]:10.1f} {row[3]:10.1f}")
     finally:
-        stats_cpu.ONE_PASS_MIN = shipped
+        paths.ONE_PASS_MIN = shipped
 
 
 def gather_sizes():
     """µs per tensor, copied into shared kernel calls against a kernel call of each tensor's own: CPU bf16
-    through the record kernel (stats_fused.GATHER_BELOW), in calls of 20; CPU fp32 through the assume-finite
-    kernel (stats_cpu.GATHER_MAX), in calls of 100 distinct tensors or 8 MB, as a step's activations come."""
+    through the record kernel (paths.GATHER_BELOW), in calls of 20; CPU fp32 through the assume-finite
+    kernel (paths.GATHER_MAX), in calls of 100 distinct tensors or 8 MB, as a step's activations come."""
     from trainmon.engine import stats_cpu
 
-    fields, shipped, shipped_max = stats.fields_for_ops(DESIGN_OPS), stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX
+    fields, shipped, shipped_max = stats.fields_for_ops(DESIGN_OPS), paths.GATHER_BELOW, paths.GATHER_MAX
     stat_kernels.prepare("cpu", [torch.bfloat16], wait=True)
     stat_kernels.prepare("cpu", [F32], wait=True, kernel="finite")
     print("\n== CPU bf16, µs per tensor, 20 per call (median of 100 calls): shared batches | own calls")
@@ -416,7 +416,7 @@ def gather_sizes():
             ts = [torch.randn(n).bfloat16() for _ in range(20)]
             row = []
             for below in (shipped, 1):
-                stats_fused.GATHER_BELOW = below
+                paths.GATHER_BELOW = below
                 row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 100) / 20)
             print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f}")
         print("\n== CPU fp32, whole rows, µs per tensor, 100 tensors or 8 MB per call (median of 40 calls): shared calls | own calls")
@@ -424,11 +424,11 @@ def gather_sizes():
             ts = [torch.randn(n) for _ in range(max(4, min(100, (1 << 21) // n)))]
             row = []
             for largest in (1 << 62, 0):
-                stats_cpu.GATHER_MAX = largest
+                paths.GATHER_MAX = largest
                 row.append(median_us(lambda: stats.tensor_records(ts, EPS, fields), 40) / len(ts))
             print(f"  {n:9d} {row[0]:10.1f} {row[1]:10.1f}")
     finally:
-        stats_fused.GATHER_BELOW, stats_cpu.GATHER_MAX = shipped, shipped_max
+        paths.GATHER_BELOW, paths.GATHER_MAX = shipped, shipped_max
 
 
 def contiguous_calls():
@@ -501,7 +501,7 @@ def arrival_reads(rounds: int = 11):
     stats_native.prepare()
     lam = stats._consts(F32, EPS)[0]
     arrivals = stats.records_on_arrival(EPS, stats.fields_for_ops(DESIGN_OPS))
-    arrivals.MIN_ELEMENTS = 1
+    paths.ON_ARRIVAL_MIN_ELEMENTS = 1  # every size read on arrival here (this process measures nothing else)
     print("\n== CPU fp32, per tensor: read on arrival µs, ns/element | in a batch µs, ns/element")
     for numel in (2048, 8192, 16384, 65536, 262144, 1048576):
         count = max(8, (32 << 20) // (4 * numel))
@@ -545,7 +545,7 @@ def ops_per_tensor(count: int = 20):
     """The launches per bf16 tensor of an accelerator's record paths, counted on the CPU: the multi-pass
     kernels (stats._exact_records, the sat and +Inf columns; in the accelerators' chunks) and the one-pass
     path (stats_fused.records: its ops plus its compiled-kernel calls, the merge kernel's included)."""
-    dev, accel_chunk = torch.device("cpu"), stats._DEFAULT_CHUNK
+    dev, accel_chunk = torch.device("cpu"), paths.DEFAULT_CHUNK_ELEMS
     want = tuple(f in ALL for f in stats.FIELDS[:8])
     stat_kernels.prepare("cpu", [torch.bfloat16], wait=True)
     stat_kernels.prepare("cpu", [F32], wait=True, kernel="merge")
@@ -553,7 +553,7 @@ def ops_per_tensor(count: int = 20):
           f"(accelerators' chunk: {accel_chunk} elements)")
     for size in (1 << 14, 1 << 20, 1 << 24):
         tensors = [torch.randn(size).bfloat16() for _ in range(count)]
-        shipped_chunk, stats.CHUNK_ELEMS["cpu"] = stats.CHUNK_ELEMS["cpu"], accel_chunk
+        shipped_chunk, paths.CHUNK_ELEMS["cpu"] = paths.CHUNK_ELEMS["cpu"], accel_chunk
         try:
             with _OpCount() as multi:
                 rec = stats._exact_records(tensors, dev, EPS, want)
@@ -561,7 +561,7 @@ def ops_per_tensor(count: int = 20):
                 for u in range(count):  # an accelerator counts +Inf in every tensor (no host read of infs)
                     torch.stack([(c == INF).sum() for c in buffers.chunks(tensors[u], accel_chunk)]).sum()
         finally:
-            stats.CHUNK_ELEMS["cpu"] = shipped_chunk
+            paths.CHUNK_ELEMS["cpu"] = shipped_chunk
         calls, real_run, real_spread = [], stat_kernels.run, stats_fused._spread
         stat_kernels.run = lambda *a, **k: calls.append(1) or real_run(*a, **k)
         stats_fused._spread = lambda device, most_rows: real_spread(torch.device("cuda"), most_rows)

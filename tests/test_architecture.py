@@ -138,7 +138,7 @@ def _module(path: Path) -> str:
 
 # Floors inside a package, bottom to top, for packages whose modules build on each other.
 INNER_FLOORS = {
-    "engine": ({"buffers", "fold_kernels", "accelerator"}, {"stat_kernels"}, {"stats_fused"}, {"stats_native"},
+    "engine": ({"buffers", "fold_kernels", "accelerator", "paths"}, {"stat_kernels"}, {"stats_fused"}, {"stats_native"},
                {"stats_cpu"}, {"stats"}, {"folding"}, {"slot_table", "records"}),
 }
 

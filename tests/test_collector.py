@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from trainmon.core.records import RecordKey
-from trainmon.engine import stats, stats_cpu, stats_native
-from trainmon.monitor.collector import SNAPSHOT_MAX_BYTES, StepCollector
+from trainmon.engine import paths, stats, stats_cpu, stats_native
+from trainmon.engine.paths import SNAPSHOT_MAX_BYTES
+from trainmon.monitor.collector import StepCollector
 
 FIELDS = stats.fields_for_ops(["norm", "min", "max"])
 NORM = stats.FIELDS.index("sumsq")
@@ -26,7 +27,7 @@ def collector_reading(monkeypatch, on_arrival: bool = False, fields=FIELDS):
     if on_arrival:
         assert stats_native.prepare()
     else:
-        monkeypatch.setattr(stats_cpu.RecordsOnArrival, "MIN_ELEMENTS", 1 << 62)
+        monkeypatch.setattr(paths, "ON_ARRIVAL_MIN_ELEMENTS", 1 << 62)
 
     def tensor_records(tensors, eps, fields, engine=stats.tensor_records, **options):
         reads.append([id(t) for t in tensors])
@@ -216,7 +217,7 @@ def assert_records_equal_the_engines(batch, expected: dict) -> None:
 
 
 def test_a_large_cpu_tensor_is_read_on_arrival_not_held(monkeypatch):
-    """A CPU activation of RecordsOnArrival.MIN_ELEMENTS or more is read in its hook, while its data is in the
+    """A CPU activation of paths.ON_ARRIVAL_MIN_ELEMENTS or more is read in its hook, while its data is in the
     caches: no engine call reads it, the collector keeps no reference to it, and a change in place after its hook
     neither drops nor alters its record. Recorded again after that change, it is read again."""
     collector, reads = collector_reading(monkeypatch, on_arrival=True)
@@ -224,7 +225,7 @@ def test_a_large_cpu_tensor_is_read_on_arrival_not_held(monkeypatch):
     collector.finish_step()
     reads.clear()
     g = torch.Generator().manual_seed(5)
-    big, small = torch.randn(3, stats_cpu.RecordsOnArrival.MIN_ELEMENTS, generator=g), torch.randn(100, generator=g)
+    big, small = torch.randn(3, paths.ON_ARRIVAL_MIN_ELEMENTS, generator=g), torch.randn(100, generator=g)
     before = big.clone()
     collector.record([key("big.output", big), key("small", small)], [big, small], defer=True)
     alive = weakref.ref(big)
@@ -247,7 +248,7 @@ def test_a_record_read_on_arrival_serves_the_same_tensor_after_its_batch(monkeyp
     collector.finish_step()
     reads.clear()
     g = torch.Generator().manual_seed(6)
-    n = stats_cpu.RecordsOnArrival.MIN_ELEMENTS
+    n = paths.ON_ARRIVAL_MIN_ELEMENTS
     first, held, second = torch.randn(n, generator=g), torch.randn(50, generator=g), torch.randn(2 * n, generator=g)
     collector.record([key("first", first), key("held", held)], [first, held], defer=True)
     collector.record([key("second", second), key("first_again", first)], [second, first], defer=True)
@@ -267,7 +268,7 @@ def test_a_tensor_whose_figures_are_not_its_record_takes_the_engine(monkeypatch)
     deferrable(collector, "nan", "loud", "quiet")
     collector.finish_step()
     reads.clear()
-    n = stats_cpu.RecordsOnArrival.MIN_ELEMENTS
+    n = paths.ON_ARRIVAL_MIN_ELEMENTS
     nan, loud, quiet = torch.randn(n), torch.randn(n), torch.randn(n)
     nan[n // 2], loud[3] = float("nan"), 150.0
     collector.record([key("nan", nan), key("loud", loud), key("quiet", quiet)], [nan, loud, quiet], defer=True)

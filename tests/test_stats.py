@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training import DEVICES
-from trainmon.engine import stats, stats_native
+from trainmon.engine import paths, stats, stats_native
 from trainmon.core.derive import derive_ops, derive_rows
 from trainmon.engine.buffers import merge_records
 from trainmon.engine.stats import FIELDS, N_FIELDS, OPS, fields_for_ops, tensor_records
@@ -125,7 +125,7 @@ def test_large_tensor_with_nonfinite_many_chunks(dtype, device, cpu_kernels):
     x = (torch.randn(3_000_000, generator=torch.Generator().manual_seed(2)) * 3 + 1).to(dtype)
     sprinkle(x, seed=5)
     x[123_456:123_456 + 10_000] = 0                  # a run of zeros crossing row boundaries
-    assert x.numel() > stats.CHUNK_ELEMS["cpu"]       # several chunks on the CPU
+    assert x.numel() > paths.CHUNK_ELEMS["cpu"]       # several chunks on the CPU
     x = x.to(device)
     check(tensor_records([x], 1e-8, ALL)[0], x, 1e-8, rel=1e-5)
 

@@ -19,11 +19,11 @@ from test_stats import ALL, FIELDS, OpLog, cases, check, reference, sprinkle
 from training import DEVICES
 from trainmon.core import schema
 from trainmon.core.records import RecordKey
-from trainmon.engine import stat_kernels, stats_fused, stats_native
+from trainmon.engine import paths, stat_kernels, stats_fused, stats_native
 from trainmon.monitor.collector import StepCollector
 from trainmon.engine.buffers import merge_records
-from trainmon.engine.stats import CHUNK_ELEMS, fields_for_ops, tensor_records
-from trainmon.engine.stats_cpu import ONE_PASS_MIN
+from trainmon.engine.paths import CHUNK_ELEMS, ONE_PASS_MIN
+from trainmon.engine.stats import fields_for_ops, tensor_records
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -314,7 +314,7 @@ def test_cpu_call_shares_its_tensors_between_the_kernels(assume_finite_kernel, m
         return real(kernel, x, *consts)
     monkeypatch.setattr(stat_kernels, "run", run)
     g = torch.Generator().manual_seed(9)
-    big, row = stats_fused.GATHER_BELOW, stats_fused.ROW
+    big, row = paths.GATHER_BELOW, stats_fused.ROW
     bf16 = [torch.randn(300, 100, generator=g).bfloat16().t(), sprinkle(torch.randn(5000, generator=g).bfloat16()),
             torch.randn(7, generator=g).bfloat16(), torch.randn(big, generator=g).bfloat16()]
     fp32 = [torch.randn(ONE_PASS_MIN, generator=g), torch.randn(9000, generator=g), torch.randn(7, generator=g),
@@ -471,7 +471,7 @@ def test_a_run_keeps_the_kernel_its_first_request_found(tmp_path, monkeypatch, f
     """A kernel compiled while the run goes on serves later runs only: every record of this run comes from the
     kernels its first request found, so its figures do not change bits halfway (a rerun finds the package on disk
     and uses it from its first step)."""
-    x = sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW + 5).bfloat16())
+    x = sprinkle(torch.randn(3 * paths.GATHER_BELOW + 5).bfloat16())
     with another_rank_compiling(tmp_path, monkeypatch) as land:
         first = tensor_records([x], 1e-3, ALL)
         land()
@@ -491,9 +491,9 @@ def test_the_accelerators_artifact_gives_the_records_of_every_shape(tmp_path, mo
     assert stat_kernels.prepare(CPU, [torch.float32], wait=True, kernel="merge")
     assert [p.suffix for p in (tmp_path / "trainmon").iterdir() if not p.name.endswith(".lock")] == [".bin"] * 2
     cs = cases(torch.bfloat16)
-    cs["rows"] = sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW + 5).bfloat16())
+    cs["rows"] = sprinkle(torch.randn(3 * paths.GATHER_BELOW + 5).bfloat16())
     one_row = {"one": torch.randn(5).bfloat16()}
-    whole_rows = {"long": sprinkle(torch.randn(3 * stats_fused.GATHER_BELOW).bfloat16())}   # the merge kernel's
+    whole_rows = {"long": sprinkle(torch.randn(3 * paths.GATHER_BELOW).bfloat16())}   # the merge kernel's
     for tensors in (cs, one_row, whole_rows):
         for row, x in zip(fused(list(tensors.values()), 1e-3), tensors.values()):
             check(row, x, 1e-3)
@@ -522,7 +522,7 @@ def test_one_tensors_rows_are_merged_by_the_merge_kernel(monkeypatch):
         calls.append(kernel)
         return run(kernel, *args, **kwargs)
     monkeypatch.setattr(stat_kernels, "run", run)
-    x = sprinkle(torch.randn(4 * stats_fused.GATHER_BELOW).bfloat16())
+    x = sprinkle(torch.randn(4 * paths.GATHER_BELOW).bfloat16())
     check(fused([x], 1e-3)[0], x, 1e-3)
     assert calls == ["record", "merge"]
     calls.clear()
@@ -547,7 +547,7 @@ def test_a_few_large_tensors_rows_are_merged_each_by_the_merge_kernel(monkeypatc
         calls.append(kernel)
         return run(kernel, *args, **kwargs)
     monkeypatch.setattr(stat_kernels, "run", run)
-    xs = [sprinkle(torch.randn(1000)) if k is None else sprinkle(torch.randn(k * stats_fused.GATHER_BELOW).bfloat16())
+    xs = [sprinkle(torch.randn(1000)) if k is None else sprinkle(torch.randn(k * paths.GATHER_BELOW).bfloat16())
           for k in sizes]
     for row, x in zip(fused(xs, 1e-3), xs):
         check(row, x, 1e-3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from test_stats import ALL, check, sprinkle
-from trainmon.engine import stats_native
+from trainmon.engine import paths, stats_native
 from trainmon.engine.stats import fields_for_ops, records_on_arrival, tensor_records
 from trainmon.engine.stats_cpu import RecordsOnArrival
 
@@ -135,7 +135,7 @@ def test_views_beyond_one_scratch_fill_take_one_more_call_each_fill(native_reads
     """Non-contiguous views are copied side by side into a reused scratch buffer; those that do not fit in one
     fill are read in further calls, and every record still equals torch's. The contiguous tensor is read in place,
     in a call of its own."""
-    from trainmon.engine.stats import CHUNK_ELEMS
+    from trainmon.engine.paths import CHUNK_ELEMS
 
     g = torch.Generator().manual_seed(5)
     cap = CHUNK_ELEMS["cpu"]
@@ -262,7 +262,7 @@ def test_records_on_arrival_equal_torchs(dtype):
     """Tensors read one call each as they arrive (contiguous, q/k/v views in runs, a transpose, 300 of them: more than
     the first figures buffer holds) have the records of torch's direct computation, in the order they were taken;
     the next `records` holds only those taken after."""
-    n = RecordsOnArrival.MIN_ELEMENTS
+    n = paths.ON_ARRIVAL_MIN_ELEMENTS
     g = torch.Generator().manual_seed(4)
     projection = torch.randn(8, n // 64, 3, 64, generator=g).to(dtype)
     tensors = [projection[:, :, 0], projection[:, :, 2], projection.transpose(0, 1)]
@@ -278,7 +278,7 @@ def test_a_tensor_is_taken_on_arrival_only_where_its_figures_are_its_whole_recor
     """Not taken: a NaN or an Inf anywhere (the exact kernels count them), an element at the saturation limit where
     `sat` is asked for, fewer than MIN_ELEMENTS elements, a 16-bit dtype, a view the kernel cannot read in place.
     Nothing is kept for them."""
-    n = RecordsOnArrival.MIN_ELEMENTS
+    n = paths.ON_ARRIVAL_MIN_ELEMENTS
     with_sat = records_on_arrival(1e-3, fields_for_ops(["norm", "sat"], sat_threshold=10.0))
     without = records_on_arrival(1e-3, fields_for_ops(["norm"]))
     for bad in (float("nan"), float("inf"), -float("inf")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmon.engine import stats_cpu, stats_native
+from trainmon.engine import paths, stats_cpu, stats_native
 
 
 @pytest.fixture(autouse=True, params=["held", "read in the hook"])
@@ -13,7 +13,7 @@ def activation_reads(request, monkeypatch):
         yield request.param
         return
     assert stats_native.prepare()
-    monkeypatch.setattr(stats_cpu.RecordsOnArrival, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(paths, "ON_ARRIVAL_MIN_ELEMENTS", 1)
     rows = []                                       # per call of `take`: its row, -1 where not taken
     take = stats_cpu.RecordsOnArrival.take
 

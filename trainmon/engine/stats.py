@@ -39,7 +39,7 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definition (re-exported)
-from trainmon.engine import stats_cpu, stats_fused, stats_native
+from trainmon.engine import paths, stats_cpu, stats_fused, stats_native
 from trainmon.engine.buffers import chunks, host_values, merge_records, workspace
 
 # The fields the packed kernels below compute together; later fields are counts with kernels of their own.
@@ -49,8 +49,6 @@ _MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
 _SAT = schema.INDEX["sat"]
 _PINFS, _INFS = schema.INDEX["pinfs"], schema.INDEX["infs"]
 _ROW = 128                                   # row width of the count code (fields of 8 bits fit fp32)
-CHUNK_ELEMS = {"cpu": 1 << 19}               # per device type (measured); others: _DEFAULT_CHUNK
-_DEFAULT_CHUNK = 1 << 22
 _INF = math.inf
 
 
@@ -238,7 +236,7 @@ def _records_by_kernel(uniq, dev, eps, want, fields, sat, unasked_zeroed) -> tor
     rec = None
     if fused:
         rec = stats_fused.records([uniq[u] for u in fused], dev, _consts, _sat_lambda, eps, sat.sat_limit,
-                                  CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK))
+                                  paths.CHUNK_ELEMS.get(dev.type, paths.DEFAULT_CHUNK_ELEMS))
         if rec is not None and unasked_zeroed:        # the one pass fills every field
             unwanted = _unwanted_columns(fields, dev)
             if unwanted is not None:
@@ -295,7 +293,7 @@ def _with_counts(rec: torch.Tensor, uniq, dev, want, fields, sat,
 def _records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want: tuple) -> torch.Tensor:
     if dev.type != "cpu":
         return _exact_records(uniq, dev, eps, want)
-    cap = CHUNK_ELEMS["cpu"]
+    cap = paths.CHUNK_ELEMS["cpu"]
     return stats_cpu.finite_first_records(uniq, eps, want, _consts, lambda dtype: workspace(dev, dtype, cap),
                                           lambda tensors: _exact_records(tensors, dev, eps, want))
 
@@ -304,7 +302,7 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
     """The branch-free exact kernels (module docstring)."""
     w_min, w_max, w_sum, w_sq, w_zero = want[_MIN], want[_MAX], want[_SUM], want[_SUMSQ], want[_ZEROS]
     need_a = w_sum or w_sq or not w_zero
-    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
+    cap = paths.CHUNK_ELEMS.get(dev.type, paths.DEFAULT_CHUNK_ELEMS)
     groups: dict = {}
     for u, t in enumerate(uniq):
         if t.numel():
@@ -429,7 +427,7 @@ def _sat_counts(uniq: list[torch.Tensor], dev: torch.device, sat: FieldSet) -> t
     row sum) keeps its room. Branch-free: hardshrink(largest value below the limit) -> non-finite to 0
     -> sign -> sum of squares (16-bit: an L1 norm in fp32), exact per chunk (chunks hold < 2**24 elements);
     measured the fastest of the candidates (benchmarks/sat_cost.py)."""
-    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
+    cap = paths.CHUNK_ELEMS.get(dev.type, paths.DEFAULT_CHUNK_ELEMS)
     counts = []
     for t in uniq:
         acc = torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -482,6 +480,6 @@ def _fill_pinfs(rec: torch.Tensor, uniq: list[torch.Tensor], dev: torch.device,
     rows = [u for u in rows if uniq[u].numel()]
     if not rows:
         return
-    cap = CHUNK_ELEMS.get(dev.type, _DEFAULT_CHUNK)
+    cap = paths.CHUNK_ELEMS.get(dev.type, paths.DEFAULT_CHUNK_ELEMS)
     counts = [torch.stack([(xc == _INF).sum() for xc in chunks(uniq[u], cap)]).sum() for u in rows]
     rec.select(1, _PINFS).index_copy_(0, host_values(rows, dev), torch.stack(counts).to(torch.float64))

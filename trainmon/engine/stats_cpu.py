@@ -20,7 +20,7 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.schema import N_FIELDS
-from trainmon.engine import stats_fused, stats_native
+from trainmon.engine import paths, stats_fused, stats_native
 from trainmon.engine.stat_kernels import FINITE_FIGURES, ROW
 
 # The record's columns this path fills, and the assume-finite figures' (stat_kernels.FINITE_FIGURES).
@@ -33,18 +33,6 @@ _FILLS = ((_SUM, _F_SUM), (_SUMSQ, _F_SUMSQ), (_MIN, _F_MIN), (_MAX, _F_MAX))
 _CPU = torch.device("cpu")
 
 _FAST_DTYPES = (torch.float32, torch.float64)
-# Tensors up to this size (biases, norms, small weights) are reduced together as segments of one
-# buffer: for them the cost of an op call, not of the data, dominates.
-_SMALL = 1 << 12
-# From this size a tensor takes the assume-finite one-pass kernel: its calls (one for the whole rows, one for
-# the rest) cost less than the passes they save. In calls of 20 tensors, per tensor, passes against kernel:
-# 15.2 against 12.8 µs at 8 K elements, 35.9 against 22.2 at 64 K, but 13.8 against 18.4 at 4 K + 1; a call
-# of one 8 K-element tensor, 48.2 against 44.6 µs (benchmarks/stats_kernels.py --one-pass-sizes).
-ONE_PASS_MIN = 1 << 13
-# Whole-row tensors up to this size are copied one after the other into shared calls of that kernel: per
-# tensor, 7.0 against 11.0 µs at 8 K elements, 13.6 against 15.5 at 32 K, 22.9 against 22.0 at 64 K
-# (benchmarks/stats_kernels.py --gather-sizes).
-GATHER_MAX = 1 << 15
 
 
 class RecordsOnArrival:
@@ -54,11 +42,9 @@ class RecordsOnArrival:
     it is reduced: the allocator cannot give that memory to the model's next tensors, and the flush checks each one.
     A tensor read in its hook costs one call (about 1 µs of host work where the library is an extension module, 2-3
     through ctypes) and reads at about the speed of its share of a batch (`benchmarks/stats_kernels.py --arrival`):
-    from `MIN_ELEMENTS` up, it costs no more than that share, and it saves the hold (benchmarks/README.md). `take`
+    from `paths.ON_ARRIVAL_MIN_ELEMENTS` up, it costs no more than that share, and it saves the hold (benchmarks/README.md). `take`
     reads one; `records` gives the records of those taken since the last `records`.
     """
-
-    MIN_ELEMENTS = 1 << 13
 
     def __init__(self, want: tuple, lam: dict, limit: dict):
         """`want`: per packed field, whether it is computed; `lam` and `limit` per dtype: the zeros threshold (the
@@ -66,20 +52,20 @@ class RecordsOnArrival:
         self._want = want
         self._bounds = {dtype: (lam[dtype], limit[dtype]) for dtype in lam}
         # no tensor of fewer bytes is taken (fp32 is the smallest dtype read): a caller may skip the call
-        self.min_bytes = self.MIN_ELEMENTS * 4
+        self.min_bytes = paths.ON_ARRIVAL_MIN_ELEMENTS * 4
         self._figures = np.empty((256, len(FINITE_FIGURES)))
         self._row_bytes = self._figures.itemsize * len(FINITE_FIGURES)
         self._address = self._figures.ctypes.data     # taken once: about 1 µs each time
         self._lengths: list[int] = []
 
     def take(self, t: torch.Tensor) -> int:
-        """Reads `t`'s figures now where it is a plain CPU tensor of `MIN_ELEMENTS` or more the native kernel reads in
+        """Reads `t`'s figures now where it is a plain CPU tensor of `paths.ON_ARRIVAL_MIN_ELEMENTS` or more the native kernel reads in
         place, and they make its whole record (finite, unsaturated): its row among those taken since the last
         `records`; else -1, and nothing is kept."""
         if type(t) not in stats_fused.PLAIN_TENSORS or not t.is_cpu:
             return -1
         n = t.numel()
-        if n < self.MIN_ELEMENTS:
+        if n < paths.ON_ARRIVAL_MIN_ELEMENTS:
             return -1
         read = stats_native.one(t.dtype)
         if read is None:
@@ -140,8 +126,8 @@ def finite_first_records(uniq: Sequence[torch.Tensor], eps: float, want: tuple,
                 table[group, :packed] = _assume_finite_native([uniq[u] for u in group], want, consts(dtype, eps)[0],
                                                               workspace(dtype)[0])
     elif fast:
-        small = [u for u in fast if uniq[u].numel() <= _SMALL]
-        large = [u for u in fast if uniq[u].numel() > _SMALL]
+        small = [u for u in fast if uniq[u].numel() <= paths.SMALL]
+        large = [u for u in fast if uniq[u].numel() > paths.SMALL]
         for dtype in _FAST_DTYPES:
             group = [u for u in small if uniq[u].dtype == dtype]
             if group:
@@ -212,8 +198,8 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
                    workspace: Callable) -> np.ndarray:
     """Records that hold when every element is finite.
 
-    A tensor of ONE_PASS_MIN elements or more goes through the one-pass kernel once it is compiled
-    (`stats_fused.finite_rows`: every figure from one read), those of whole rows up to GATHER_MAX elements
+    A tensor of paths.ONE_PASS_MIN elements or more goes through the one-pass kernel once it is compiled
+    (`stats_fused.finite_rows`: every figure from one read), those of whole rows up to paths.GATHER_MAX elements
     copied together into shared calls (`_gathered_rows`); smaller ones, and every tensor until then, are
     read in cache-sized chunks by a few passes each: weights and optimizer state are cold when the optimizer
     step ends, and whole-tensor passes would each stream them from memory.
@@ -221,7 +207,7 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     scratch = {dtype: _Scratch(*workspace(dtype), workspace(torch.bool)[0], consts(dtype, eps)[0])
                for dtype in {t.dtype for t in tensors}}
     # While the native kernel builds (a fraction of a second), the passes serve rather than a compile of ~30 s
-    one_pass = stats_native.unavailable() and stats_fused.usable([t for t in tensors if t.numel() >= ONE_PASS_MIN],
+    one_pass = stats_native.unavailable() and stats_fused.usable([t for t in tensors if t.numel() >= paths.ONE_PASS_MIN],
                                                                  _CPU, kernel="finite")
     chunked, figures, at_least = [], [], []       # tensors read by the passes, their figures
     owners, counts, blocks = [], [], []           # the one-pass kernel's row blocks, and whose rows they hold
@@ -236,11 +222,11 @@ def _assume_finite(tensors: Sequence[torch.Tensor], eps: float, want: tuple, con
     for i, t in enumerate(tensors):
         work = scratch[t.dtype]
         n = t.numel()
-        if one_pass and ONE_PASS_MIN <= n <= min(work.cap, GATHER_MAX) and n % ROW == 0:
+        if one_pass and paths.ONE_PASS_MIN <= n <= min(work.cap, paths.GATHER_MAX) and n % ROW == 0:
             gathered[t.dtype].append(i)
             continue
         flat = _flat(t, work.copy)
-        if one_pass and n >= ONE_PASS_MIN:
+        if one_pass and n >= paths.ONE_PASS_MIN:
             rows = stats_fused.finite_rows(flat, work.lam)
             if rows is not None:
                 owners.extend([i] * len(rows))
@@ -374,7 +360,7 @@ def _assumable(t: torch.Tensor, workspace: Callable) -> bool:
     the exact kernels, as their figures would otherwise come from another summation order."""
     if t.dtype not in _FAST_DTYPES or not t.numel():
         return False
-    return t.is_contiguous() or _SMALL < t.numel() <= workspace(t.dtype)[0].numel()
+    return t.is_contiguous() or paths.SMALL < t.numel() <= workspace(t.dtype)[0].numel()
 
 
 def _flat(t: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:

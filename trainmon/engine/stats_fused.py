@@ -3,7 +3,7 @@
 The kernels, their compile and their load are in `stat_kernels`; here, which tensors take them and how a
 call's tensors are laid out for them.
 
-Layout of one call: a tensor of GATHER_BELOW elements or more is viewed as `[n // ROW, ROW]` rows (no copy;
+Layout of one call: a tensor of `paths.GATHER_BELOW` elements or more is viewed as `[n // ROW, ROW]` rows (no copy;
 a non-contiguous one is copied chunk by chunk into its own dtype, never wider); its last `n % ROW` elements
 and the smaller tensors are copied row-aligned into NaN-padded batches of a reused buffer (one copy and one
 kernel call for many tensors). The padding is taken off the NaN count afterwards. The rows' partial records
@@ -23,14 +23,10 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainmon.core import schema
-from trainmon.engine import stat_kernels
+from trainmon.engine import paths, stat_kernels
 from trainmon.engine.buffers import chunks, host_values, merge_records, workspace
 from trainmon.engine.stat_kernels import ROW
 
-# Tensors below this size are copied into shared batches, one kernel call per batch: the copy costs less
-# than the host work of a call of their own (CPU bf16: 10.6 against 15.5 µs per tensor of 4 K elements, the
-# same from 64 K on; benchmarks/stats_kernels.py --gather-sizes).
-GATHER_BELOW = 1 << 17
 # Partial records per tensor in an accelerator's combine of row partials (see _combine and _spread).
 _SPREAD = 32
 _INF = math.inf
@@ -129,7 +125,7 @@ def _records(uniq, device, consts, sat_lambda, eps, sat_limit, cap) -> torch.Ten
         for u, t in enumerate(uniq):
             if t.dtype != dtype or not t.numel():
                 continue
-            if t.numel() < GATHER_BELOW:
+            if t.numel() < paths.GATHER_BELOW:
                 gathered.append((u, t))
                 continue
             for flat in _flat_segments(t, cap):

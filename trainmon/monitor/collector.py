@@ -8,7 +8,7 @@ import torch
 
 from trainmon.core import schema
 from trainmon.core.records import RecordKey, StepBatch
-from trainmon.engine import buffers, stats, stats_fused
+from trainmon.engine import buffers, paths, stats, stats_fused
 from trainmon.monitor import in_graph
 from trainmon.engine.accelerator import copy_done_event
 from trainmon.engine.slot_table import SlotTable
@@ -16,10 +16,6 @@ from trainmon.engine.stats_fused import PLAIN_TENSORS
 from trainmon.monitor.tensor_memo import TensorMemo
 
 logger = logging.getLogger("trainmon")
-
-# A CPU tensor of a name that changes in place, up to this size, is copied and its copy read with the next batch: a
-# copy costs less than a statistics call of its own (about 60-150 µs of host work, benchmarks/README.md)
-SNAPSHOT_MAX_BYTES = 1 << 20
 
 
 class StepCollector:
@@ -49,7 +45,7 @@ class StepCollector:
     deferred. A deferred tensor that changes in place later all the same, or whose data is replaced or freed
     (`_data_address`), has its record dropped, counted in `dropped_in_place`, and its name is read at once
     from then on. Read at once means reduced in its
-    hook, or, for a CPU tensor of up to SNAPSHOT_MAX_BYTES, copied in its hook and the copy reduced with the
+    hook, or, for a CPU tensor of up to `paths.SNAPSHOT_MAX_BYTES`, copied in its hook and the copy reduced with the
     next batch.
     """
 
@@ -164,7 +160,7 @@ class StepCollector:
             self._pending_bytes += nbytes
             if key.name in self._deferrable_names:
                 self._hold(key, tensor, tensor, version)
-            elif tensor.device.type == "cpu" and nbytes <= SNAPSHOT_MAX_BYTES:
+            elif tensor.device.type == "cpu" and nbytes <= paths.SNAPSHOT_MAX_BYTES:
                 self._hold(key, tensor.detach().clone(), tensor, version)
                 self._watch(key.name, tensor, version)
             else:

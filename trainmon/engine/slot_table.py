@@ -42,19 +42,20 @@ class SlotTable:
             self._empty = buffers.host_values(schema.IDENTITY, device, torch.float64).repeat(_FIRST_ROWS, 1)
             self.table = self._empty.clone()
 
+    def slot(self, key: RecordKey) -> int:
+        """The row of `key`, noted as touched this step (a new key gets a row of its own)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._new_slot(key)
+        if self._touched_in[slot] != self._steps:
+            self._touched_in[slot] = self._steps
+            self.keys.append(key)
+            self.rows.append(slot)
+        return slot
+
     def slots(self, keys: Sequence[RecordKey]) -> list[int]:
-        """The rows of `keys`, each noted as touched this step (new keys get rows of their own)."""
-        out = []
-        for key in keys:
-            slot = self._slots.get(key)
-            if slot is None:
-                slot = self._new_slot(key)
-            if self._touched_in[slot] != self._steps:
-                self._touched_in[slot] = self._steps
-                self.keys.append(key)
-                self.rows.append(slot)
-            out.append(slot)
-        return out
+        """The rows of `keys` (`slot` of each)."""
+        return [self.slot(key) for key in keys]
 
     def _new_slot(self, key: RecordKey) -> int:
         slot = self._slots[key] = len(self._slots)

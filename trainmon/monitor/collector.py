@@ -69,6 +69,7 @@ class StepCollector:
         self._arrivals = stats.records_on_arrival(eps, fields)
         self._arrival_bytes = self._arrivals.min_bytes  # smaller tensors skip the call
         self._table: Optional[SlotTable] = None  # the accelerator's rows, made at its first record
+        self._cpu_as_accelerator = stats_fused.cpu_as_accelerator
         self._reset()
 
     def _reset(self) -> None:
@@ -135,7 +136,9 @@ class StepCollector:
         """
         if not tensors:
             return
-        table = self._table_of(tensors[0])
+        table = self._table
+        if table is None or tensors[0].device != table.device:
+            table = self._table_of(tensors[0])
         if table is not None:
             self._fold(table, keys, tensors, defer)
             return
@@ -177,11 +180,13 @@ class StepCollector:
     def _table_of(self, tensor: torch.Tensor) -> Optional[SlotTable]:
         """The slot table of `tensor`'s device, where it is an accelerator (or the CPU taking the accelerators' path,
         `stats_fused.cpu_as_accelerator`) and the first the collector saw; else None."""
+        if tensor.is_cpu and not self._cpu_as_accelerator:
+            return None
         table = self._table
         if table is not None:
             return table if tensor.device == table.device else None
         device = tensor.device
-        if device.type == "meta" or (device.type == "cpu" and not stats_fused.cpu_as_accelerator):
+        if device.type == "meta":
             return None
         self._table = SlotTable(device, self.eps, self.fields)
         return self._table
@@ -189,13 +194,13 @@ class StepCollector:
     def _fold(self, table: SlotTable, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool) -> None:
         """Folds the tensors' records into their keys' rows now; an activation recorded earlier in the step, unchanged
         since, lends its row instead."""
-        slots = table.slots(keys)
         if not defer:
-            table.fold(slots, tensors)
+            table.fold(table.slots(keys), tensors)
             return
         folded = self._folded
         read_slots, read = [], []
-        for slot, tensor in zip(slots, tensors):
+        for key, tensor in zip(keys, tensors):
+            slot = table.slot(key)
             version = tensor._version
             seen = folded.get(id(tensor), tensor)
             if seen is not None and seen[0] == version:

@@ -7,6 +7,7 @@ import torch
 
 from test_csv_output import OPS, read_family
 from trainmon import TrainerMon
+from trainmon.read import open_run
 
 pd = pytest.importorskip("pandas")
 
@@ -100,6 +101,27 @@ def test_input_grads_read_at_their_node_equal_torch_and_leave_no_tap_in_the_grap
     # The first step taps every module whose input requires grad; then only the one whose input two nodes take.
     assert taps == [4, 1, 1]
     assert _not_recorded(monitor) == {}
+
+
+def test_a_call_read_at_its_node_keeps_its_output_grad_before_an_enclosing_modules_of_the_same_tensor(
+        output_dir, write_config):
+    """`block` returns what its last module `block.1` (a linear layer on 2-D input, read at its node from its second
+    call on) returns: that grad is recorded for `block.1` first, then for `block`, at every step, as at the first,
+    tapped call (and as under torch.compile)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 8)))
+    monitor = TrainerMon(write_config(all_xy=True, xy_distribution=True, ops=OPS, format=["db"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.set_monitor(model, optimizer=optimizer)
+    for step in range(3):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()).sum().backward()
+        optimizer.step()
+    monitor.stop()
+    with open_run(monitor.output_dir, source="db") as run:
+        grads = run.records(family="actv_grad")
+    orders = [list(grads[grads.step == step].sort_values("call_index").name) for step in range(3)]
+    assert orders[0].index("1.1.output") + 1 == orders[0].index("1.output")
+    assert orders[1] == orders[2] == orders[0]
 
 
 class _Changing(torch.nn.Module):

@@ -12,8 +12,8 @@ from common import TinyLM
 from launch import torchrun
 from test_csv_output import read_family
 from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
-                    assert_reduced_is_the_mean, assert_same_labels, assert_sharding_collectives, assert_unpatched,
-                    differing, nan_analyze, norms, the_run, truth)
+                    assert_one_record_per_call, assert_reduced_is_the_mean, assert_same_labels,
+                    assert_sharding_collectives, assert_unpatched, differing, nan_analyze, norms, the_run, truth)
 
 pytest.importorskip("deepspeed")
 OPTIMIZER_FAMILIES = SHARDED_FAMILIES + ("mg_direction",)
@@ -47,6 +47,7 @@ def test_zero_stage_two_ranks(tmp_path, stage):
         assert differing(run, family, 0, 1)[0] == 0, f"{family}: merged records are the same on every rank"
     # trainmon.save / save_grad of the logits: ranks × steps × families
     assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2
+    assert_one_record_per_call(run)
 
 
 def test_zero0_reduced_grads_are_the_mean_of_the_ranks(tmp_path):
@@ -91,6 +92,7 @@ def test_inf_on_rank_1_is_named_first(tmp_path, stage, cc):
     assert "anomaly at rank 1 step 1 micro-step 0: blocks.0 forward output (sentinel" in log
     run = the_run(output_dir)
     assert_injection_named(run, tmp_path, dict(rank=1, step=1, micro_step=0, module="blocks.0", phase="forward"), cc)
+    assert_one_record_per_call(run)  # the model's output: the engine's and its module's, once
     if cc == "on":  # rank 0 got it through that step's grad reduction: ZeRO-3 reduce-scatters, ZeRO-0 all-reduces
         link = nan_analyze(run)["cross_rank"]["chain"][0]
         assert (link["step"], link["from"], link["to"]) == (1, [1], [0]), link

@@ -11,8 +11,9 @@ from trainmon.anomaly.cross_rank import attribute
 from trainmon.core.collective_ops import parse_comm_name
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import find_run
-from verify import (SAVED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match, assert_same_labels,
-                    assert_unpatched, differing, nan_analyze, norms, the_run, truth)
+from verify import (SAVED_FAMILIES, assert_clipped, assert_injection_named, assert_norms_match,
+                    assert_one_record_per_call, assert_same_labels, assert_unpatched, differing, nan_analyze, norms,
+                    the_run, truth)
 
 pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with (the `db` extra)
 
@@ -58,6 +59,7 @@ def test_activation_grads_under_megatron(tmp_path):
     """Grads of module inputs and outputs, with Megatron's in-place ops on both (bias-dropout-add on outputs,
     the masked softmax on its input) running as they do unmonitored, also under full recompute."""
     run, _ = run_job(tmp_path, 2, "--tp", "2", "--xy")
+    assert_one_record_per_call(run)  # the model's output: Megatron's DDP, its Float16Module and the model's own
     for rank in (0, 1):
         grads = read_family(os.path.join(run, f"rank_{rank}"), "actv_grad")
         assert {"decoder.layers.1.mlp.output_0", "decoder.layers.0.self_attention.output_0",
@@ -78,6 +80,7 @@ def test_activation_grads_under_megatron(tmp_path):
     recomputed = tmp_path / "recompute"
     recomputed.mkdir()
     again, _ = run_job(recomputed, 2, "--tp", "2", "--xy", "--recompute")
+    assert_one_record_per_call(again)
     for family in ("actv", "actv_grad"):
         for rank in (0, 1):
             plain, checkpointed = (read_family(os.path.join(r, f"rank_{rank}"), family)

@@ -6,8 +6,9 @@ import os
 from common import TinyLM
 from launch import torchrun
 from test_csv_output import read_family
-from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_norms_match, assert_reduced_is_the_mean,
-                    assert_same_labels, assert_sharding_collectives, differing, nan_analyze, the_run)
+from verify import (SAVED_FAMILIES, SHARDED_FAMILIES, assert_norms_match, assert_one_record_per_call,
+                    assert_reduced_is_the_mean, assert_same_labels, assert_sharding_collectives, differing, nan_analyze,
+                    the_run)
 
 
 def test_ddp_two_ranks(tmp_path):
@@ -28,6 +29,7 @@ def test_ddp_two_ranks(tmp_path):
     assert_same_labels(run, SHARDED_FAMILIES + ("grad_unreduced",), 0, 1)
     # trainmon.save / save_grad of the logits: ranks × steps × families
     assert assert_norms_match(run, tmp_path, (0, 1), SAVED_FAMILIES, per_micro=True) == 2 * 3 * 2
+    assert_one_record_per_call(run)
 
 
 def test_fsdp2_two_ranks(tmp_path):
@@ -63,6 +65,7 @@ def test_fsdp2_two_ranks(tmp_path):
     for rank in (0, 1):
         left = json.load(open(tmp_path / f"hooks.rank{rank}.json"))
         assert left == {"unsharded": parameters, "hooked": 0, "pre_hooks_added": 0}, "stop() removes every hook"
+    assert_one_record_per_call(run)
 
 
 def test_fsdp2_module_ranks_leaves_the_merge_whole_and_the_other_ranks_silent(tmp_path):
@@ -74,6 +77,7 @@ def test_fsdp2_module_ranks_leaves_the_merge_whole_and_the_other_ranks_silent(tm
     assert assert_norms_match(run, tmp_path, (0,), SHARDED_FAMILIES) == 3 * 5 * len(list(TinyLM().parameters()))
     assert not [f for f in os.listdir(os.path.join(run, "rank_1")) if f.endswith(".csv")]
     assert len(read_family(os.path.join(run, "rank_0"), "actv")) > 0, "rank 0 records its activations"
+    assert_one_record_per_call(run)
 
 
 def test_ddp_inf_on_rank_1_is_traced_to_it(tmp_path):
@@ -83,3 +87,5 @@ def test_ddp_inf_on_rank_1_is_traced_to_it(tmp_path):
     first = report["first"]
     assert (first["rank"], first["step"], first["module"], first["phase"]) == (1, 1, "blocks.0", "forward")
     assert any(c["rank"] == 0 for c in report["chain"]), "the all-reduce spread it to rank 0"
+    # the model's output, DDP's and its module's, one record per forward
+    assert assert_one_record_per_call(the_run(output_dir)) > 0

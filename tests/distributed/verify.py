@@ -33,6 +33,27 @@ def norms(rank_dir: str, family: str, per_micro: bool = False) -> dict:
     return out
 
 
+# What places a record: a (tag, rank, step, micro-step) written twice is one call recorded twice, whatever the two
+# rows' call indices (a wrapper and the module it wraps each took one).
+RECORD_PLACE = ("rank", "family", "vpp_stage", "name", "shape", "dtype", "step", "micro_step")
+
+
+def assert_one_record_per_call(run_dir: str) -> int:
+    """No record place of any family is written twice, on any rank; returns the number of records read."""
+    import collections
+
+    from trainmon import open_run
+
+    with open_run(run_dir) as run:
+        frame = run.records()
+    assert len(frame), f"no records in {run_dir}"
+    places = collections.Counter(tuple(str(v) for v in row)
+                                 for row in frame[list(RECORD_PLACE)].itertuples(index=False))
+    repeated = sorted(place for place, count in places.items() if count > 1)
+    assert not repeated, f"{len(repeated)} places written more than once, such as {repeated[:3]} ({RECORD_PLACE})"
+    return len(frame)
+
+
 def truth(out_dir: str, rank: int) -> dict:
     with open(os.path.join(out_dir, f"truth.rank{rank}.json")) as f:
         return json.load(f)

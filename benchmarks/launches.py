@@ -1,7 +1,7 @@
 """Kernel launches a monitored step adds, counted on the CPU: the top-level aten ops of one training step of
 TinyGPT (bf16) per tier, less those of the same step unmonitored, by op. On an accelerator each such op is a
 launch, and each costs host time that the GPU waits for once the host is the bottleneck (benchmarks/README.md,
-"On a GPU"). The statistics engine takes the accelerators' path (`stats_fused.cpu_as_accelerator`): each
+"Current figures"). The statistics engine takes the accelerators' path (`stats_fused.cpu_as_accelerator`): each
 record folded into a slot table by a Triton kernel, whose launches are counted as `triton::fold_one`,
 `triton::fold_many` and `triton::merge_row` (counted, not run: the host path up to each launch runs as on an
 accelerator). Without Triton installed, the torch kernels fold, and their ops are counted as they run.
@@ -14,7 +14,7 @@ accelerator). Without Triton installed, the torch kernels fold, and their ops ar
 
 With `--host-steps N`, the training thread's CPU time a step (median of N steps after the counted one) against
 `none`'s, too: at a model small enough that its own compute is cheap (`--hidden 64 --batch 2`), what a tier adds
-is the host work that sets a GPU step's pace once the host is the bottleneck (benchmarks/README.md, "On a GPU").
+is the host work that sets a GPU step's pace once the host is the bottleneck (benchmarks/README.md, "Current figures").
 """
 from __future__ import annotations
 

@@ -178,3 +178,21 @@ def test_a_gpu_records_what_the_cpu_records(output_dir, write_config, monkeypatc
         np.testing.assert_array_equal(gpu[f"raw_{field}"], cpu[f"raw_{field}"], err_msg=field)
     for field in ("sumsq", "min", "max"):
         np.testing.assert_allclose(gpu[f"raw_{field}"], cpu[f"raw_{field}"], rtol=1e-3, atol=1e-5, err_msg=field)
+
+
+@pytest.mark.parametrize("mode", ["default", pytest.param("fullgraph", marks=pytest.mark.slow), "blocks"])
+def test_compiled_records_on_the_accelerators_path_are_the_eager_ones(output_dir, write_config, monkeypatch, mode):
+    """torch.compile (whole, fullgraph, block by block): the hooks a compiled graph runs fold into the same rows
+    as eager hooks do, every family included."""
+    from test_compile import ALL, OPS, _records, monitored_run
+
+    monkeypatch.setattr(folding, "triton_reads", lambda device: False)  # the interpreter: ~30 ms a launch
+    monkeypatch.setattr(stats_fused, "cpu_as_accelerator", True)
+    *_, eager = monitored_run(write_config, ALL, None)
+    *_, compiled = monitored_run(write_config, ALL, mode)
+    eager_records, compiled_records = _records(eager), _records(compiled)
+    assert set(compiled_records) == set(eager_records)
+    assert {"actv", "actv_grad", "grad_unreduced", "grad_reduced", "exp_avg"} <= {key[0] for key in eager_records}
+    for key, got in compiled_records.items():
+        for op in OPS:
+            assert getattr(got, op) == pytest.approx(getattr(eager_records[key], op), rel=1e-4, abs=1e-6), (key, op)

@@ -319,7 +319,8 @@ def test_shipped_configs_exist_and_demo_is_as_documented():
     cfg, warned = not_honoured_warnings(CONFIGS_DIR / "demo.json")
     assert warned == []
     assert cfg.ops == ["min", "max", "norm", "mean", "zeros", "nans", "infs"] and cfg.format == ["db"]
-    assert cfg.sentinel and [r.rule_name for r in cfg.alert.rules] == ["AnomalyNan", "AnomalySpike"]
+    assert cfg.sentinel and [r.rule_name for r in cfg.alert.rules] == ["AnomalyNan", "AnomalySpike",
+                                                                       "AnomalyPrecursor"]
     assert cfg.watch.enable and cfg.watch.interval == 1
     assert cfg.targets == {} and cfg.all_xy and cfg.xy_distribution and cfg.wg_distribution
     assert cfg.param_distribution and cfg.mv_distribution and cfg.step_interval == 1

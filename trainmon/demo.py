@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -37,12 +38,18 @@ DEMO_CONFIG = {
     "start_step": 0,
     "step_interval": 1,
     "sentinel": True,
-    "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalySpike"}]},
+    "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalySpike"},
+                        {"rule_name": "AnomalyPrecursor"}]},
     "watch": {"enable": True, "interval": 1, "heatmap_every": 100},
 }
 # `--inject nan`: where the Inf goes (a module of TinyGPT, and the step as a fraction of the run)
 INJECT_MODULE = "layers.1.mlp.0"
 INJECT_AT = 0.5
+# `--inject instability`: from INJECT_AT of the run the learning rate climbs x RAMP_FACTOR over RAMP_STEPS steps
+# (geometrically), and stays there
+RAMP_FACTOR, RAMP_STEPS = 50, 100
+# A loss spike: the loss above SPIKE_FACTOR x the median of its previous SPIKE_WINDOW values (or not finite)
+SPIKE_FACTOR, SPIKE_WINDOW = 2.0, 20
 WATCH_WAIT_S = 300
 
 
@@ -118,10 +125,26 @@ def inject_inf(model: nn.Module, module_name: str, step: int, current_step) -> N
     model.get_submodule(module_name).register_forward_hook(hook)
 
 
+def ramped(step: int, start: Optional[int]) -> float:
+    """The learning rate's factor at `step` under `--inject instability` from `start` (1 before it, or without)."""
+    return 1.0 if start is None else RAMP_FACTOR ** (min(max(step - start, 0), RAMP_STEPS) / RAMP_STEPS)
+
+
+def first_loss_spike(losses: list[float]) -> Optional[int]:
+    """The first step whose loss is not finite or above SPIKE_FACTOR x the median of its previous SPIKE_WINDOW."""
+    return next((step for step in range(SPIKE_WINDOW, len(losses)) if not math.isfinite(losses[step]) or
+                 losses[step] > SPIKE_FACTOR * statistics.median(losses[step - SPIKE_WINDOW:step])), None)
+
+
+def first_nonfinite(losses: list[float]) -> Optional[int]:
+    return next((step for step, loss in enumerate(losses) if not math.isfinite(loss)), None)
+
+
 def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps: int = 1, batch: int = 8,
           seq: int = 32, vocab: int = 256, hidden: int = 64, layers: int = 2, lr: float = 3e-3,
-          log_every: int = 50, inject_step: Optional[int] = None):
-    """Trains TinyGPT; with a config, under trainmon; with `inject_step`, an Inf enters INJECT_MODULE there.
+          log_every: int = 50, inject_step: Optional[int] = None, ramp_step: Optional[int] = None):
+    """Trains TinyGPT; with a config, under trainmon; with `inject_step`, an Inf enters INJECT_MODULE there; with
+    `ramp_step`, the learning rate climbs from there (`ramped`).
 
     Returns:
         (losses, the stopped TrainerMon or None).
@@ -129,6 +152,7 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
     torch.manual_seed(seed)
     model = TinyGPT(vocab=vocab, hidden=hidden, layers=layers, seq=seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ramped(s, ramp_step))
     gen = torch.Generator().manual_seed(seed + 1)
     step = 0
     if inject_step is not None:
@@ -150,6 +174,7 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
         if monitor is not None:
             monitor.log_scalar("loss", total)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))
         if log_every and (step % log_every == 0 or step == steps - 1):
@@ -161,11 +186,16 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    inject_step = int(args.steps * INJECT_AT) if args.inject else None
+    at = int(args.steps * INJECT_AT)
+    inject_step = at if args.inject == "nan" else None
+    ramp_step = at if args.inject == "instability" else None
     if inject_step is not None:
         print(f"injecting +Inf into {INJECT_MODULE}'s output at step {inject_step}")
+    if ramp_step is not None:
+        print(f"ramping the learning rate x{RAMP_FACTOR} over {RAMP_STEPS} steps from step {ramp_step}")
     with _config_file(args.config) as config_path:
-        losses, monitor = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps, inject_step=inject_step)
+        losses, monitor = train(args.steps, config_path, grad_acc_steps=args.grad_acc_steps, inject_step=inject_step,
+                                ramp_step=ramp_step)
     print(f"\ntrained {len(losses)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
           f"{'' if math.isfinite(losses[-1]) else ' (non-finite!)'}")
     run_dir = monitor.output_dir.parent
@@ -176,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         _wait_for(monitor.watch_process, logdir)
     if inject_step is not None:
         _show_injection(run_dir, logdir if watched else None)
+    if ramp_step is not None:
+        _show_early_warning(monitor.output_dir, losses)
     print("\nnext steps:")
     for number, (command, note) in enumerate(next_steps(run_dir, logdir, watched), 1):
         print(f"  {number}. {command}      # {note}")
@@ -261,3 +293,23 @@ def _show_injection(run_dir: Path, logdir: Optional[Path]) -> None:
     first = analyze(run_dir)["first"]
     print(f"trainmon nan-analyze {run_dir}:\n  first non-finite tensor: "
           f"{describe_place(first) if first else 'none'}")
+
+
+def _show_early_warning(rank_dir: Path, losses: list[float]) -> None:
+    """AnomalyPrecursor's first warning of the rank, against the first loss spike and NaN."""
+    from trainmon.core.events import PRECURSOR_RULE, AnomalyEvent
+    from trainmon.core.layout import ANOMALIES_FILE
+    path = rank_dir / ANOMALIES_FILE
+    events = [AnomalyEvent.from_json(json.loads(line)) for line in open(path, encoding="utf-8")] \
+        if path.exists() else []
+    warned = [e for e in events if e.rule == PRECURSOR_RULE]
+    spike, nonfinite = first_loss_spike(losses), first_nonfinite(losses)
+    spiked = "no loss spike" if spike is None else f"the loss first spiked at step {spike}"
+    nan = "" if nonfinite is None else f", and was first NaN/Inf at step {nonfinite}"
+    if not warned:
+        print(f"no early warning (AnomalyPrecursor) in {path}; {spiked}{nan}")
+        return
+    first = min(warned, key=lambda e: e.step)
+    lead = "" if spike is None else f", {spike - first.step} steps after the warning"
+    print(f"early warning (AnomalyPrecursor, {len(warned)} series in all):\n  {first.describe()}\n"
+          f"  {spiked}{lead}{nan}")

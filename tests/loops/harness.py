@@ -19,7 +19,8 @@ pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with 
 
 CONFIG = dict(xy_distribution=True, all_xy=True, wg_distribution=True, mv_distribution=True,
               param_distribution=True, ops=["norm", "min", "max", "nans", "infs"], ndigits=17, format=["csv"],
-              alert={"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalySpike"}]})
+              alert={"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalySpike"},
+                               {"rule_name": "AnomalyPrecursor"}]})
 STEP_FAMILIES = ["actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "param_updated",
                  "exp_avg", "exp_avg_sq"]
 INJECTED_STEP, INJECTED_MICRO = 3, 1

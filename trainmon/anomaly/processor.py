@@ -132,7 +132,7 @@ class AnomalyProcessor(Sink):
         if self.rules:
             records = [(tag_of(key, self._rank), key.family, ops) for key, ops in zip(batch.keys, batch.derived)]
             for rule in self.rules:
-                rule.begin_step(records)
+                rule.begin_step(records, batch.step, batch.keys)
             for key, row, (tag, _, ops) in zip(batch.keys, batch.values, records):
                 for rule in self.rules:
                     events += [self._event(batch, key, op, float(v), rule.name)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from trainmon.engine import stats
-from trainmon.core.records import EXP_AVG_SQ
+from trainmon.core.events import PRECURSOR_RULE
+from trainmon.core.records import (ADAM_UPDATE, ATTENTION_HOOK, EXP_AVG_SQ, MOE_LOAD, MOE_ROUTER_LOGIT_HOOK,
+                                   PARAM_UPDATED)
 
 NANS, INFS = stats.FIELDS.index("nans"), stats.FIELDS.index("infs")
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
@@ -27,8 +29,10 @@ class Rule:
 
     name = "Rule"
 
-    def begin_step(self, records: Sequence[tuple[str, str, Mapping[str, Optional[float]]]]) -> None:
-        """Sees the step's records, (tag, family, ops) each, before any of them is checked."""
+    def begin_step(self, records: Sequence[tuple[str, str, Mapping[str, Optional[float]]]],
+                   step: Optional[int] = None, keys: Optional[Sequence] = None) -> None:
+        """Sees the step's records, (tag, family, ops) each, before any of them is checked; `step`: the step's
+        number, `keys`: the records' RecordKeys, in the same order."""
 
     def check_record(self, tag: str, row: Sequence[float], ops: Mapping[str, Optional[float]]) -> list:
         return []
@@ -198,7 +202,7 @@ class AnomalySpike(_SeriesRule):
         self._fired, self._traced = False, []
         return traced
 
-    def begin_step(self, records) -> None:
+    def begin_step(self, records, step=None, keys=None) -> None:
         largest: dict[tuple, float] = collections.defaultdict(float)
         for _, family, ops in records:
             for op, v in ops.items():
@@ -246,7 +250,177 @@ def _trend(points: Sequence[float]) -> tuple[float, float]:
     return level + slope * len(points), statistics.median(abs(d - level) for d in detrended)
 
 
-RULES = {cls.name: cls for cls in (AnomalyNan, AnomalyTurbulence, AnomalySpike)}
+LEARNING_RATE = "lr"  # the logged scalar the update-to-weight ratio takes the learning rate from
+BASELINE_SLOPES = 200  # the earlier slopes of a series its bound is taken from
+BASELINE_MIN = 3  # windows of earlier slopes a series needs before it is judged
+
+
+class Signal(NamedTuple):
+    """A precursor AnomalyPrecursor watches: records of `families` whose name ends with one of `endings` (of
+    matrices only, with `matrices`: not the norms' and biases' vectors), read by the first of `ops` they have,
+    `falls` when a fall (not a growth) is the warning."""
+
+    families: frozenset
+    endings: tuple[str, ...]
+    ops: tuple[str, ...]
+    falls: bool
+    matrices: bool = False
+
+
+PRECURSORS: dict[str, Signal] = {
+    # attention logits growing until the softmax saturates (the L2 attention features' max_logit)
+    "max_logit": Signal(frozenset({ATTENTION_HOOK}), (".max_logit",), ("max", "norm"), False),
+    # the router sending every token to the same experts (moe_load, or the L2 router-logit features)
+    "router_entropy": Signal(frozenset({MOE_LOAD, MOE_ROUTER_LOGIT_HOOK}),
+                             (".router_entropy", ".per_token_expert_entropy"), ("min", "norm"), True),
+    # the update-to-weight ratio: the learning rate (the scalar `lr` the script logs) x Adam's step direction
+    # m/(sqrt(v)+eps) (ur_distribution) over the weight it updates (param_distribution)
+    "update_ratio": Signal(frozenset({ADAM_UPDATE}), ("weight",), ("norm",), False, matrices=True),
+    # the weights themselves (param_distribution)
+    "weight_norm": Signal(frozenset({PARAM_UPDATED}), ("weight",), ("norm",), False, matrices=True),
+}
+
+
+class _Series:
+    """One precursor series: its values' logs (negated for a falling signal) with their steps, its recent slopes, and
+    the bound a slope must exceed (from the slopes before the window, refreshed once a window)."""
+
+    def __init__(self, window: int, baseline: int):
+        self.logs: collections.deque = collections.deque(maxlen=window)
+        self.steps: collections.deque = collections.deque(maxlen=window)
+        self.slopes: collections.deque = collections.deque(maxlen=baseline + window)
+        self.median, self.bound, self.refreshed = 0.0, math.inf, 0
+        self.rising = 0        # consecutive steps the slope was above the baseline's bound
+        self.since = 0         # the step the window of the first of them began at
+        self.warned = False    # said once per episode of growth
+        self.seen = 0
+
+
+class AnomalyPrecursor(Rule):
+    """An early warning: sustained growth of a precursor of divergence, before any NaN or loss spike.
+
+    Per series of each signal of PRECURSORS (one module's largest attention logit, router entropy, update-to-weight
+    ratio (judged at the steps the script logs the learning rate as the scalar `lr`) or weight norm; a falling
+    signal as its inverse), on log values: its slope over the last `window` collected steps
+    (the medians of the newer and older half joined), against the baseline of its own earlier slopes (after the
+    first `warmup` values, the last BASELINE_SLOPES slopes of the steps before the window, taken once a window; at
+    least BASELINE_MIN windows of them). A series warns when its slope has been, for
+    `persist` steps in a row, above `factor` x the baseline's median, above that median plus `z` robust standard
+    deviations of the baseline (1.4826 x MAD), and above `min_rate` (a growth of x(1 + min_rate) a step). Healthy
+    training grows its weights and logits fastest early and ever slower; a run on its way to divergence grows them
+    ever faster. A series warns once, until its growth has stopped for a window. The finding says which signal,
+    since which step (where the window of the first rising slope began) and how fast: its value is the growth per
+    step (x1.004: doubling in 174 steps; for a falling signal, the fall).
+
+    Args:
+        signals: the PRECURSORS to watch (default all: those the run records).
+        window: collected steps a slope spans (default 10).
+        warmup: values of a series before its slopes form the baseline (default 100: past a learning-rate warm-up and
+            the fast changes of early training).
+        factor: how many times the baseline's median slope a slope must exceed (default 3).
+        z: robust standard deviations of the baseline's slopes a slope must exceed their median by (default 6).
+        min_rate: the smallest growth per step that warns (default 0.002).
+        persist: consecutive steps the slope must stay above its bound (default 5).
+    """
+
+    name = PRECURSOR_RULE
+
+    def __init__(self, signals: Optional[Iterable[str]] = None, window: int = 10, warmup: int = 100,
+                 factor: float = 3.0, z: float = 6.0, min_rate: float = 0.002, persist: int = 5):
+        unknown = sorted(set(signals or ()) - set(PRECURSORS))
+        if unknown:
+            raise ValueError(f"AnomalyPrecursor signals {unknown} are not among {sorted(PRECURSORS)}")
+        if window < 4:
+            raise ValueError(f"AnomalyPrecursor window ({window}) must be at least 4")
+        self.signals = {name: PRECURSORS[name] for name in (signals or PRECURSORS)}
+        self.window, self.warmup, self.factor, self.z = window, warmup, factor, z
+        self.min_rate, self.persist = math.log1p(min_rate), persist
+        self._series: dict[tuple, _Series] = {}
+        self._found: list[tuple[str, str, float]] = []
+        self._step: Optional[int] = None
+        self._lr: Optional[float] = None
+        self._updates: list[tuple[str, float]] = []  # (tag, Adam's step over the weight) of the running step
+
+    def begin_step(self, records, step=None, keys=None) -> None:
+        self._step, self._lr, self._updates = step, None, []
+        if step is None or keys is None:
+            return
+        weights = {}
+        if "update_ratio" in self.signals:
+            weights = {key.name: ops.get("norm") for key, (_, _, ops) in zip(keys, records)
+                       if key.family == PARAM_UPDATED}
+        for key, (tag, _, ops) in zip(keys, records):
+            for signal_name, signal in self.signals.items():
+                if key.family not in signal.families or not key.name.endswith(signal.endings) or \
+                        (signal.matrices and len(key.shape) != 2):
+                    continue
+                value = next((ops[op] for op in signal.ops if ops.get(op) is not None), None)
+                if signal_name != "update_ratio":
+                    self._judge((signal_name, tag), signal, step, value)
+                elif value is not None and weights.get(key.name):
+                    self._updates.append((tag, value / weights[key.name]))  # judged with the step's lr
+
+    def check_scalar(self, name, value) -> list:
+        if name == LEARNING_RATE:
+            self._lr = value
+        return []
+
+    def _judge(self, key: tuple, signal: Signal, step: int, value: Optional[float]) -> None:
+        series = self._series.get(key)
+        if value is None or not math.isfinite(value) or value <= 0:
+            self._series.pop(key, None)  # no log: what came before is no baseline for what follows
+            return
+        if series is None:
+            series = self._series[key] = _Series(self.window, BASELINE_SLOPES)
+        series.logs.append(-math.log(value) if signal.falls else math.log(value))
+        series.steps.append(step)
+        series.seen += 1
+        if series.seen < max(self.window, self.warmup):
+            return
+        slope = _slope(series.logs, series.steps)
+        series.slopes.append(slope)
+        if len(series.slopes) < self.window + BASELINE_MIN * self.window:
+            return
+        if series.seen >= series.refreshed + self.window:
+            self._refresh(series)
+        if slope <= series.bound:
+            series.rising = 0
+            series.warned = series.warned and slope > series.median  # its growth has stopped: it may warn again
+            return
+        if not series.rising:
+            series.since = series.steps[0]  # where the window of the first rising slope began
+        series.rising += 1
+        if series.rising >= self.persist and not series.warned:
+            series.warned = True
+            rate = math.exp(-slope if signal.falls else slope)
+            self._found.append((key[1], f"{key[0]} {'falling' if signal.falls else 'rising'} since step "
+                                        f"{series.since}", rate))
+
+    def _refresh(self, series: _Series) -> None:
+        """The bound from the slopes before the window (the last BASELINE_SLOPES of them)."""
+        baseline = list(series.slopes)[:-self.window]
+        median = statistics.median(baseline)
+        spread = statistics.median(abs(b - median) for b in baseline)
+        series.median, series.refreshed = median, series.seen
+        series.bound = max(self.min_rate, self.factor * max(median, 0.0), median + self.z * _MAD_TO_SIGMA * spread)
+
+    def end_step(self) -> list[tuple[str, str, float]]:
+        if self._lr is not None:
+            for tag, ratio in self._updates:
+                self._judge(("update_ratio", tag), PRECURSORS["update_ratio"], self._step, self._lr * ratio)
+        found, self._found, self._updates = self._found, [], []
+        return found
+
+
+def _slope(logs, steps) -> float:
+    """Growth per step: the medians of the newer and the older half of the window joined."""
+    half = len(logs) // 2
+    logs, steps = list(logs), list(steps)
+    run = statistics.median(steps[-half:]) - statistics.median(steps[:half])
+    return (statistics.median(logs[-half:]) - statistics.median(logs[:half])) / run if run > 0 else 0.0
+
+
+RULES = {cls.name: cls for cls in (AnomalyNan, AnomalyTurbulence, AnomalySpike, AnomalyPrecursor)}
 
 
 def build_rules(rule_configs) -> list[Rule]:

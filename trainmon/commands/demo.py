@@ -16,8 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many training steps to run (default 300)")
     parser.add_argument("--grad-acc-steps", type=positive_int, default=1, metavar="N",
                         help="micro-batches accumulated per step (default 1)")
-    parser.add_argument("--inject", choices=["nan"], help="nan: put an Inf into a layer's output half-way through, "
-                                                          "and show the alert and nan-analyze naming it")
+    parser.add_argument("--inject", choices=["nan", "instability"],
+                        help="nan: put an Inf into a layer's output half-way through, and show the alert and "
+                             "nan-analyze naming it; instability: ramp the learning rate x50 over 100 steps from "
+                             "half-way, and show the early warning (AnomalyPrecursor) before the loss spike")
 
 
 def register(subparsers) -> None:

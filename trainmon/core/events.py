@@ -39,6 +39,7 @@ PARAM_TENSORS = {
 }
 SCALAR_PHASE = "scalar"  # anomalies of values given to `log_scalar`
 SENTINEL_RULE = "sentinel"
+PRECURSOR_RULE = "AnomalyPrecursor"  # its finding's op names the signal and since when, its value the rate
 # What the sentinel found (its event's `op`; `monitor.sentinel.verdict`), with the event's value: INF is an
 # Inf whose sign was not probed (weights). "nonfinite" is the op of older runs, whose value is the probe.
 NAN, POS_INF, NEG_INF, BOTH_INF, INF = "nan", "+inf", "-inf", "+inf/-inf", "inf"
@@ -157,4 +158,7 @@ def finding(op: str, value, rule: str) -> str:
     """`op=value` as reports write it; the sentinel's `nonfinite=<what it found>` (nan, +inf, -inf, +inf/-inf)."""
     if rule == SENTINEL_RULE and op in SENTINEL_VALUES:
         return f"nonfinite={op}"
+    if rule == PRECURSOR_RULE and isinstance(value, float) and value > 0 and value != 1:
+        doubling = math.log(2) / abs(math.log(value))
+        return f"{op}, x{value:.4g} a step ({'halves' if value < 1 else 'doubles'} in {doubling:.0f} steps)"
     return f"{op}={value if isinstance(value, str) else format(value, '.6g')}"

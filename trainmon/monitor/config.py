@@ -89,10 +89,11 @@ class RuleConfig:
     _PATH: ClassVar[str] = "alert.rules[]"
     rule_name: str = _field(check_choice(RULE_NAMES), allowed=RULE_NAMES)
     """AnomalyTurbulence (value beyond (1 + threshold) x running mean; needs `threshold`), AnomalyNan
-    (NaN, or |value| > threshold when given) or AnomalySpike (trainmon)."""
+    (NaN, or |value| > threshold when given), AnomalySpike or AnomalyPrecursor (trainmon's)."""
     args: dict = _field(check_rule_args, factory=dict)
     """Rule arguments (RULE_ARGS lists each rule's): `threshold` a number >= 0, `window`/`warmup` ints >= 1,
-    `min_relative` a number >= 0, `noise` a number from 0 to below 1, `ops` a list of op names."""
+    `min_relative` a number >= 0, `noise` a number from 0 to below 1, `ops` a list of op names; AnomalyPrecursor's
+    `signals` (precursor names), `factor`, `z`, `min_rate` numbers >= 0, `persist` an int >= 1."""
 
     def __post_init__(self) -> None:
         _validate_fields(self)
@@ -101,7 +102,10 @@ class RuleConfig:
             if name not in allowed:
                 raise ConfigError(f"is not an argument of {self.rule_name}", key=f"args.{name}",
                                   value=self.args[name], allowed=list(allowed), closest=closest(name, allowed))
-        if self.args.get("warmup", 0) > self.args.get("window", 50):
+        if self.rule_name == "AnomalyPrecursor" and self.args.get("window", 10) < 4:
+            raise ConfigError("must be at least 4 (a slope joins the medians of the window's halves)",
+                              key="args.window", value=self.args["window"], allowed="an int >= 4", closest=10)
+        if self.rule_name == "AnomalySpike" and self.args.get("warmup", 0) > self.args.get("window", 50):
             raise ConfigError("must not exceed the window (50 unless given)", key="args.warmup",
                               value=self.args["warmup"], allowed="an int from 1 to the window",
                               closest=self.args.get("window", 50))

@@ -31,13 +31,17 @@ SAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 # msprobe lists these as ops, but they are not statistics: every CSV row carries them anyway.
 COLUMN_OPS: tuple[str, ...] = ("shape", "dtype")
 
-# msprobe's MonitorConst.RULE_NAME is ["AnomalyTurbulence", "AnomalyNan"]; AnomalySpike is trainmon's own.
-RULE_NAMES: tuple[str, ...] = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike")
+# msprobe's MonitorConst.RULE_NAME is ["AnomalyTurbulence", "AnomalyNan"]; AnomalySpike and AnomalyPrecursor are
+# trainmon's own.
+RULE_NAMES: tuple[str, ...] = ("AnomalyTurbulence", "AnomalyNan", "AnomalySpike", "AnomalyPrecursor")
+# The precursors AnomalyPrecursor watches (`signals`; trainmon.anomaly.rules.PRECURSORS says what each is).
+PRECURSOR_SIGNALS: tuple[str, ...] = ("max_logit", "router_entropy", "update_ratio", "weight_norm")
 # The `args` each rule takes (trainmon.anomaly.rules documents their meaning).
 RULE_ARGS: dict[str, tuple[str, ...]] = {
     "AnomalyNan": ("threshold",),
     "AnomalyTurbulence": ("threshold", "ops"),
     "AnomalySpike": ("threshold", "window", "warmup", "min_relative", "noise", "ops"),
+    "AnomalyPrecursor": ("signals", "window", "warmup", "factor", "z", "min_rate", "persist"),
 }
 ALERT_ACTIONS: tuple[str, ...] = ("warn", "skip_step", "stop")
 # The keys of one `targets` entry (msprobe: forward input/output, backward grads of both).
@@ -372,6 +376,14 @@ def check_rule_args(value: Any, key: str) -> dict:
         args["noise"] = check_number(0.0, below=1.0)(args["noise"], f"{key}.noise")
     if "ops" in args:
         args["ops"] = check_list(check_choice(STAT_OPS), "op names")(args["ops"], f"{key}.ops")
+    if "signals" in args:
+        args["signals"] = check_list(check_choice(PRECURSOR_SIGNALS), "precursor names")(args["signals"],
+                                                                                         f"{key}.signals")
+    for name in ("factor", "z", "min_rate"):
+        if name in args:
+            args[name] = check_number(0.0)(args[name], f"{key}.{name}")
+    if "persist" in args:
+        args["persist"] = check_int(1)(args["persist"], f"{key}.persist")
     return args
 
 

@@ -123,6 +123,14 @@ L2_HOOKS: dict[str, L2Hook] = {
 }
 
 
+def compiled(modules: list) -> bool:
+    """Whether any of `modules` is, or holds, a torch.compile'd module (whose hooks trainmon's feature hooks skip:
+    they record from Python, which a compiled graph would have to break for)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) for module in modules for m in module.modules())
+
+
 def feature_modules(chunks: list, l2_targets: dict[str, list[str]], squash: bool,
                     rename: Callable[[int, str], str]) -> list[tuple[str, str, int, torch.nn.Module]]:
     """(hook name, written name, vpp stage, module) of each module `l2_targets` chooses; an entry that names no
@@ -141,6 +149,8 @@ def feature_modules(chunks: list, l2_targets: dict[str, list[str]], squash: bool
                     matched |= {(hook_name, entry) for entry in hit}
     missed = [f"{hook}: {entry}" for hook, entries in l2_targets.items() for entry in entries
               if (hook, entry) not in matched]
+    if out and compiled(chunks):
+        logger.warning("trainmon: L2 features of modules inside torch.compile'd regions are not computed")
     if missed:
         logger.warning("trainmon: l2_targets names modules the model does not have, or that do not have what the hook "
                        "reads (a linear or router-weight hook needs a 2-D weight); not recorded: %s", "; ".join(missed))

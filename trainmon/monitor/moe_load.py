@@ -27,6 +27,7 @@ from trainmon.core import feature_table
 from trainmon.core.records import MOE_EXPERT_LOAD, MOE_LOAD, record_key
 from trainmon.engine.accelerator import collective_device
 from trainmon.monitor.collectives import not_monitored
+from trainmon.monitor.feature_hooks import compiled
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.monitor.hook_group import Hooks
 from trainmon.monitor.patching import patch_attribute
@@ -122,12 +123,17 @@ class MoeLoad(Hooks):
         if not self.taps:
             logger.warning("trainmon: moe_load is on but the model has no router trainmon knows (Megatron-Core's "
                            "TopKRouter, DeepSpeed's TopKGate): no MoE load is recorded")
+        if compiled(self.chunks):
+            logger.warning("trainmon: routers inside torch.compile'd regions are not counted in moe_load")
         else:
             logger.info("trainmon: MoE load of %d router(s)", len(self.taps))
 
     def _collecting(self) -> bool:
+        """Whether this forward's routing is counted: a collected step's training forward, run eagerly (not
+        activation checkpointing's second forward, nor inside a compiled region, which never holds a tap)."""
         state = self.state
-        return state.collecting and state.training_forward and not in_backward()
+        return state.collecting and state.training_forward and not torch.compiler.is_compiling() and \
+            not in_backward()
 
     def _tap_megatron(self, name: str, router, layer) -> None:
         config = router.config

@@ -272,3 +272,21 @@ def test_a_module_without_q_and_k_and_a_misspelled_target_are_said_once(output_d
     said = [r.getMessage() for r in caplog.records]
     assert sum("attention_hook: nowhere" in m for m in said) == 1
     assert sum("attention_hook is not recorded for out" in m and "q and k" in m for m in said) == 1
+
+
+def test_a_compiled_model_trains_without_a_graph_break_and_says_what_is_not_computed(output_dir, write_config,
+                                                                                     caplog):
+    config = write_config(recording_l2_features=True, l2_targets=L2_TARGETS, format=["csv"], ops=["max"])
+    torch.manual_seed(0)
+    model = Model("s,b,h,d")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    with caplog.at_level("WARNING", logger="trainmon"):
+        monitor = TrainerMon(config).set_monitor(compiled, optimizer=optimizer)
+    x = next(batches("s,b,h,d"))
+    for _ in range(2):
+        compiled(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.stop()
+    assert sum("inside torch.compile'd regions are not computed" in r.getMessage() for r in caplog.records) == 1

@@ -180,6 +180,26 @@ def test_per_micro_batch_grad_is_each_micro_batch_contribution(output_dir, write
         optimizer.zero_grad(set_to_none=True)
 
 
+def test_an_element_no_grad_has_reached_has_an_update_ratio_of_0_not_nan(output_dir, write_config):
+    """An embedding's unused rows have both Adam moments 0: their ratio is 0 (a NaN there would be the monitor's own,
+    reported as the training's); a NaN in a moment still shows in the ratio."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(100, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(ur_distribution=True, ops=["norm", "nans"], format=["csv"]))
+    monitor.set_monitor(model, optimizer=optimizer)
+    for step in range(2):
+        model(torch.tensor([1, 2, 3])).square().sum().backward()
+        if step == 1:
+            optimizer.state[model.weight]["exp_avg"][7, 0] = float("nan")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    monitor.stop()
+    ratio = read_family(monitor.output_dir, "adam_ratio").set_index("step")
+    assert ratio.loc[0, "nans"] == 0 and ratio.loc[0, "norm"] > 0
+    assert ratio.loc[1, "nans"] == 1
+
+
 @pytest.mark.parametrize("mode", [{"foreach": False}, {"foreach": True}, {"fused": True}])
 def test_adam_moments_update_ratio_and_sign_agreement(output_dir, write_config, mode):
     monitor, _ = monitored_run(write_config, steps=2, grad_acc_steps=1, optimizer_kwargs=mode,

@@ -251,7 +251,7 @@ def _then(closure: Callable, callback: Callable[[], None]) -> Callable:
 
 
 def _adam_update_and_ratio(piece: AdamPiece):
-    """Bias-corrected m̂/(√v̂+ε) and m̂/√v̂ of one piece.
+    """Bias-corrected m̂/(√v̂+ε) and m̂/√v̂ of one piece (0 where both moments are 0).
 
     A step on the moments' device (capturable or fused Adam) is used there, where reading it would wait for
     the device; one on the host (torch's Adam keeps a CPU step beside accelerator moments) is read as a number,
@@ -267,4 +267,7 @@ def _adam_update_and_ratio(piece: AdamPiece):
         step = float(step)
         m_hat = m / (1 - beta1 ** step)
         v_hat_sqrt = torch.sqrt(v / (1 - beta2 ** step))
-    return m_hat / (v_hat_sqrt + piece.eps), m_hat / v_hat_sqrt
+    # 0/0 where no grad has reached an element yet (an embedding's unused rows): its ratio is 0, not a NaN the
+    # monitor would report; a NaN or Inf in the moments themselves still reaches the ratio
+    ratio = torch.where((m_hat == 0) & (v_hat_sqrt == 0), 0.0, m_hat / v_hat_sqrt)
+    return m_hat / (v_hat_sqrt + piece.eps), ratio

@@ -127,3 +127,16 @@ def test_a_ddp_model_is_recorded_once_as_the_model_itself(output_dir, write_conf
     assert got.keys() == want.keys()
     for place, figures in got.items():
         assert figures == pytest.approx(want[place], rel=1e-5, abs=1e-7), place
+
+
+def test_the_sentinel_probes_a_wrapped_module_once(output_dir, write_config):
+    from trainmon.monitor.sentinel import NanSentinel
+
+    model = blocks(CheckpointImpl.NO_REENTRANT)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(sentinel=True, format=["db"], squash_name=True))
+    monitor.set_monitor(model, optimizer=optimizer)
+    sentinel = next(group for group in monitor._hooks if isinstance(group, NanSentinel))
+    names = [name for name, _, _ in sentinel.modules]
+    monitor.stop()
+    assert len(names) == len(set(names)) and "0" in names

@@ -29,7 +29,7 @@ from trainmon.core.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.monitor import in_graph
 from trainmon.monitor.forward_passes import in_backward
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
-from trainmon.monitor.selection import display_name
+from trainmon.monitor.selection import display_name, module_places
 from trainmon.monitor.state import HookState
 from trainmon.engine.buffers import host_values
 from trainmon.monitor.tensor_memo import TensorMemo
@@ -370,8 +370,8 @@ def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: b
     `rename(vpp_stage, name)` is the adapter's: the sentinel writes the names every other family writes
     (e.g. Megatron's global layer numbers, so stage 1's `layers.0` does not collide with stage 0's).
     """
-    modules = [(rename(vpp, display_name(name, squash_name)), module, vpp)
-               for vpp, chunk in enumerate(chunks) for name, module in in_graph.named_modules(chunk)]
+    modules = [(rename(vpp, place), module, vpp)  # a wrapper chain that squash_name folds is probed once
+               for vpp, chunk in enumerate(chunks) for place, _, module in module_places(chunk, squash_name)]
     params = [(rename(vpp, display_name(name, squash_name)), param, vpp)
               for vpp, chunk in enumerate(chunks) for name, param in chunk.named_parameters() if param.requires_grad]
     return NanSentinel(state, modules, params)

@@ -277,3 +277,21 @@ def test_a_tensor_whose_figures_are_not_its_record_takes_the_engine(monkeypatch)
     got = {k.name: dict(zip(stats.FIELDS, row)) for k, row in zip(batch.keys, batch.values)}
     assert got["nan"]["nans"] == 1 and got["nan"]["count"] == n - 1
     assert got["loud"]["sat"] == 1 and got["quiet"]["sat"] == 0 and got["quiet"]["count"] == n
+
+
+def test_a_graph_buffer_is_recorded_with_its_values_at_the_hook_and_never_found_again_by_identity(monkeypatch):
+    """A compiled graph lends its hooks buffers whose memory its later kernels overwrite without a version bump: a
+    small one is copied in the hook (held is the copy), and the same object recorded again is read again."""
+    from trainmon.monitor import in_graph
+
+    collector, reads = collector_reading(monkeypatch)
+    monkeypatch.setattr(in_graph, "graph_buffers", lambda: True)
+    buffer = torch.full((100,), 2.0)
+    collector.record([key("a.output", buffer)], [buffer], defer=True)
+    buffer.data.fill_(3.0)                          # the graph reuses the memory: no version bump
+    collector.record([key("b.output", buffer)], [buffer], defer=True)
+    buffer.data.fill_(5.0)
+    batch = collector.finish_step().wait()
+    assert sumsq(batch, "a.output") == 100 * 4.0 and sumsq(batch, "b.output") == 100 * 9.0
+    assert all(id(buffer) not in read for read in reads)  # the copies were read, one batch for both
+    assert len(reads) == 1

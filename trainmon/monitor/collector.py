@@ -131,8 +131,8 @@ class StepCollector:
         With `defer` (activations and their grads, which frameworks change in place by ordinary ops,
         which bump `_version`) the tensors may be held until the pending batch is reduced, and a tensor
         object recorded with `defer` earlier in the step and unchanged since (same version) reuses that
-        record instead of being read again. Tensors a compiled graph lends its hooks are read now all the same
-        (`in_graph.graph_buffers`).
+        record instead of being read again. Tensors a compiled graph lends its hooks are read before the hook
+        returns all the same (`_read_graph_buffers`).
         """
         if not tensors:
             return
@@ -142,8 +142,11 @@ class StepCollector:
         if table is not None:
             self._fold(table, keys, tensors, defer)
             return
-        if not defer or in_graph.graph_buffers():
+        if not defer:
             self._reduce_now(list(zip(keys, tensors)))
+            return
+        if in_graph.graph_buffers():
+            self._read_graph_buffers(keys, tensors)
             return
         now = []
         for key, tensor in zip(keys, tensors):
@@ -212,6 +215,30 @@ class StepCollector:
             read.append(tensor)
         if read:
             table.fold(read_slots, read)
+
+    def _read_graph_buffers(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor]) -> None:
+        """CPU tensors a compiled graph lends its hooks, whose memory its later kernels may reuse as soon as the hook
+        returns, without a version bump: each is read before the hook returns, never held itself nor found again by
+        its identity. A large one by one native call on arrival, a small one copied and its copy held for the batch
+        (a statistics call of its own costs more than the copy), the others in one call now."""
+        now = []
+        for key, tensor in zip(keys, tensors):
+            if tensor.nbytes >= self._arrival_bytes:
+                row = self._arrivals.take(tensor)
+                if row >= 0:
+                    self._pending_keys.append(key)
+                    self._pending_slots.append(~row)
+                    continue
+            if tensor.device.type == "cpu" and tensor.nbytes <= paths.SNAPSHOT_MAX_BYTES:
+                copy = tensor.detach().clone()
+                self._pending_bytes += copy.nbytes
+                self._hold(key, copy, copy, copy._version)
+            else:
+                now.append((key, tensor))
+        if now:
+            self._reduce_now(now)
+        if self._pending_bytes >= self.batch_bytes:
+            self.flush_pending()
 
     def _hold(self, key: RecordKey, held: torch.Tensor, tensor: torch.Tensor, version: int) -> None:
         """Holds `held` (`tensor` itself, or a snapshot of it) for the next batch, as the record of `tensor` at

@@ -431,3 +431,8 @@ def test_a_fullgraph_compile_runs_the_capture_query_eagerly(output_dir, write_co
     assert len(losses) == STEPS * GA and all(map(torch.isfinite, map(torch.tensor, losses)))
     assert breaks == 0
     assert len(asked) >= STEPS * GA                   # the root's hooks asked at every forward, eagerly
+
+
+def test_tracing_without_dynamo_is_not_inside_a_subgraph():
+    """AOTAutograd alone, or a non-strict export, traces the hooks with no Dynamo frame: no higher-order op either."""
+    assert in_graph._in_subgraph() is False

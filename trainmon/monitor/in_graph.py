@@ -350,7 +350,10 @@ def _in_subgraph() -> bool:
     Dynamo refuses the attribute the tap sets on its outputs."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    tx = InstructionTranslator.current_tx()
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:                      # traced without Dynamo (non-strict export, AOTAutograd alone)
+        return False
     return tx is not None and not tx.output.is_root_tracer()
 
 

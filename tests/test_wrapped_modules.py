@@ -140,3 +140,34 @@ def test_the_sentinel_probes_a_wrapped_module_once(output_dir, write_config):
     names = [name for name, _, _ in sentinel.modules]
     monitor.stop()
     assert len(names) == len(set(names)) and "0" in names
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_ddp_unreduced_grads_are_one_record_a_step_or_one_a_micro_batch(output_dir, write_config, one_rank_group,
+                                                                         no_sync):
+    """Under `no_sync` DDP reduces a step's accumulated grads once: one record a step. Without it, it reduces every
+    micro-batch: one record a micro-batch, under its micro-step, never two under none."""
+    import contextlib
+
+    from training import batches
+    from trainmon.demo import lm_loss
+
+    model = nn.parallel.DistributedDataParallel(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(wg_distribution=True, ops=["norm"], format=["db"]))
+    monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=2)
+    data = batches()
+    for _ in range(2):
+        for micro in range(2):
+            quiet = model.no_sync() if no_sync and micro == 0 else contextlib.nullcontext()
+            with quiet:
+                tokens, labels = next(data)
+                (lm_loss(model, tokens, labels) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    monitor.stop()
+    frame = records(monitor.output_dir)
+    unreduced = frame[frame.family == "grad_unreduced"]
+    assert repeated(unreduced) == [] and len(unreduced)
+    micro_steps = set(unreduced.micro_step.fillna(-1).astype(int))
+    assert micro_steps == ({-1} if no_sync else {0, 1})

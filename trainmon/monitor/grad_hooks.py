@@ -122,7 +122,12 @@ class GradHooks(Hooks):
 
 class AdapterGradCapture(Hooks):
     """Unreduced grads from the adapter's own capture point (a DDP communication hook, a grad-buffer sync,
-    FSDP2's unsharded parameters); with `per_micro_batch` each record is the running backward pass's."""
+    FSDP2's unsharded parameters); with `per_micro_batch` each record is the running backward pass's.
+
+    Without it, the capture point is meant to see a step's accumulated grads once, at its last micro-batch (DDP
+    under `no_sync`). One that comes before the step's last micro-batch shows that the framework reduces every
+    micro-batch (DDP with gradient accumulation and no `no_sync`): that step's captures are recorded each under
+    its micro-step, not twice under none."""
 
     collects = "unreduced weight grads (grad_unreduced)"
 
@@ -131,6 +136,7 @@ class AdapterGradCapture(Hooks):
         self.adapter = adapter
         self.params = params
         self._backward = BackwardPasses(state) if per_micro_batch else None
+        self._reduced_each_micro_batch = None  # the step whose captures came before its last micro-batch
 
     def install(self) -> None:
         self.adapter.install_unreduced(self.params, self.state.guarded("unreduced weight grads", self._record))
@@ -145,4 +151,11 @@ class AdapterGradCapture(Hooks):
         if self._backward is not None:
             self._backward.seen()
             micro = self.state.backward_micro
+        else:
+            state, step = self.state, self.state.collector.step
+            micro_step = state.forward_micro(watched[0].vpp_stage) if watched else 0
+            if micro_step < state.grad_acc_steps - 1:
+                self._reduced_each_micro_batch = step
+            if self._reduced_each_micro_batch == step:
+                micro = micro_step
         record_pieces(self.state, GRAD_UNREDUCED, watched, pieces, over=over, micro=micro)

@@ -3,21 +3,14 @@
 The shape of the run that issue 11 measured: every rank writes `format` ["csv", "db"] plus
 anomalies.jsonl (rule AnomalyNan, also into the db), 66 records per step: 8 module outputs (forward),
 8 activation grads (backward), 16 grads before and 16 after the data-parallel all_reduce, 16 parameters,
-and the all_reduce's input and output. An Inf enters one rank's `layers.3` forward output at
-`--inf-step`; it reaches that rank's later modules and grads, then every rank through the grad
-all_reduce; from the next step every parameter, and so every record, is non-finite on every rank.
+and the all_reduce's input and output. Every rank draws its own figures (its own seed), so no two ranks'
+files are alike. An Inf enters one rank's `layers.<--inf-layer>` forward output at `--inf-step`; it
+reaches that rank's later modules and grads, then every rank through the grad all_reduce; from the next
+step every parameter, and so every record, is non-finite on every rank, as in a real incident.
 
-    python benchmarks/generate_run.py OUT --ranks 1024 --steps 1000
+    python benchmarks/generate_run.py OUT --ranks 256 --steps 1000 --origin-rank 129 --inf-step 733 --inf-layer 5
 
-Writing costs about 1.5 ms of CPU per rank and step. For the cost of reading many ranks, which does not
-depend on their values, `--copies-to N` fills the run up to N ranks with copies of the ranks written other
-than the origin, so that the run still has one origin; the ranks written then name N ranks in their
-collectives. A copy's database is copied with its rank rewritten (run.json, the meta table and the
-anomalies table); its CSV files and anomalies.jsonl are hard links to the source rank's (they name the
-source's rank, and readers open them only for steps the database lacks), which keeps 1,024 ranks x 1,000
-steps at about 10 GB instead of 19 GB:
-
-    python benchmarks/generate_run.py OUT --ranks 32 --steps 1000 --copies-to 1024
+Writing costs about 1.5 ms of CPU per rank and step, and 35 MB per rank of 1,000 steps.
 """
 from __future__ import annotations
 
@@ -26,16 +19,12 @@ import functools
 import json
 import logging
 import math
-import os
-import shutil
-import sqlite3
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from trainmon.core.layout import DB_NAME
 from trainmon.anomaly.processor import AnomalyProcessor
 from trainmon.anomaly.rules import build_rules
 from trainmon.monitor.config import RuleConfig
@@ -45,15 +34,14 @@ from trainmon.core.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, G
                                       PARAM_ORIGIN, RecordKey, StepBatch)
 from trainmon.engine import stats
 from trainmon.core.derive import derive_rows
-from trainmon.writers import db_schema
 from trainmon.writers.base import SinkContainer, SinkContext
 from trainmon.writers.registry import build_sinks
 
 OPS = ("min", "max", "norm", "mean", "nans", "infs")
 LAYERS = 8
 PARAMS = [f"layers.{i}.mlp.{j}.weight" for i in range(LAYERS) for j in (0, 2)]
-INF_LAYER = 3
 SHAPE = (64, 64)
+INF_LAYER = 3  # the layer the Inf enters, by default
 
 
 def _keys(world: int) -> list[RecordKey]:
@@ -81,7 +69,7 @@ def _keys(world: int) -> list[RecordKey]:
     return keys
 
 
-def _nonfinite(keys: list[RecordKey], rank: int, step: int, origin: int, inf_step: int) -> np.ndarray:
+def _nonfinite(keys: list[RecordKey], rank: int, step: int, origin: int, inf_step: int, inf_layer: int) -> np.ndarray:
     """Which records hold an Inf at `step` on `rank`."""
     if step > inf_step:
         return np.ones(len(keys), dtype=bool)
@@ -93,21 +81,24 @@ def _nonfinite(keys: list[RecordKey], rank: int, step: int, origin: int, inf_ste
             bad[i] = True  # the all_reduce's sum brings it to every rank
         elif rank == origin:
             layer = int(key.name.split(".")[1]) if key.family in ACTIVATION_FAMILIES else None
-            bad[i] = (key.family == ACTV and layer >= INF_LAYER) or key.family in (ACTV_GRAD, GRAD_UNREDUCED) \
+            bad[i] = (key.family == ACTV and layer >= inf_layer) or key.family in (ACTV_GRAD, GRAD_UNREDUCED) \
                 or (key.family == COMM and key.name.endswith(".input"))
     return bad
 
 
 def write_rank(job: tuple) -> None:
-    """Writes rank `rank` of the run (job: out, rank, world size, steps, origin rank, Inf step)."""
-    out, rank, world, steps, origin, inf_step = job
+    """Writes rank `rank` of the run (job: out, rank, world size, steps, origin rank, Inf step[, the layer it
+    enters: INF_LAYER when not given])."""
+    out, rank, world, steps, origin, inf_step, inf_layer = job if len(job) == 7 else (*job, INF_LAYER)
     rank_dir = Path(out) / f"rank_{rank}"
     config = {"ops": list(OPS), "format": ["csv", "db"], "alert": {"rules": [{"rule_name": "AnomalyNan"}]}}
     metadata = run_metadata(config, rank, world, {"pp_stage": 0})
     rank_dir.mkdir(parents=True, exist_ok=True)
     (rank_dir / "run.json").write_text(json.dumps(metadata))
-    sinks = SinkContainer(build_sinks(["csv", "db"]) + [AnomalyProcessor(build_rules([RuleConfig(rule_name="AnomalyNan")]),
-                                                                         database=True)])
+    # the anomaly processor first: its connection to monitor.db closes first, and the database's own close, the
+    # last, removes the -wal without waiting for the other to let go
+    sinks = SinkContainer([AnomalyProcessor(build_rules([RuleConfig(rule_name="AnomalyNan")]), database=True)]
+                          + build_sinks(["csv", "db"]))
     sinks.start(SinkContext(rank_dir=rank_dir, rank=rank, ops=OPS, ndigits=8, step_count_per_record=1000,
                             per_micro_families=frozenset(ACTIVATION_FAMILIES), metadata=metadata))
     keys = _keys(world)
@@ -118,33 +109,13 @@ def write_rank(job: tuple) -> None:
             values = np.empty((len(keys), stats.N_FIELDS))
             values[:] = (n, 0, 0, 0, 0.0, n, -1.0, 1.0, 0, 0)
             values[:, 4] = rng.normal(size=len(keys))
-            bad = _nonfinite(keys, rank, step, origin, inf_step)
+            bad = _nonfinite(keys, rank, step, origin, inf_step, inf_layer)
             values[bad] = (n - 1, 0, 1, 0, 0.0, n, -1.0, 1.0, 0, 1)  # one +Inf element
             batch = StepBatch(step=step, rank=rank, pp_stage=0, keys=keys, values=values, flags=np.empty(0))
             batch.deriver = functools.partial(derive_rows, ops=OPS)
             sinks.write(batch)
     finally:
         sinks.close()
-
-
-def copy_rank(job: tuple) -> None:
-    """Copies rank `source` of the run to rank `rank` (job: out, source, rank): the database copied and its
-    rank rewritten, the other files hard-linked."""
-    out, source, rank = job
-    source_dir, target = Path(out) / f"rank_{source}", Path(out) / f"rank_{rank}"
-    target.mkdir()
-    for path in source_dir.iterdir():
-        if path.name == DB_NAME:
-            shutil.copyfile(path, target / path.name)
-        elif path.name != "run.json":
-            os.link(path, target / path.name)
-    metadata = json.loads((source_dir / "run.json").read_text())
-    (target / "run.json").write_text(json.dumps({**metadata, "rank": rank}))
-    conn = sqlite3.connect(target / DB_NAME)
-    with conn:
-        db_schema.write_meta(conn, {"rank": rank})
-        conn.execute("UPDATE anomalies SET rank = ?", (rank,))
-    conn.close()
 
 
 def main() -> None:
@@ -155,23 +126,19 @@ def main() -> None:
     parser.add_argument("--origin-rank", type=int, default=None, help="the rank the Inf starts on (default: ranks/3)")
     parser.add_argument("--inf-step", type=int, default=None, help="default: 70%% of the steps")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
-    parser.add_argument("--copies-to", type=int, default=None, metavar="N",
-                        help="then fill the run up to N ranks with copies of the ranks written other than the origin")
+    parser.add_argument("--inf-layer", type=int, default=INF_LAYER, choices=range(LAYERS), metavar="L",
+                        help=f"the layer whose forward output the Inf enters (default {INF_LAYER})")
     args = parser.parse_args()
     # the online alerts of every step would flood the terminal; the forked workers inherit the level
     logging.getLogger("trainmon").setLevel(logging.ERROR)
     origin = args.ranks // 3 if args.origin_rank is None else args.origin_rank
     inf_step = int(args.steps * 0.7) if args.inf_step is None else args.inf_step
     started = time.perf_counter()
-    world = max(args.ranks, args.copies_to or 0)
-    jobs = [(args.out, rank, world, args.steps, origin, inf_step) for rank in range(args.ranks)]
-    sources = [rank for rank in range(args.ranks) if rank != origin]
+    jobs = [(args.out, rank, args.ranks, args.steps, origin, inf_step, args.inf_layer) for rank in range(args.ranks)]
     with ProcessPoolExecutor(args.workers) as pool:
         list(pool.map(write_rank, jobs))
-        copies = [(args.out, sources[rank % len(sources)], rank) for rank in range(args.ranks, world)]
-        list(pool.map(copy_rank, copies, chunksize=16))
     print(f"wrote {args.ranks} ranks x {args.steps} steps to {args.out} in {time.perf_counter() - started:.0f} s; "
-          f"Inf from rank {origin} step {inf_step}" + (f"; copied to {args.copies_to} ranks" if copies else ""))
+          f"Inf from rank {origin} step {inf_step} layers.{args.inf_layer}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What opening `trainmon watch`'s view in TensorBoard costs: tags, event-file size, TensorBoard's load, each dashboard.
 
     python benchmarks/tensorboard_view.py /tmp/tbv/r256                    # generated first when missing:
-                                                                           # 256 ranks x 1,000 steps, 32 copied
-    python benchmarks/tensorboard_view.py RUN --ranks 64 --steps 300 --copies-of 16 --json out.json
+                                                                           # 256 ranks x 1,000 steps
+    python benchmarks/tensorboard_view.py RUN --ranks 64 --steps 300 --json out.json
     python benchmarks/tensorboard_view.py RUN --logdir RUN/watch --no-watch   # a view already written (the demo's)
     python benchmarks/tensorboard_view.py RUN --logdir /tmp/v --watch-args "--detail . --ranks 0"   # all selected
 
@@ -53,12 +53,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 MB = 2 ** 20
 
 
-def generate(run: Path, ranks: int, steps: int, copies_of: int | None) -> float:
+def generate(run: Path, ranks: int, steps: int) -> float:
     started = time.perf_counter()
-    written = ["--ranks", str(copies_of), "--copies-to", str(ranks)] if copies_of and copies_of < ranks else \
-        ["--ranks", str(ranks)]
-    subprocess.run([sys.executable, str(HERE / "generate_run.py"), str(run), *written, "--steps", str(steps)],
-                   check=True, env=ENV)
+    subprocess.run([sys.executable, str(HERE / "generate_run.py"), str(run), "--ranks", str(ranks), "--steps",
+                    str(steps)], check=True, env=ENV)
     return time.perf_counter() - started
 
 
@@ -297,8 +295,6 @@ def main() -> int:
     parser.add_argument("--no-watch", action="store_true", help="measure the view already in --logdir")
     parser.add_argument("--ranks", type=int, default=256, help="generating: ranks (default 256)")
     parser.add_argument("--steps", type=int, default=1000, help="generating: steps (default 1000)")
-    parser.add_argument("--copies-of", type=int, default=32, metavar="K",
-                        help="generating: write K ranks, copy them up to --ranks (default 32; 0: write all)")
     parser.add_argument("--watch-args", default="", metavar="ARGS",
                         help="more arguments of `trainmon watch`, e.g. \"--detail 'layers\\.3\\.' --ranks 0\"")
     parser.add_argument("--reload", choices=["blocking", "thread"], default="blocking",
@@ -310,7 +306,7 @@ def main() -> int:
     logdir = Path(args.logdir).resolve() if args.logdir else run.parent / f"{run.name}-tbview"
     out: dict = {"run": str(run), "logdir": str(logdir), "load_average_start": os.getloadavg()[0]}
     if not run.exists():
-        out["generate_s"] = round(generate(run, args.ranks, args.steps, args.copies_of), 1)
+        out["generate_s"] = round(generate(run, args.ranks, args.steps), 1)
     out["ranks"] = len(list(run.glob("rank_*")))
     if not args.no_watch:
         out["watch_args"] = shlex.split(args.watch_args)

@@ -1,11 +1,12 @@
 """Costs of `trainmon watch`: `--once` over a generated run, and a live run of ranks committing steps.
 
     python benchmarks/watch.py once OUT --ranks 16 --steps 1000       # writes OUT with generate_run.py first
-    python benchmarks/watch.py once OUT --ranks 256 --steps 1000 --copies-of 32   # 32 ranks written, copied
+    python benchmarks/watch.py once RUN --repeat 3 [--cold]             # an existing run (generate_run.py's)
     python benchmarks/watch.py live OUT --ranks 8 --steps 120 --step-seconds 0.5 --interval 1
     python benchmarks/watch.py live OUT --ranks 8 --records-from RUN/rank_0/monitor.db   # a model's records
 
-`once`: wall and CPU time, peak memory of `trainmon watch RUN --once` (which draws the heatmaps once, at the end).
+`once`: wall and CPU time, peak memory of `trainmon watch RUN --once` (which draws the heatmaps once, at the end);
+the median of `--repeat` runs, each after dropping the run from the page cache with `--cold`.
 `live`: N writer processes commit generate_run.py's 66 records per step (or the records of one step of a
 real run, `--records-from`: e.g. the 498 of the benchmark model's full tier, written by
 `overhead.py --tiers full --format db`) to their monitor.db every `--step-seconds`; the daemon follows them. Reported: its lag behind the newest committed step (in
@@ -19,6 +20,7 @@ import json
 import multiprocessing
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from page_cache import evict  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -35,25 +38,29 @@ def once(args) -> dict:
     run = Path(args.out)
     if not run.exists():
         started = time.perf_counter()
-        written = ["--ranks", str(args.copies_of), "--copies-to", str(args.ranks)] if args.copies_of else \
-            ["--ranks", str(args.ranks)]
-        subprocess.run([sys.executable, str(HERE / "generate_run.py"), str(run), *written, "--steps", str(args.steps)],
-                       check=True, env=ENV)
+        subprocess.run([sys.executable, str(HERE / "generate_run.py"), str(run), "--ranks", str(args.ranks),
+                        "--steps", str(args.steps)], check=True, env=ENV)
         print(f"generated in {time.perf_counter() - started:.0f} s", flush=True)
     logdir = run.parent / f"{run.name}-watch"
-    subprocess.run(["rm", "-rf", str(logdir)], check=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "trainmon.cli", "watch", str(run), "--once", "--logdir", str(logdir)],
-                          env=ENV, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    assert done.returncode == 0, done.stderr
-    events = sum(p.stat().st_size for p in logdir.glob("events.out.tfevents.*"))
-    return {"ranks": args.ranks, "steps": args.steps, "wall_s": round(wall, 1),
-            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-            "peak_rss_mb": round(after.ru_maxrss / 1024), "events_mb": round(events / 2 ** 20, 1),
-            "rank_steps_per_s": round(args.ranks * args.steps / wall)}
+    walls, cpus, loads = [], [], []
+    for _ in range(args.repeat):
+        subprocess.run(["rm", "-rf", str(logdir)], check=True)
+        if args.cold:
+            evict(run)
+        loads.append(os.getloadavg()[0])
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "trainmon.cli", "watch", str(run), "--once", "--logdir",
+                               str(logdir)], env=ENV, capture_output=True, text=True)
+        walls.append(time.perf_counter() - started)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert done.returncode == 0, done.stderr
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    events = sum(p.stat().st_size for p in logdir.rglob("events.out.tfevents.*"))
+    return {"ranks": len(list(run.glob("rank_*"))), "cold": args.cold, "wall_s": round(statistics.median(walls), 1),
+            "wall_s_each": [round(w, 1) for w in walls], "cpu_s": round(statistics.median(cpus), 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
+            "events_mb": round(events / 2 ** 20, 1), "load_average_at_starts": loads}
 
 
 def _recorded_step(path: str) -> tuple:
@@ -164,8 +171,8 @@ def main() -> int:
     parser.add_argument("out", help="the run directory (generated when missing, for once; rewritten, for live)")
     parser.add_argument("--ranks", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--copies-of", type=int, default=None, metavar="K",
-                        help="once: write K ranks and fill the run up to --ranks with copies of them")
+    parser.add_argument("--repeat", type=int, default=1, help="once: times to run it (the median is reported)")
+    parser.add_argument("--cold", action="store_true", help="once: drop the run from the page cache before each")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="live: a rank commits a step this often")
     parser.add_argument("--interval", type=float, default=1.0, help="live: the daemon's --interval")
     parser.add_argument("--heatmap-every", type=int, default=50, help="live: the daemon's --heatmap-every")

@@ -21,6 +21,7 @@ from trainmon.read.db_nonfinite import record_event
 from trainmon.read.jsonl import read_jsonl
 from trainmon.core.layout import ANOMALIES_FILE, DB_NAME, STREAM_NAME
 from trainmon.read.layout import RankDir
+from trainmon.read.read_ahead import read_ahead
 
 
 @dataclass
@@ -65,6 +66,7 @@ def rank_evidence(rank_dir: RankDir, metadata: dict) -> RankEvidence:
     in_db = False  # the database's anomalies table holds every line of anomalies.jsonl
     db = rank_dir.db  # or the rank's record stream, read as a database
     if db is not None:
+        read_ahead(db)  # its queries visit pages all over the file
         reader = DbRankReader(db)
         try:
             db_steps = reader.steps()

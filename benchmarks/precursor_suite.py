@@ -35,12 +35,10 @@ import torch.nn.functional as F
 from trainmon.demo import first_loss_spike, first_nonfinite
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from spike_suite import BATCH, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, Mlp  # noqa: E402
+from spike_suite import BATCH, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, Mlp, Model  # noqa: E402
 
 STEPS, LR, WARMUP_FRACTION = 300, 3e-3, 0.1
-# The early warning alone: with ur_distribution, AnomalyNan would also report the NaN of Adam's ratio m/sqrt(v) of
-# embedding rows no batch has used yet (0/0), which is no part of what is measured here.
-RULES = [{"rule_name": "AnomalyPrecursor"}]
+RULES = [{"rule_name": "AnomalyPrecursor"}]  # the early warning alone: what is measured here
 CONFIG = dict(targets={}, param_distribution=True, ur_distribution=True, recording_l2_features=True,
               l2_targets={"attention_hook": [f"layers.{i}.attn.core" for i in range(LAYERS)]},
               sa_order="b,s,h,d", ops=["min", "max", "norm", "nans", "infs"], format=["db"], alert={"rules": RULES})
@@ -81,19 +79,8 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Model(nn.Module):
-    def __init__(self, qk_norm: bool = True):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(Block(HIDDEN, HEADS, qk_norm) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+def model_of(qk_norm: bool = True) -> Model:
+    return Model(lambda: Block(HIDDEN, HEADS, qk_norm))
 
 
 def lr_factor(step: int, steps: int, ramp_start: Optional[int]) -> float:
@@ -112,7 +99,7 @@ def train(config_path: Optional[str], steps: int = STEPS, seed: int = 0, qk_norm
     """Trains `steps` AdamW steps under trainmon (no monitor without `config_path`). Returns {"losses",
     "anomalies", "run"}; training stops at the first non-finite loss."""
     torch.manual_seed(seed)
-    model = Model(qk_norm)
+    model = model_of(qk_norm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, ramp_start))
     monitor = None

@@ -54,10 +54,12 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self):
+    """The suite's model: LAYERS blocks that `block()` makes (default: this suite's `Block`)."""
+
+    def __init__(self, block=lambda: Block(HIDDEN, HEADS)):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(Block(HIDDEN, HEADS) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
 

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_anomaly_online import SENTINEL_ONLY
-from test_trainer_mon import OpCounter
+from op_log import Ops
 from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.monitor import collector, sentinel
@@ -38,12 +38,12 @@ def test_no_host_sync_and_one_transfer_per_step(output_dir, write_config, monkey
     transfers = []
     real_to_host = collector._to_host
     monkeypatch.setattr(collector, "_to_host", lambda flat: transfers.append(flat.numel()) or real_to_host(flat))
-    plain = OpCounter()
+    plain = Ops()
     with plain:
         model = make_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         run_steps(model, optimizer, 3, grad_acc_steps=2)
-    watched = OpCounter()
+    watched = Ops()
     sentinel_run(write_config, 3, counter=watched)
     assert len(transfers) == 3
     # loss.item() in the loop is the only sync, with or without the sentinel

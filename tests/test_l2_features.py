@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from op_log import Ops
 from trainmon import TrainerMon, open_run
 from trainmon.monitor import features
 
@@ -190,18 +191,6 @@ def test_the_formulas_re_derived():
     assert float(features.per_token_expert_entropy(expert_logits)) == pytest.approx(sum(per_token) / 15, rel=1e-5)
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts what would make the host wait for a device: scalar reads and copies to the CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_hooks_read_nothing_on_the_host_and_nothing_on_steps_not_collected(output_dir, write_config):
     config = write_config(recording_l2_features=True, l2_targets=L2_TARGETS, format=["csv"], ops=["max"],
                           step_interval=2)
@@ -213,12 +202,12 @@ def test_the_hooks_read_nothing_on_the_host_and_nothing_on_steps_not_collected(o
     counted = []
     for _ in range(2):
         model(x).backward()  # the features are computed in forward hooks
-        with _HostReads() as reads:
+        with Ops() as reads:
             model(x)
         counted.append(reads.ops)
         optimizer.step()
     monitor.stop()
-    with _HostReads() as plain:
+    with Ops() as plain:
         model(x)
     collected, skipped = counted
     assert "aten._local_scalar_dense" not in collected and "aten.item" not in collected

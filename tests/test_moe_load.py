@@ -2,12 +2,12 @@
 dispatch mask summed over the step's micro-steps, the layer figures follow from them, dropped tokens from the counts
 the gate returns beside the mask, and the tap reads nothing on the host. Megatron-Core's TopKRouter and the merge
 over expert-parallel ranks are tested on real jobs (tests/distributed/test_moe_load_jobs.py)."""
-import collections
 import math
 
 import pytest
 import torch
 
+from op_log import Ops
 from trainmon import TrainerMon, open_run
 
 EXPERTS, HIDDEN, TOKENS, GA, STEPS = 4, 16, 24, 2, 3
@@ -29,16 +29,6 @@ def gate_model():
 
     torch.manual_seed(0)
     return Model()
-
-
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_load_is_the_gates_own_decision(output_dir, write_config):
@@ -80,18 +70,18 @@ def test_the_load_is_the_gates_own_decision(output_dir, write_config):
 def test_the_tap_reads_nothing_on_the_host(output_dir, write_config):
     model = gate_model()
     x = torch.randn(TOKENS, HIDDEN)
-    with _Ops() as plain:
+    with Ops() as plain:
         model(x)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"]))
     monitor.set_monitor(model, optimizer=optimizer)
-    with _Ops() as tapped:
+    with Ops() as tapped:
         model(x)
     model(x).backward()
     optimizer.step()
     monitor.stop()
-    added = tapped.ops - plain.ops
+    added = tapped.counts - plain.counts
     assert added and "aten._local_scalar_dense" not in added and "aten.item" not in added, added
-    with _Ops() as after:  # stop() took the hook off
+    with Ops() as after:  # stop() took the hook off
         model(x)
-    assert after.ops == plain.ops
+    assert after.counts == plain.counts

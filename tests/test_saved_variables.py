@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trainmon
+from op_log import Ops
 from trainmon import TrainerMon, open_run
 from trainmon.cli import main as cli_main
 from trainmon.monitor import saved
@@ -166,19 +167,9 @@ def test_a_name_saved_twice_in_a_micro_step_gets_a_call_suffix(output_dir, write
     assert norms[(0, "y#1")] == pytest.approx(2 * norms[(0, "y")])
 
 
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_off_and_uncollected_steps_do_no_tensor_work_and_collected_ones_no_host_sync(output_dir, write_config):
     x = torch.ones(3, requires_grad=True) * 2
-    with _OpCounter() as counter:  # no monitor at all
+    with Ops() as counter:  # no monitor at all
         trainmon.save("x", x)
         assert trainmon.save_grad("x", x) is x
     assert counter.ops == [] and saved._active is None
@@ -190,7 +181,7 @@ def test_off_and_uncollected_steps_do_no_tensor_work_and_collected_ones_no_host_
     counts = []
     for step in range(4):
         y = model(torch.ones(2, 4))
-        with _OpCounter() as counter:
+        with Ops() as counter:
             trainmon.save("y", y)
             out = trainmon.save_grad("y", y)
         counts.append(counter.ops)

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_csv_output import FULL, OPS, read_family
 from training import make_model, run_steps
+from op_log import Ops
 from trainmon import TrainerMon
 
 pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with (the `db` extra)
@@ -38,19 +39,6 @@ def test_losses_bit_identical_with_and_without_monitor(output_dir, write_config)
     assert monitored == plain
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if name == "aten._to_copy" and (kwargs or {}).get("device") is not None:
-            name = "to another device"  # .cpu() / .to(device); a dtype cast has no device
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _count_ops(write_config, monitored: bool, steps: int):
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -62,7 +50,7 @@ def _count_ops(write_config, monitored: bool, steps: int):
     from trainmon.demo import lm_loss
     from training import batches
     data = batches()
-    counter = OpCounter()
+    counter = Ops()
     with counter:
         for _ in range(steps):
             for _ in range(2):

@@ -1,7 +1,7 @@
 """The command line's shared options, spelled and parsed the same on every command.
 
 Bad values are rejected by argparse with exit status 2 and a message naming the flag. Exit statuses of
-the commands that judge a run or a pair of runs (README, "Exit status"): 0 agree or clean, 1 differ or
+the commands that judge a run or a pair of runs (docs/reference/exit-codes.md): 0 agree or clean, 1 differ or
 found, 2 bad input.
 """
 from __future__ import annotations

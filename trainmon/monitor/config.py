@@ -121,7 +121,8 @@ class CCConfig:
 
     _PATH: ClassVar[str] = "cc_distribution"
     enable: bool = _field(check_bool, default=False)
-    """Record statistics of torch.distributed collectives and p2p ops (see README: what cannot be seen)."""
+    """Record statistics of torch.distributed collectives and p2p ops (docs/guides/distributed.md says what cannot be
+    seen)."""
     cc_codeline: list[str] = _field(check_list(check_str, "code-line patterns"), factory=list)
     """Only collectives called from these code lines, e.g. "train.py\\\\[23\\\\]"; empty means all."""
     cc_pre_hook: bool = _field(check_bool, default=True)
@@ -211,7 +212,7 @@ class DumpConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ConfigCheckConfig:
-    """trainmon: a config-check pack of this job (see README, `trainmon config-check`)."""
+    """trainmon: a config-check pack of this job (docs/guides/config-check.md)."""
 
     _PATH: ClassVar[str] = "config_check"
     enable: bool = _field(check_bool, default=False)
@@ -354,7 +355,8 @@ class MonitorConfig:
     dynamic_on: bool = _field(check_bool, default=False)
     """Under DYNAMIC_MONITOR=true: start monitoring (reset to false after collect_times steps)."""
     sentinel: bool = _field(check_bool, default=False)
-    """trainmon extension (msprobe has no such key); its behaviour is the monitor's, see the README."""
+    """trainmon: the NaN sentinel, a probe of every training forward's module outputs, activation grads, weight
+    grads and updated weights at every step, naming the first NaN/Inf (docs/guides/anomalies.md)."""
     strict: bool = _field(check_bool, default=False)
     """trainmon: re-raise exceptions inside hooks and writers instead of logging them (for tests)."""
     writer_policy: str = _field(check_choice(WRITER_POLICIES), default=WRITER_POLICY)

@@ -413,14 +413,14 @@ def check_l2_targets(value: Any, key: str) -> dict[str, list[str]]:
     return targets
 
 
-# msprobe keys that have no MonitorConfig field: dotted key -> (inert value, checker). They are
 # Keys earlier versions took, with why they are gone: a config that has one gets an error saying so.
 REMOVED: dict[str, str] = {
     "params_have_main_grad": "grads are read where the framework keeps them (Megatron's main_grad, DeepSpeed's "
                              "partitions, param.grad elsewhere), as the adapter finds them; delete the key",
 }
 
-# validated as msprobe validates them, then dropped; a non-inert value warns (NOT_HONOURED).
+# msprobe keys that have no MonitorConfig field: dotted key -> (inert value, checker). They are validated as msprobe
+# validates them, then dropped; a non-inert value warns (NOT_HONOURED).
 ACCEPTED_ONLY: dict[str, tuple[Any, Check]] = {
     "mg_distribution": (False, check_bool),
     "alert.inform": (None, check_mapping),

@@ -19,7 +19,7 @@ from trainmon.watch.run_watcher import RunWatcher, WatchOptions
 from trainmon.watch.spawn import WATCH_DIR
 
 logger = logging.getLogger("trainmon.watch")
-EXIT_ON_ANOMALY_STATUS = 3
+EXIT_ON_ANOMALY_STATUS = 3  # --exit-on-anomaly: an alert was written
 _TICK_S = 0.2  # how often the wait between rounds looks at signals and at stalls that fall due
 
 

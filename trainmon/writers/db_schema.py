@@ -1,4 +1,4 @@
-"""The SQLite schema of `rank_<R>/monitor.db` (documented in the README, "Database schema").
+"""The SQLite schema of `rank_<R>/monitor.db` (docs/reference/database.md shows it).
 
 NaN in a REAL column: SQLite turns a bound NaN into NULL. So a record keeps `nan_fields`, a bit mask
 over FIELDS (bit i set: field i was NaN and is stored as NULL), and a scalar or an anomaly keeps

@@ -1,5 +1,5 @@
-"""The record stream `rank_<R>/records.stream`: append-only, CRC-framed step batches (documented in the README,
-"On a cluster"). The writer (`stream_sink`) and every reader (`read.stream_mirror`) use the functions here.
+"""The record stream `rank_<R>/records.stream`: append-only, CRC-framed step batches (docs/guides/cluster.md says
+when it is written). The writer (`stream_sink`) and every reader (`read.stream_mirror`) use the functions here.
 
 A frame is `MAGIC | length (u32) | crc32 (u32) | payload`, little-endian; the CRC covers the length and the
 payload. The payload's first byte is its kind:

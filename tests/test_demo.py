@@ -32,9 +32,13 @@ def test_trainmon_demo_runs_and_writes_every_family(tmp_path):
     stdout = _demo(tmp_path, "--steps", "6")
     assert config_files() == before  # the embedded config's file is gone with the run
     assert "monitor output:" in stdout
-    with open_run(next(tmp_path.glob("run-*"))) as run:
+    run_dir = next(tmp_path.glob("run-*"))
+    with open_run(run_dir) as run:
         records = run.records()
-        assert list(run.scalars("loss").step) == list(range(6))
+        assert list(run.scalars("loss").step) == list(range(6)) == list(run.scalars("lr").step)
+    # the module tree in model order with its classes, for the structure view
+    struct = json.loads((run_dir / "rank_0" / "module_struct.json").read_text())
+    assert list(struct)[:3] == ["0:", "0:embed", "0:pos"] and struct["0:layers.1.mlp"]["class"] == "Sequential"
     for family in ["actv", "actv_grad", "grad_unreduced", "grad_reduced", "param_origin", "param_updated",
                    "exp_avg", "exp_avg_sq"]:
         assert sorted(set(records[records.family == family].step)) == list(range(6)), family
@@ -82,11 +86,14 @@ def test_the_demos_view_is_smaller_than_its_database(tmp_path):
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     _demo(tmp_path, "--steps", "40", "--inject", "nan")
     run = next(tmp_path.glob("run-*"))
-    events = list((run / "watch").glob("events.out.tfevents.*"))
-    tags = {value.tag for path in events for event in EventFileLoader(str(path)).Load()
-            for value in event.summary.value}
+    events = list((run / "watch").rglob("events.out.tfevents.*"))  # every run of the view
+    values = [value for path in events for event in EventFileLoader(str(path)).Load() for value in event.summary.value]
+    tags = {value.tag for value in values}
     assert sum(p.stat().st_size for p in events) <= sum(p.stat().st_size for p in run.glob("rank_*/monitor.db"))
-    assert len(tags) < 150 and len([t for t in tags if t.startswith("Overview/")]) <= 30
+    assert len(tags) < 150
+    charts = {value.tag for value in values if value.metadata.plugin_data.plugin_name == "scalars"
+              and value.tag.startswith("Overview/")}
+    assert "Overview/loss" in charts and len(charts) <= 12, charts  # the first page of TensorBoard's first group
 
 
 def _hints(tmp_path, monkeypatch, config: dict, steps: int = 12) -> list[tuple[str, str]]:
@@ -120,7 +127,7 @@ def test_the_next_steps_follow_the_config(tmp_path, monkeypatch, capsys):
                         f"trainmon nan-analyze {run_dir}",
                         f"trainmon show {run_dir} --family grad_reduced --steps 10"]
     _trainmon(commands[0], capsys)
-    assert list((tmp_path / "out").glob("run-*/watch/events.out.tfevents.*"))
+    assert list((tmp_path / "out").glob("run-*/watch/max/events.out.tfevents.*"))
     _trainmon(commands[2], capsys)
     rows = json.loads(_trainmon(commands[3] + " --json", capsys))
     assert rows and {row["step"] for row in rows} == {10}
@@ -150,11 +157,11 @@ def test_demo_with_a_config_collecting_every_fifth_step(tmp_path):
     assert "trainmon watch exited" not in stdout and "still running" not in stdout, stdout
     run = next(tmp_path.glob("run-*"))
     steps: dict = {}
-    for path in (run / "watch").glob("events.out.tfevents.*"):
+    for path in (run / "watch" / "max").glob("events.out.tfevents.*"):
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 steps.setdefault(value.tag, []).append(event.step)
-    assert steps["Overview/loss"] == list(range(12)) and steps["Overview/actv_norm_max"] == [0, 5, 10]
+    assert steps["Overview/loss"] == list(range(12)) and steps["Worst tensor/actv norm"] == [0, 5, 10]
     assert f"trainmon show {run} --family grad_reduced --steps 10 " in stdout
 
 

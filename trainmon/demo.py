@@ -38,6 +38,7 @@ DEMO_CONFIG = {
     "start_step": 0,
     "step_interval": 1,
     "sentinel": True,
+    "print_struct": True,
     "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalySpike"},
                         {"rule_name": "AnomalyPrecursor"}]},
     "watch": {"enable": True, "interval": 1, "heatmap_every": 100},
@@ -173,6 +174,7 @@ def train(steps: int, config_path: Optional[str], seed: int = 0, grad_acc_steps:
             total += loss.detach()
         if monitor is not None:
             monitor.log_scalar("loss", total)
+            monitor.log_scalar("lr", optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -225,8 +227,10 @@ def next_steps(run_dir: Path, logdir: Path, watched: bool) -> list[tuple[str, st
     if not watched:
         option = "" if logdir == run_dir / WATCH_DIR else f" --logdir {logdir}"
         out.append((f"trainmon watch {run_dir} --once{option}", "the view of every rank (the config has no watch)"))
-    out += [(f"tensorboard --logdir {logdir}", "opens on Overview (loss, grad norm, NaN/Inf counts); one chart per "
-                                               "layer, heatmaps (images), alerts (text)"),
+    out += [(f"tensorboard --logdir {logdir}", "opens on Overview (loss, grad norm, lr, NaN/Inf counts, the first "
+                                               "NaN/Inf's rank); one chart per layer, heatmaps (images), alerts and "
+                                               "where the first NaN/Inf is (text), the module tree (trainmon "
+                                               "structure)"),
             (f"trainmon nan-analyze {run_dir}", "where a NaN/Inf first appeared")]
     if collected is None:
         out.append((f"trainmon show {run_dir} --scalars", "no step was collected (start_step, step_interval, "

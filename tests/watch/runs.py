@@ -19,6 +19,7 @@ from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 from trainmon.writers.record_stream import RecordStream
 from trainmon.core.layout import STREAM_NAME
+from trainmon.watch.view import MAX_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ["min", "max", "norm", "nans", "infs"]
@@ -91,14 +92,28 @@ def wait_for(condition, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def read_events(logdir: Path) -> tuple[dict, dict]:
-    """({tag: [(step, value)]} of the scalars, {tag: [steps]} of every value: scalars, images, text) of the
-    daemon's event files, in file order, repeats kept."""
+def read_texts(logdir: Path) -> dict[str, list[tuple[int, str]]]:
+    """{tag: [(step, markdown)]} of the text entries of the daemon's view, in file order."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    out: dict = {}
+    for path in sorted((logdir / MAX_RUN).glob("events.out.tfevents.*")):
+        for record in RawEventFileLoader(str(path)).Load():
+            event = Event.FromString(record)
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "text":
+                    out.setdefault(value.tag, []).append((event.step, value.tensor.string_val[0].decode()))
+    return out
+
+
+def read_events(logdir: Path, run: str = MAX_RUN) -> tuple[dict, dict]:
+    """({tag: [(step, value)]} of the scalars, {tag: [steps]} of every value: scalars, images, text) of the event
+    files of one run of the daemon's view (`logdir/<run>`), in file order, repeats kept."""
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
     scalars: dict = {}
     steps: dict = {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
+    for path in sorted((logdir / run).glob("events.out.tfevents.*")):
         for record in RawEventFileLoader(str(path)).Load():  # as written (no conversion to tensors)
             event = Event.FromString(record)
             for value in event.summary.value:

@@ -14,6 +14,7 @@ from trainmon.watch.canvas import (BOTTOM, MAX_ROWS, MIN_HEIGHT, MISSING_RGB, NA
                                    ROW_PX, TOP)
 from trainmon.watch.grid import MAX_RANKS, MAX_STEPS, buckets, layers, reduce
 from trainmon.watch.heatmap import pictures
+from trainmon.watch.view import MAX_RUN
 
 from conftest import INF_STEP, STEPS as RUN_STEPS
 
@@ -121,6 +122,17 @@ def test_ranks_in_buckets_the_bad_one_coloured_and_circled(big):
     assert _circled(loss, BAD_RANK // 16, NAN[1], STEPS)
 
 
+def test_after_an_incident_the_layer_x_rank_picture_stays_at_its_step_circled():
+    """The NaN at step 5 is the incident: the picture per rank is drawn at its step, not at the latest one (where an
+    Inf is too, and every later step may be all NaN)."""
+    window = history(LAYERS, TENSORS, RANKS, STEPS, NAN, INF, BAD_RANK, places=True)
+    picture = next(p for p in pictures(window, FIRST) if p.name == "actv_layer_x_rank")
+    columns = len(buckets(list(range(RANKS)), MAX_RANKS).labels)
+    assert _is(_colour(picture, 1 + NAN[0], BAD_RANK // 16, columns), NAN_RGB)
+    assert _circled(picture, 1 + NAN[0], BAD_RANK // 16, columns)
+    assert _finite(_colour(picture, 1 + INF[0], BAD_RANK // 16, columns))  # the latest step's Inf is not drawn
+
+
 def test_the_picture_grows_with_its_rows(big):
     _, drawn = big
     small = pictures(history(4, TENSORS, 1, STEPS, (3, 3), (3, 7), 0))[0]
@@ -159,7 +171,7 @@ def _images(logdir) -> dict[str, tuple[bytes, int, int]]:
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
     out = {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
+    for path in sorted((logdir / MAX_RUN).glob("events.out.tfevents.*")):
         for record in RawEventFileLoader(str(path)).Load():
             for value in Event.FromString(record).summary.value:
                 if value.HasField("image"):
@@ -204,3 +216,16 @@ def pictures_of_run(run):
     for step, figures in sorted(read_figures(followers, 0, RUN_STEPS - 1).items()):
         window.add(figures)
     return pictures(window, analyze(run)["first"], families=["actv"])[0]
+
+
+def test_the_daemon_keeps_the_incidents_step_for_the_layer_x_rank_pictures(tmp_path):
+    """Read by worker processes (8 ranks, --once), in chunks: the step of the incident keeps every rank's values."""
+    from runs import generate
+    from trainmon.watch.run_watcher import RunWatcher, WatchOptions
+    run = generate(tmp_path / "run", ranks=8, steps=40, inf_step=21, origin=5)
+    watcher = RunWatcher(run, tmp_path / "view", WatchOptions(once=True))
+    watcher.poll(final=True)
+    step, grids = watcher.history.by_rank
+    watcher.finish(draw=False)
+    assert step == 21 and grids["actv"].ranks == list(range(8))
+    assert np.isinf(grids["actv"].values[:, 5]).any() and np.isfinite(grids["actv"].values[:, 0]).all()

@@ -119,8 +119,8 @@ def test_a_corrupt_csv_is_named_and_the_rest_exported(output_dir, write_config, 
     assert [r.getMessage() for r in watch_log.records if where in r.getMessage()], watch_log.text
     events = read_events(tmp_path / "view")[0]
     kept = [0] if line > 2 else []  # the rows before the bad line (of step 0) are read
-    assert [step for step, _ in events["Overview/actv_norm_max"]] == kept + [4, 5, 6, 7]
-    assert [step for step, _ in events["Overview/grad_reduced_norm_max"]] == list(range(8))
+    assert [step for step, _ in events["Worst tensor/actv norm"]] == kept + [4, 5, 6, 7]
+    assert [step for step, _ in events["Worst tensor/grad_reduced norm"]] == list(range(8))
 
 
 def test_once_on_a_corrupt_csv_exits_2_naming_the_file_and_line(output_dir, write_config, tmp_path):

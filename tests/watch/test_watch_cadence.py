@@ -56,14 +56,14 @@ def test_the_daemon_exports_the_collected_steps_of_every_cadence(output_dir, wri
         loss = [step for step, _ in scalars.get("Overview/loss", [])]
         assert loss == ([] if csv else list(range(STEPS)))  # CSV files hold no scalars
         # the records' charts, and the NaN/Inf counts (no 0 where nothing was read), at the collected steps only
-        for tag in ("Overview/actv_norm_max", "Overview/nan_elements", "actv/nan_elements"):
+        for tag in ("Worst tensor/actv norm", "Overview/nan_elements", "actv/nan_elements"):
             assert [step for step, _ in scalars.get(tag, [])] == collected, (chunk_steps, tag)
 
 
 def test_the_heatmaps_of_a_run_collected_every_fifth_step(output_dir, write_config, tmp_path):
     run = _train(write_config, {"step_interval": 5, "sentinel": True})
     scalars = _export(run, tmp_path / "view", draw=True)
-    assert [step for step, _ in scalars["Overview/actv_norm_max"]] == [0, 5, 10, 15, 20]
+    assert [step for step, _ in scalars["Worst tensor/actv norm"]] == [0, 5, 10, 15, 20]
     drawn = {path.stem for path in (tmp_path / "view" / "heatmaps").glob("*.png")}
     assert {"actv_layer_x_step", "loss_rank_x_step"} <= drawn, drawn
 

@@ -23,16 +23,14 @@ def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_
     state = json.loads((cut / "watch_state.json").read_text())
     done = watch_once(finished_run, "--logdir", cut, "--heatmap-every", 1000, *detail)
     assert done.returncode == 0, done.stderr
-    assert len(list(cut.glob("events.out.tfevents.*"))) == 1, "the restart appends to the same file"
-    (got, got_steps), (want, want_steps) = read_events(cut), read_events(whole)
-    assert len(want) > 1000 and got.keys() == want.keys()
-    for tag, values in want.items():
-        assert [s for s, _ in got[tag]] == [s for s, _ in values], tag  # no duplicate, none missing
-        assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(got[tag], values)), tag
-    assert got_steps == want_steps  # images, text and the layout too
-    for spread in ("ranks_min", "ranks_median"):  # the sibling runs resume from the state file too
-        assert len(list((cut / spread).glob("events.out.tfevents.*"))) == 1
-        assert read_events(cut / spread) == read_events(whole / spread), spread
+    for run in ("max", "min", "median", "nonfinite_elements"):  # the sibling runs resume from the state file too
+        assert len(list((cut / run).glob("events.out.tfevents.*"))) == 1, "the restart appends to the same file"
+        (got, got_steps), (want, want_steps) = read_events(cut, run), read_events(whole, run)
+        assert len(want) > (1000 if run == "max" else 10) and got.keys() == want.keys()
+        for tag, values in want.items():
+            assert [s for s, _ in got[tag]] == [s for s, _ in values], tag  # no duplicate, none missing
+            assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(got[tag], values)), tag
+        assert got_steps == want_steps  # images, text and the layout too
     assert state["exported"] <= STEPS - 1
 
 

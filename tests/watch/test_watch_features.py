@@ -90,17 +90,18 @@ def test_one_chart_per_layer_and_value_and_the_overviews_worst(run):
         for layer in range(3):
             entropy = at[at.name == f"layers.{layer}.core.entropy"]["min"]
             assert len(entropy) == GA
-            assert dict(scalars[f"attention_hook/layers.{layer}/entropy"])[step] == pytest.approx(entropy.min(), rel=1e-6)
+            assert dict(scalars[f"attention_hook/entropy of layers.{layer}"])[step] == pytest.approx(entropy.min(),
+                                                                                                  rel=1e-6)
             kernels = at[(at.family == "linear_hook") & at.name.str.startswith(f"layers.{layer}.")
                          & at.name.str.endswith(".kernel_norm")]["max"]
             assert len(kernels) == 2  # qkv and mlp (TopKGate applies wg.weight without calling wg: no forward)
-            assert dict(scalars[f"linear_hook/layers.{layer}/kernel_norm"])[step] == pytest.approx(kernels.max(),
+            assert dict(scalars[f"linear_hook/kernel_norm of layers.{layer}"])[step] == pytest.approx(kernels.max(),
                                                                                                  rel=1e-6)
         imbalance = at[at.name.str.endswith(".imbalance")]["max"]
         assert len(imbalance) == 3
-        assert dict(scalars["Overview/moe_load_imbalance_max"])[step] == pytest.approx(imbalance.max(), rel=1e-6)
+        assert dict(scalars["Worst tensor/moe_load imbalance"])[step] == pytest.approx(imbalance.max(), rel=1e-6)
         entropy = at[at.name.str.endswith(".router_entropy")]["min"]
-        assert dict(scalars["Overview/moe_load_router_entropy_min"])[step] == pytest.approx(entropy.min(), rel=1e-6)
+        assert dict(scalars["Worst tensor/moe_load router_entropy"])[step] == pytest.approx(entropy.min(), rel=1e-6)
         assert 0 < entropy.min() <= math.log(EXPERTS)
 
 

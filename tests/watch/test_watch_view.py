@@ -1,10 +1,15 @@
-"""The daemon's view: a fixed number of tags whatever the ranks, an overview that shows a failure, collectives
-named by op and group role, and detail only for what the user selects."""
+"""The daemon's view: a fixed number of tags whatever the ranks, a first group of at most 12 headline charts, a
+headline that stays on the incident, every layer chart showing its failure, collectives named by op and group role,
+and detail only for what the user selects."""
 import math
 
-from runs import generate, read_events, watch_once
-from trainmon.watch.aggregate import StepFigures
+from runs import generate, read_events, read_texts, watch_once
+from trainmon.watch.aggregate import Place, StepFigures
 from trainmon.watch.view import GroupRoles, View, ViewOptions, worst
+
+
+def _scalars(view: View, figure: StepFigures) -> dict:
+    return dict(view.tags(figure).scalars)
 
 
 def _tags(run, tmp_path, *flags):
@@ -18,22 +23,28 @@ def test_the_tag_count_does_not_depend_on_the_number_of_ranks(tmp_path):
     four = _tags(generate(tmp_path / "four", ranks=4, steps=12, inf_step=8, origin=3), tmp_path / "w4")
     assert two.keys() == four.keys()
     assert len(four) < 100, sorted(four)  # 8 layers x 5 families, the overview, the heatmaps and text
-    assert "comm/all_reduce@world/norm" in four  # one chart per op and group, not per call
+    assert "comm/norm of all_reduce@world" in four  # one chart per op and group, not per call
     assert not any("#" in tag or "rank" in tag.split("/")[0] for tag in four)
 
 
 def test_the_overview_shows_the_fault_where_it_happens(tmp_path):
-    events = _tags(generate(tmp_path / "run", ranks=3, steps=12, inf_step=8, origin=1), tmp_path / "w")
+    logdir = tmp_path / "w"
+    events = _tags(generate(tmp_path / "run", ranks=3, steps=12, inf_step=8, origin=1), logdir)
     overview = sorted(tag for tag in events if tag.startswith("Overview/"))
-    assert len(overview) <= 30, overview
+    assert len(overview) <= 12, overview  # TensorBoard's first page of its first group
     inf = dict(events["Overview/inf_elements"])
     assert all(inf[s] == 0 for s in range(8)) and all(inf[s] > 0 for s in range(8, 12))
     assert dict(events["Overview/tensors_nonfinite"])[8] > 0
-    assert dict(events["Overview/first_nonfinite_rank"])[8] == 1.0  # the origin rank's layers.3, first in model order
-    norm = dict(events["actv/layers.3/norm"])
-    assert math.isfinite(norm[7]) and norm[8] == math.inf  # an Inf is drawn as +Inf, not as a finite norm
-    assert dict(events["Overview/actv_norm_max"])[8] == math.inf
+    # the origin rank's layers.3, first in model order, at every step from the incident on
+    assert events["Overview/first_nonfinite_rank"] == [(step, 1.0) for step in range(8, 12)]
+    # the Inf is written as NaN, which TensorBoard draws (an infinity breaks the chart), never as a finite norm
+    norm = dict(events["actv/norm of layers.3"])
+    assert math.isfinite(norm[7]) and math.isnan(norm[8])
+    assert math.isnan(dict(events["Worst tensor/actv norm"])[8])
     assert dict(events["actv/inf_elements"])[8] >= 1
+    # and the layer's chart draws its NaN/Inf elements beside the norm, from the incident on only
+    elements = dict(read_events(logdir, "nonfinite_elements")[0]["actv/norm of layers.3"])
+    assert min(elements) == 8 and elements[8] >= 1
 
 
 def test_detail_and_ranks_are_what_the_user_selects(tmp_path):
@@ -50,7 +61,7 @@ def test_one_rank_gets_one_value_not_a_spread(tmp_path):
                    "--detail", r"layers\.0\.output")
     assert "detail/actv/layers.0.output/norm" in events and not any(t.endswith("_median") for t in events)
     assert not any(t.startswith("scalars/") for t in events)
-    assert not (tmp_path / "w" / "ranks_min").exists()
+    assert not (tmp_path / "w" / "min").exists()
 
 
 def test_worst_and_the_overview_reduction_let_nan_win():
@@ -60,21 +71,21 @@ def test_worst_and_the_overview_reduction_let_nan_win():
                                    ("actv", "a.1.x", 0, "min"): (-7.0, -1.0, -1.0, 0),
                                    ("actv", "a.1.x", 0, "max"): (3.0, 3.0, 5.0, 0)},
                          scalars={"loss": {0: 1.5, 1: math.nan}})
-    values = dict(View(ViewOptions()).tag_values(figure))
-    assert math.isnan(values["Overview/actv_norm_max"]) and math.isnan(values["Overview/loss"])
-    assert values["Overview/actv_absmax"] == 7.0
-    assert values["actv/a.0/norm"] == 2.0 and math.isnan(values["actv/a.1/norm"])
+    values = _scalars(View(ViewOptions()), figure)
+    assert math.isnan(values["Worst tensor/actv norm"]) and math.isnan(values["Overview/loss"])
+    assert values["Worst tensor/actv absmax"] == 7.0
+    assert values["actv/norm of a.0"] == 2.0 and math.isnan(values["actv/norm of a.1"])
 
 
 def test_the_overview_grad_norm_is_the_norm_before_clipping():
     """grad_reduced records are clipped: the overview's grad norm is a logged grad_norm, else the framework's norm
     before clipping, and only without either the norm of the records."""
     records = {0: {"grad_reduced": 0.25}}  # sum of squared norms: clipped to 0.5
-    assert StepFigures(1, grad_sumsq=records).grad_norms() == {0: 0.5}
-    preclip = StepFigures(1, grad_sumsq=records, scalars={"grad_norm_preclip": {0: 9.0}})
+    assert StepFigures(1, norm_sumsq=records).grad_norms() == {0: 0.5}
+    preclip = StepFigures(1, norm_sumsq=records, scalars={"grad_norm_preclip": {0: 9.0}})
     assert preclip.grad_norms() == {0: 9.0}
-    assert dict(View(ViewOptions()).tag_values(preclip))["Overview/grad_norm"] == 9.0
-    logged = StepFigures(1, grad_sumsq=records, scalars={"grad_norm_preclip": {0: 9.0}, "grad_norm": {0: 7.0}})
+    assert _scalars(View(ViewOptions()), preclip)["Overview/grad_norm"] == 9.0
+    logged = StepFigures(1, norm_sumsq=records, scalars={"grad_norm_preclip": {0: 9.0}, "grad_norm": {0: 7.0}})
     assert logged.grad_norms() == {0: 7.0}
 
 
@@ -101,15 +112,14 @@ def test_a_selection_past_the_budget_is_said_once(tmp_path):
 
 
 def test_each_layer_chart_draws_the_spread_over_ranks(tmp_path):
-    """The sibling runs ranks_min and ranks_median hold each layer's per-rank value (the largest of its
-    tensors) reduced over ranks, the run itself the max: computed here from the databases."""
+    """The sibling runs min and median hold each layer's per-rank value (the largest of its tensors) reduced over
+    ranks, the run max the max: computed here from the databases."""
     import numpy as np
     from trainmon import open_run
     run = generate(tmp_path / "run", ranks=4, steps=10, inf_step=6, origin=2)
     logdir = tmp_path / "w"
     assert watch_once(run, "--logdir", logdir, "--heatmap-every", 1000).returncode == 0
-    runs = {stat: read_events(logdir / f"ranks_{stat}")[0] for stat in ("min", "median")}
-    runs["max"] = read_events(logdir)[0]
+    runs = {stat: read_events(logdir, stat)[0] for stat in ("min", "median", "max")}
     assert runs["min"].keys() == runs["median"].keys() and runs["min"].keys() <= runs["max"].keys()
     with open_run(run, "db") as monitor_run:
         frame = monitor_run.records()
@@ -119,11 +129,71 @@ def test_each_layer_chart_draws_the_spread_over_ranks(tmp_path):
     for (layer, step), group in grads.groupby(["layer", "step"]):
         per_rank = group.groupby("rank")["norm"].apply(lambda v: np.nan if v.isna().any() else v.max())
         finite = per_rank.dropna()
-        tag = f"grad_reduced/{layer}/norm"
+        tag = f"grad_reduced/norm of {layer}"
         got = {stat: dict(runs[stat][tag])[step] for stat in ("min", "median", "max")}
-        assert got["min"] == float(np.float32(finite.min()))
-        assert got["median"] == float(np.float32(finite.median()))
-        assert (math.isnan(got["max"]) if per_rank.isna().any() else got["max"] == float(np.float32(per_rank.max())))
+        want = {"min": finite.min(), "median": finite.median(), "max": per_rank.max(skipna=False)}
+        for stat, value in want.items():  # as written: float32, ±Inf as NaN
+            assert math.isnan(got[stat]) if not math.isfinite(value) else got[stat] == float(np.float32(value))
         checked += 1
     assert checked > 20
-    assert any(math.isinf(dict(runs["max"]["actv/layers.3/norm"])[s]) for s in range(6, 10))
+    assert all(math.isnan(dict(runs["max"]["actv/norm of layers.3"])[s]) for s in range(6, 10))
+
+
+def test_the_headline_stays_on_the_incident(tmp_path):
+    """4 ranks, the Inf entering rank 2's layers.3 at step 6: the text names it once, at its step, later steps'
+    first places follow as "then reached", and the rank charted is 2 at every step after."""
+    logdir = tmp_path / "w"
+    events = _tags(generate(tmp_path / "run", ranks=4, steps=10, inf_step=6, origin=2), logdir)
+    texts = read_texts(logdir)
+    [(step, incident)] = texts["Overview/first_nonfinite"]
+    assert step == 6 and "**layers.3**" in incident and "`layers.3.output`" in incident and "on rank 2" in incident
+    assert "micro-step 0" in incident
+    later = texts["Overview/first_nonfinite_then_reached"]
+    assert later and all(step > 6 and "then reached" in text for step, text in later)
+    assert events["Overview/first_nonfinite_rank"] == [(step, 2.0) for step in range(6, 10)]
+
+
+def test_the_first_group_holds_the_headline_and_the_worst_tensors_their_own():
+    scalars = {name: {0: 1.0} for name in ("loss", "lm loss", "learning_rate", "loss_scale", "amp_updates")}
+    figure = StepFigures(3, stats={("actv", "a.0.x", 0, "norm"): (1.0, 1.0, 2.0, 0),
+                                   ("param_origin", "a.0.w", 0, "norm"): (3.0, 3.0, 3.0, 0)},
+                         scalars=scalars, norm_sumsq={0: {"param_origin": 16.0, "grad_reduced": 4.0}}, recorded=True,
+                         worst=Place("actv", "a.0.x", 0, 0, 0))
+    values = _scalars(View(ViewOptions(single_rank=True)), figure)
+    assert {tag for tag in values if tag.startswith("Overview/")} == {
+        "Overview/loss", "Overview/grad_norm", "Overview/learning_rate", "Overview/loss_scale", "Overview/params_norm",
+        "Overview/nan_elements", "Overview/inf_elements", "Overview/tensors_nonfinite", "Overview/stalled_ranks",
+        "Overview/first_nonfinite_rank"}
+    assert values["Overview/grad_norm"] == 2.0 and values["Overview/params_norm"] == 4.0  # sqrt of the sums
+    assert values["Worst tensor/param_origin norm"] == 3.0  # a tensor's norm, apart from the global one
+    assert {tag for tag in values if tag.startswith("scalars/")} == {"scalars/lm loss", "scalars/amp_updates"}
+
+
+def test_a_model_output_grad_of_exactly_one_is_left_out_of_the_worst_tensors():
+    def figure(output_grad: float) -> StepFigures:
+        stats = {("actv_grad", "layers.0.output", 0, op): (0.5, 0.5, 0.5, 0) for op in ("norm", "min", "max")}
+        stats.update({("actv_grad", ".output", 0, op): (output_grad, output_grad, output_grad, 0)
+                      for op in ("norm", "min", "max")})
+        return StepFigures(0, stats=stats)
+
+    dloss = _scalars(View(ViewOptions()), figure(1.0))  # dL/dL: the forward returned the loss
+    assert dloss["Worst tensor/actv_grad norm"] == 0.5 and dloss["Worst tensor/actv_grad absmax"] == 0.5
+    scaled = _scalars(View(ViewOptions()), figure(4.0))  # a model output's grad that carries information stays
+    assert scaled["Worst tensor/actv_grad norm"] == 4.0 and scaled["Worst tensor/actv_grad absmax"] == 4.0
+
+
+def test_the_params_norm_is_the_global_norm_of_the_weights(tmp_path):
+    """Overview/params_norm, as Megatron's params-norm: the square root of the sum over a rank's parameters of their
+    squared norms (param_origin records), the largest across ranks; computed here from the databases."""
+    import numpy as np
+    from trainmon import open_run
+    run = generate(tmp_path / "run", ranks=2, steps=5, inf_step=3, origin=1)
+    events = _tags(run, tmp_path / "w")
+    with open_run(run, "db") as monitor_run:
+        frame = monitor_run.records(family="param_origin")
+    got = dict(events["Overview/params_norm"])
+    for step, group in frame.groupby("step"):
+        norms = group.groupby("rank")["norm"].apply(lambda v: np.sqrt((v.astype(float) ** 2).sum()))
+        want = norms.max(skipna=False)
+        assert math.isnan(got[step]) if not math.isfinite(want) else got[step] == float(np.float32(want))
+    assert set(got) == set(frame.step)

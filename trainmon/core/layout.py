@@ -21,6 +21,8 @@ STACK_INFO_FILE = "stack_info.json"
 CC_LOG_FILE = "cc_log.json"
 MODULE_STRUCT_FILE = "module_struct.json"
 DYNAMIC_STATE_FILE = "dynamic_state.json"
+WATCH_STATE_FILE = "watch_state.json"  # trainmon watch's state, in its log directory
+WATCHED_RUN = "run"                    # that file's key naming the run directory the view is of
 ANOMALY_DUMPS_DIR = "anomaly_dumps"    # alert.dump: the first anomalous module's tensors
 DUMPS_DIR, INDEX_FILE, TENSOR_FILE = "dumps", "index.json", "tensors.safetensors"  # the `dump` block
 

@@ -7,7 +7,7 @@ median are taken over the other values (NaN when there are none). ±Inf is kept 
 max name the smallest rank. The values of a chunk of steps of every rank are reduced at once with numpy.
 
 Each step also counts its NaN and Inf elements per family, the (tensor, rank) pairs holding one and the first
-such place; `view` turns all of it into the TensorBoard tags.
+such place (`Place`); `view` turns all of it into the TensorBoard tags.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -30,9 +30,20 @@ MAX_RANK = "max_rank"
 SCALARS = "scalars"
 GRAD_NORM = "grad_norm"  # the global grad norm: a logged scalar of that name, else computed from the records
 GRAD_NORM_PRECLIP = "grad_norm_preclip"  # the framework's norm before clipping (optimizer_hooks writes it)
+PARAMS_NORM = "params_norm"  # the weights' global norm: a logged scalar of that name, else computed from the records
 _LAYER = re.compile(r"^((?:[^.]+\.)*?[^.]+\.\d+)(?:\.|$)")  # up to the first numbered component
 
 Key = tuple  # (family, name, vpp_stage, op)
+
+
+class Place(NamedTuple):
+    """Where a NaN/Inf is: a tensor on a rank, in a micro-step (None: a record of the whole step)."""
+
+    family: str
+    name: str
+    vpp: int
+    rank: int
+    micro_step: Optional[int] = None
 
 
 def layer_of(name: str) -> str:
@@ -109,6 +120,18 @@ def reduce_matrix(group: np.ndarray, slot: np.ndarray, slot_rank: np.ndarray, va
             largest[used], slot_rank[holder][used])
 
 
+def worst(values) -> float:
+    """The largest of some values, NaN if any is NaN (NaN when there is none)."""
+    out = -math.inf
+    seen = False
+    for value in values:
+        if value != value:
+            return math.nan
+        seen = True
+        out = value if value > out else out
+    return out if seen else math.nan
+
+
 def cross_rank(values: dict[int, float]) -> tuple[float, float, float, int]:
     """(min, median, max, rank of the max) of one value per rank."""
     ranks = np.fromiter(values, dtype=np.int64, count=len(values))
@@ -136,12 +159,13 @@ class StepFigures:
     stats: dict[Key, tuple[float, float, float, int]] = field(default_factory=dict)  # min, median, max, max rank
     per_rank: dict[tuple, float] = field(default_factory=dict)  # (rank, family, name, vpp, micro, op)
     scalars: dict[str, dict[int, float]] = field(default_factory=dict)
-    grad_sumsq: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> family -> sum of norm²
+    norm_sumsq: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> family -> sum of norm²
     nonfinite: bool = False
     rows: Optional[StepRows] = None
     nonfinite_elements: dict[str, tuple[float, float]] = field(default_factory=dict)  # family -> (NaN, Inf) counts
     tensors_nonfinite: int = 0  # (tensor, rank) pairs holding a NaN or an Inf
-    worst: Optional[tuple] = None  # (family, name, vpp, rank) of the first NaN/Inf in family, model and rank order
+    nonfinite_by_tensor: dict[tuple, float] = field(default_factory=dict)  # (family, name, vpp) -> NaN + Inf elements
+    worst: Optional[Place] = None  # the first NaN/Inf: micro-steps, then families, model and rank order
     # (family, layer) -> min, median, max over ranks of each rank's layer value, and the rank of the max
     layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)
     recorded: bool = False  # the step has records (not only scalars): a step between collected ones has none
@@ -152,18 +176,29 @@ class StepFigures:
         for logged in (GRAD_NORM, GRAD_NORM_PRECLIP):
             if logged in self.scalars:
                 return dict(self.scalars[logged])
+        return self._norms(lambda totals: totals.get(GRAD_REDUCED, totals.get(GRAD_UNREDUCED)))
+
+    def params_norms(self) -> dict[int, float]:
+        """The weights' global norm per rank, as Megatron's params-norm: a logged `params_norm`, else the square root
+        of the sum over the rank's parameters of their squared norms (`param_origin` records)."""
+        if PARAMS_NORM in self.scalars:
+            return dict(self.scalars[PARAMS_NORM])
+        return self._norms(lambda totals: totals.get(PARAM_ORIGIN))
+
+    def _norms(self, total_of) -> dict[int, float]:
         out = {}
-        for rank, totals in self.grad_sumsq.items():
-            total = totals.get(GRAD_REDUCED, totals.get(GRAD_UNREDUCED))
-            out[rank] = math.sqrt(total) if total == total and total >= 0 else total
+        for rank, totals in self.norm_sumsq.items():
+            total = total_of(totals)
+            if total is not None:
+                out[rank] = math.sqrt(total) if total == total and total >= 0 else total
         return out
 
     def scalar_series(self) -> dict[str, dict[int, float]]:
-        """Per-rank series: the logged scalars and the global grad norm."""
+        """Per-rank series: the logged scalars, the global grad norm and the weights' global norm."""
         out = dict(self.scalars)
-        norms = self.grad_norms()
-        if norms:
-            out[GRAD_NORM] = norms
+        for name, norms in ((GRAD_NORM, self.grad_norms()), (PARAMS_NORM, self.params_norms())):
+            if norms:
+                out[name] = norms
         return out
 
 
@@ -219,7 +254,7 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
             for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
                 at(first + int(offsets[begin])).stats.update(
                     zip([op_keys[t] for t in (ids[begin:end] % width).tolist()], figures_of_group[begin:end]))
-        _count_nonfinite(at, keys, step, tag, rank, values, present)
+        _count_nonfinite(at, keys, step, tag, rank, micro, values, present)
         if spread is not None and spread[0] in values:
             _spread_layers(at, keys, spread, step - first, tag, rank, values, present, first)
         by_step = np.argsort(step, kind="stable")
@@ -233,8 +268,8 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
     for chunk in chunks:
         for number in chunk.nonfinite_steps:
             at(number).nonfinite = True
-        for number, totals in chunk.grad_sumsq.items():
-            at(number).grad_sumsq[chunk.rank] = totals
+        for number, totals in chunk.norm_sumsq.items():
+            at(number).norm_sumsq[chunk.rank] = totals
         for row in chunk.scalars:
             at(row["step"]).scalars.setdefault(row["name"], {})[chunk.rank] = row["value"]
         if chunk.rank in ranks_kept:
@@ -263,10 +298,11 @@ def _spread_layers(at, keys: list, spread: tuple, offset: np.ndarray, tag: np.nd
         at(first + group // n_layers).layer_spread[names[group % n_layers]] = figures
 
 
-def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np.ndarray, values: dict,
-                     present: dict) -> None:
-    """Per step: the NaN and Inf elements of each family, the (tensor, rank) pairs holding one, and the first
-    such place (families in FAMILY_ORDER, tensors in model order, then ranks)."""
+def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np.ndarray, micro: np.ndarray,
+                     values: dict, present: dict) -> None:
+    """Per step: the NaN and Inf elements of each family and of each tensor, the (tensor, rank) pairs holding one,
+    and the first such place, in the order a step runs: micro-steps (whole-step records after them), families in
+    FAMILY_ORDER, tensors in model order, then ranks. `micro`: 0 for a whole-step record, else the micro-step + 1."""
     counts = [np.where(present[op], values[op], 0.0) if op in values else np.zeros(len(step))
               for op in ("nans", "infs")]
     bad = np.flatnonzero((counts[0] > 0) | (counts[1] > 0))
@@ -281,8 +317,12 @@ def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np
             mine = rows[fam == index]
             figure.nonfinite_elements[families[index]] = (float(counts[0][mine].sum()), float(counts[1][mine].sum()))
         figure.tensors_nonfinite = len({(t, r) for t, r in zip(tag[rows].tolist(), rank[rows].tolist())})
-        first = rows[np.lexsort((rank[rows], tag[rows], fam))[0]]
-        figure.worst = (*keys[int(tag[first])], int(rank[first]))
+        tags, elements = np.unique(tag[rows], return_inverse=True)
+        totals = np.bincount(elements, weights=counts[0][rows] + counts[1][rows])
+        figure.nonfinite_by_tensor = {keys[t]: total for t, total in zip(tags.tolist(), totals.tolist())}
+        in_step = np.where(micro[rows] == 0, np.iinfo(np.int64).max, micro[rows])
+        first = rows[np.lexsort((rank[rows], tag[rows], fam, in_step))[0]]
+        figure.worst = Place(*keys[int(tag[first])], int(rank[first]), int(micro[first]) - 1 if micro[first] else None)
 
 
 # The families in the order a fault travels through a step: forward, backward, the update.

@@ -13,12 +13,12 @@ from typing import Optional
 import numpy as np
 
 from trainmon.monitor.config_keys import STAT_OPS
-from trainmon.core.records import GRAD_REDUCED, GRAD_UNREDUCED
+from trainmon.core.records import GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN
 from trainmon.read.errors import InputError
 from trainmon.read.rank_records import open_rank
 from trainmon.writers.db_schema import NO_MICRO_STEP
 
-GRAD_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED)
+NORM_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN)  # whose global norms the view shows
 
 
 @dataclass
@@ -26,7 +26,8 @@ class RankChunk:
     """Records of one rank within steps first..last.
 
     `keys[tag[i]]` is row i's (family, name, vpp_stage), `micro[i]` its micro-step (NO_MICRO_STEP: once per
-    step); `values[op]` its figures (`present[op]`: the row has that figure). `grad_sumsq`: step -> family -> sum of the squared norms of the whole-step grads.
+    step); `values[op]` its figures (`present[op]`: the row has that figure). `norm_sumsq`: step -> family -> sum
+    of the squared norms of the whole-step records of NORM_FAMILIES.
     `kept`: (step, family, name, vpp, micro_step, op, value) of every figure, for ranks exported one by one.
     """
 
@@ -38,7 +39,7 @@ class RankChunk:
     values: dict = field(default_factory=dict)
     present: dict = field(default_factory=dict)
     nonfinite_steps: set = field(default_factory=set)
-    grad_sumsq: dict = field(default_factory=dict)
+    norm_sumsq: dict = field(default_factory=dict)
     scalars: list = field(default_factory=list)
     kept: list = field(default_factory=list)
     error: Optional[Exception] = None  # the rank could not be read
@@ -83,9 +84,9 @@ def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
     families = np.array([key[0] for key in columns.tags], dtype=object)[columns.tag_at]
     # the squared norm as torch gives it: NaN with a NaN element, +Inf with an Inf (the record's is finite-only)
     sumsq = np.where(data["raw_nans"] > 0, np.nan, np.where(data["raw_infs"] > 0, np.inf, data["raw_sumsq"]))
-    for family in GRAD_FAMILIES:
+    for family in NORM_FAMILIES:
         rows = whole_step & (families == family)
-        _add_sumsq(chunk.grad_sumsq, family, data["step"][rows], sumsq[rows])
+        _add_sumsq(chunk.norm_sumsq, family, data["step"][rows], sumsq[rows])
     if keep:
         for i in range(len(columns)):
             family, name, vpp = chunk.keys[chunk.tag[i]]
@@ -118,10 +119,10 @@ def _from_rows(rank: int, by_step, keep: bool) -> RankChunk:
             chunk.present[op] = present
             chunk.values[op] = np.array([np.nan if value is None else value for value in column], dtype=np.float64)
     families = [chunk.keys[t][0] for t in tags]
-    for family in GRAD_FAMILIES:
+    for family in NORM_FAMILIES:
         rows = np.array([f == family and m is None and s is not None for f, m, s in zip(families, micro, sumsq)],
                         dtype=bool)
-        _add_sumsq(chunk.grad_sumsq, family, chunk.step[rows], np.array(sumsq, dtype=np.float64)[rows])
+        _add_sumsq(chunk.norm_sumsq, family, chunk.step[rows], np.array(sumsq, dtype=np.float64)[rows])
     if keep:
         for i, (step, tag) in enumerate(zip(steps, tags)):
             family, name, vpp = chunk.keys[tag]

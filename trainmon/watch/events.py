@@ -6,10 +6,11 @@ between a write and the state file leaves no duplicate event and loses none.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
-from trainmon.writers.tensorboard_sink import EventWriter
+from trainmon.writers.tensorboard_sink import EVENT_FILE_PREFIX, EventWriter
 
 ALERT_TAG = "alerts"
 
@@ -27,11 +28,13 @@ def _plugin_metadata(plugin: str, content: bytes = b""):
 
 
 class WatchEvents:
-    """One event file in the daemon's log directory.
+    """One event file in a run directory of the daemon's view.
 
     Args:
-        logdir: where the file goes.
-        resume: a `checkpoint()` of an earlier daemon on the same directory, or None for a new file.
+        logdir: the run directory.
+        resume: a `checkpoint()` of an earlier daemon on the same directory, or None for a new file. A new file
+            replaces the event files there: an earlier daemon, killed before its state file named them, left them
+            (TensorBoard would show their events twice).
     """
 
     def __init__(self, logdir: Path, resume: Optional[dict] = None):
@@ -39,12 +42,17 @@ class WatchEvents:
         target = None
         if resume and (logdir / resume["file"]).is_file():
             target = (logdir / resume["file"], resume["size"])
+        else:
+            for orphan in logdir.glob(f"{EVENT_FILE_PREFIX}*"):
+                orphan.unlink()
         self._writer = EventWriter(logdir, resume=target)
         from tensorboard.compat.proto.summary_pb2 import Summary
         self._summary = Summary
 
     def scalars(self, step: int, values: list[tuple[str, float]]) -> None:
-        self._writer.add(step, values)
+        """(tag, value) pairs of one step; ±Inf is written as NaN: TensorBoard's charts draw a NaN (a marker), but
+        not an infinity (the line ends there and the chart breaks, each later NaN placed at it)."""
+        self._writer.add(step, [(tag, value if math.isfinite(value) else math.nan) for tag, value in values])
 
     def images(self, step: int, pictures: list[tuple[str, bytes, int, int]]) -> None:
         """(tag, PNG bytes, height, width) of each picture."""

@@ -1,6 +1,7 @@
 """The heatmaps of the watch window: per family `<family>_layer_x_step` (the op, max across ranks) and
-`<family>_layer_x_rank` (at the latest step), and `<series>_rank_x_step` of the loss and of the global grad
-norm. With `rows="tensor"`, `<family>_tensor_x_step` and `<family>_tensor_x_rank`: one row per tensor.
+`<family>_layer_x_rank` (at the first step holding a NaN/Inf once there is one, else at the latest), and
+`<series>_rank_x_step` of the loss and of the global grad norm. With `rows="tensor"`, `<family>_tensor_x_step` and
+`<family>_tensor_x_rank`: one row per tensor.
 
 Readable at scale (`grid` says how cells are merged, `canvas` how they are drawn): one row per layer, each
 labelled, the picture growing with its rows; above 64 ranks, contiguous buckets of ranks (`r0-15`), each
@@ -95,15 +96,15 @@ def pictures(history: History, first: Optional[dict] = None, families: Optional[
                       f"{family}: {history.op} (max across {'tensors and ' * (rows == 'layer')}ranks), {rows} x step",
                       (rows, "step"),
                       _mark(hit, step_axis, steps, first and first["step"]), note)
-        latest_step, latest = history.latest
-        grid = latest.get(family)
+        shown_step, grids = history.by_rank
+        grid = grids.get(family)
         if grid is not None and len(grid.ranks) > 1:  # one rank: the layer x step picture already says it all
             rank_axis = buckets(grid.ranks, MAX_RANKS, "r")
             values, missing = reduce(grid.values, grid.missing, row_axis, 0, magnitude=False)
             values, missing = reduce(values, missing, rank_axis, 1, magnitude=True)
-            at_first = first is not None and first["step"] == latest_step
+            at_first = first is not None and first["step"] == shown_step
             out += _drawn(f"{family}_{rows}_x_rank", values, missing, row_axis, rank_axis,
-                          f"{family}: {history.op} at step {latest_step}, {rows} x rank", (rows, "rank"),
+                          f"{family}: {history.op} at step {shown_step}, {rows} x rank", (rows, "rank"),
                           _mark(hit if at_first else None, rank_axis, grid.ranks, first and first["rank"]))
     if history.expert_load is not None and (families is None or MOE_EXPERT_LOAD in families):
         out += _expert_load(*history.expert_load)

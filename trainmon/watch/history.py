@@ -50,8 +50,8 @@ def rank_grids(rows: StepRows, op: str, tensors: dict[str, dict]) -> dict[str, R
 
 
 class History:
-    """Recent steps of one op per (family, tensor), of the loss and grad norm per rank, and the latest
-    step per (family, tensor, rank).
+    """Recent steps of one op per (family, tensor), of the loss and grad norm per rank, and one step per (family,
+    tensor, rank): the first holding a NaN/Inf (the incident) once there is one, else the newest.
 
     Args:
         op: the op the module heatmaps show (e.g. "norm").
@@ -67,7 +67,8 @@ class History:
         # (step, {router: {expert: tokens}}) of the newest step with MoE expert loads (the same on every EP rank)
         self.expert_load: Optional[tuple[int, dict[str, dict[int, float]]]] = None
         self._latest: Optional[StepFigures] = None  # the newest step with records of `op`
-        self._by_rank: Optional[dict] = None  # its values per rank, once asked for
+        self._incident: Optional[StepFigures] = None  # the first step holding a NaN/Inf, with every rank's values
+        self._by_rank: Optional[tuple] = None  # (step, values per rank) of the step shown, once asked for
 
     def add(self, figures: StepFigures) -> None:
         column: dict[str, dict[str, float]] = {}
@@ -85,19 +86,29 @@ class History:
             self.expert_load = (figures.step, experts)
         if column:
             self.columns.append((figures.step, column))
-            self._latest, self._by_rank = figures, None
+            self._latest = figures
+        self.keep_incident(figures)
+        self._by_rank = None  # its rows may have grown
         series = {name: values for name, values in figures.scalar_series().items() if name in RANK_SERIES}
         if series:
             self.rank_columns.append((figures.step, series))
 
+    def keep_incident(self, figures: StepFigures) -> None:
+        """Keeps `figures` as the incident's when it is the first step seen holding a NaN/Inf with every rank's values
+        (a restarted daemon gives it again, however far before its window it was)."""
+        if self._incident is None and figures.worst is not None and figures.rows is not None:
+            self._incident = figures
+
     @property
-    def latest(self) -> tuple[Optional[int], dict]:
-        """(step, {family: RankGrid}) of the newest step, computed when a heatmap is drawn."""
-        if self._latest is None or self._latest.rows is None:
+    def by_rank(self) -> tuple[Optional[int], dict]:
+        """(step, {family: RankGrid}) of the incident's step once there is one, else of the newest step; computed when
+        a heatmap is drawn."""
+        shown = self._incident or self._latest
+        if shown is None or shown.rows is None:
             return None, {}
         if self._by_rank is None:
-            self._by_rank = rank_grids(self._latest.rows, self.op, self.rows)
-        return self._latest.step, self._by_rank
+            self._by_rank = (shown.step, rank_grids(shown.rows, self.op, self.rows))
+        return self._by_rank
 
     def steps(self) -> list[int]:
         return [step for step, _ in self.columns]

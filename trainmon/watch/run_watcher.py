@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from trainmon.core.defaults import WATCH
+from trainmon.core.layout import WATCHED_RUN
 from trainmon.output_dir import make_output_dir
 from trainmon.read.errors import InputError
 from trainmon.read.layout import find_run
@@ -24,7 +25,7 @@ from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
 from trainmon.watch.history import History
 from trainmon.watch.state import load_state, save_state
-from trainmon.watch.view import SPREAD_RUN, SPREAD_STATS, GroupRoles, View, ViewOptions, layout
+from trainmon.watch.view import MAX_RUN, GroupRoles, View, ViewOptions, layout
 from trainmon.watch.workers import WorkerPool
 
 logger = logging.getLogger("trainmon.watch")
@@ -66,14 +67,15 @@ def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kep
 def figures_of_span(task: tuple) -> tuple[dict[int, StepFigures], list[tuple[int, str]]]:
     """(followers, first, last, ranks_kept, drawn, spread) -> (`read_figures` of those steps, (rank, why) of what
     could not be read and was left out), in a worker process: the values of every rank (`StepFigures.rows`)
-    are kept only for the steps a heatmap of the latest step may be drawn at (the last one, and those in
-    `drawn`), so that what comes back is small."""
+    are kept only for the steps a layer x rank heatmap may be drawn at (the last one, those in `drawn`, and the
+    first holding a NaN/Inf, which may be the incident), so that what comes back is small."""
     followers, first, last, ranks_kept, drawn, spread = task
     errors = []
     figures = read_figures(followers, first, last, ranks_kept, lambda f, err: errors.append((f.rank, str(err))),
                            spread)
+    first_bad = min((step for step, figure in figures.items() if figure.worst is not None), default=None)
     for step, figure in figures.items():
-        if step != last and step not in drawn:
+        if step != last and step not in drawn and step != first_bad:
             figure.rows = None
     return figures, errors
 
@@ -132,15 +134,15 @@ class RunWatcher:
         state = load_state(logdir)
         self.exported: int = state.get("exported", -1)
         self.drawn_at: Optional[int] = state.get("drawn_at")
-        self.events = WatchEvents(logdir, state.get("events"))
+        self.events = WatchEvents(logdir / MAX_RUN, state.get("events"))
         self.layout_keys = {tuple(k) for k in state.get("layout", [])}  # the selected tensors' (family, name, vpp, op)
         self.scalar_names = set(state.get("scalar_names", []))
         self.families = set(state.get("families", []))
         self.view: Optional[View] = None  # made once the ranks are known: their number and groups shape it
-        self._first_nonfinite = state.get("first_nonfinite")
-        # the layers' spread over ranks: sibling runs `ranks_min`, `ranks_median` beside this one (the max)
-        self.spread_events: dict[str, WatchEvents] = {}
-        self._spread_state = state.get("spread_events", {})
+        self._view_state = state.get("view")
+        # the sibling runs of MAX_RUN (the layers' spread over ranks, their NaN/Inf elements), made when first written
+        self.siblings: dict[str, WatchEvents] = {}
+        self._siblings_state = state.get("siblings", {})
         self._warned_size = False
         self._saved_layout = self._layout_state()  # what the state file holds of them, made when they grow
         self.alerts = AlertTracker(run, logdir, lambda step, text: self.events.text(step, ALERT_TAG, text),
@@ -292,27 +294,22 @@ class RunWatcher:
             except (InputError, OSError, ValueError):
                 continue  # that rank's run.json is unreadable: its groups are named by size
         world = max([len(self.followers)] + [int(m.get("world_size") or 0) for m in metadata])
-        view = View(ViewOptions(op=self.options.op, detail=tuple(self.options.detail), single_rank=world == 1,
-                                roles=GroupRoles(metadata)))
-        view.first_nonfinite = tuple(self._first_nonfinite) if self._first_nonfinite else None
-        return view
+        return View(ViewOptions(op=self.options.op, detail=tuple(self.options.detail), single_rank=world == 1,
+                                roles=GroupRoles(metadata)), self._view_state)
 
     def _export(self, first: int, last: int, followers: list[RankFollower]) -> None:
         if self.view is None:
             self.view = self._make_view()
-            if not self.view.options.single_rank:
-                self.spread_events = {stat: WatchEvents(self.logdir / f"{SPREAD_RUN}{stat}",
-                                                        self._spread_state.get(stat)) for stat in SPREAD_STATS}
         stalled = sum(f.stalled for f in self.followers.values())
         for end, figures in self._figures(first, last, followers):
             for step in sorted(figures):
                 figure = figures[step]
-                values = self.view.tag_values(figure, stalled)
-                self._check_size(len(values))
-                self.events.scalars(step, values)
-                for stat, spread in self.view.spread_values(figure).items():
-                    self.spread_events[stat].scalars(step, spread)
-                for tag, text in self.view.texts(figure):
+                tags = self.view.tags(figure, stalled)
+                self._check_size(len(tags.scalars))
+                self.events.scalars(step, tags.scalars)
+                for run, values in tags.siblings.items():
+                    self._sibling(run).scalars(step, values)
+                for tag, text in tags.texts:
                     self.events.text(step, tag, text)
                 self.history.add(figure)
                 if figure.nonfinite:
@@ -321,6 +318,12 @@ class RunWatcher:
                 if self.options.redraws_at(step):
                     self.draw(step)
             self.exported = end
+
+    def _sibling(self, run: str) -> WatchEvents:
+        """The event file of a sibling run, `<logdir>/<run>/`, resumed where an earlier daemon left it."""
+        if run not in self.siblings:
+            self.siblings[run] = WatchEvents(self.logdir / run, self._siblings_state.get(run))
+        return self.siblings[run]
 
     def _check_size(self, tags: int) -> None:
         """Says once when --detail or --ranks make the view larger than TensorBoard serves quickly (its pages
@@ -347,6 +350,11 @@ class RunWatcher:
         self._refill = False
         first = max(0, self.exported - self.options.window + 1)
         followers = [f for f in self.followers.values() if f.error is None]
+        incident = ((self._view_state or {}).get("headline") or {}).get("incident")
+        if incident and incident[0] < first:  # the layer x rank heatmaps stay at the incident
+            for _, figures in self._figures(incident[0], incident[0], followers):
+                for figure in figures.values():
+                    self.history.keep_incident(figure)
         for _, figures in self._figures(first, self.exported, followers):
             for step in sorted(figures):
                 self.history.add(figures[step])
@@ -388,13 +396,14 @@ class RunWatcher:
 
     # ---------------------------------------------------------------------------------- state
     def _save(self) -> None:
-        save_state(self.logdir, {"run": str(self.run), "exported": self.exported, "drawn_at": self.drawn_at,
+        save_state(self.logdir, {WATCHED_RUN: str(self.run.resolve()), "exported": self.exported,
+                                 "drawn_at": self.drawn_at,
                                  "drawing": self._drawing[0] if self._drawing else self._redraw,
                                  "events": self.events.checkpoint(), "alerts": self.alerts.state(),
-                                 "first_nonfinite": self.view.first_nonfinite if self.view else self._first_nonfinite,
+                                 "view": self.view.state() if self.view else self._view_state,
                                  "missing_ranks": self.missing_ranks,
-                                 "spread_events": {stat: events.checkpoint() for stat, events in
-                                                   self.spread_events.items()} or self._spread_state,
+                                 "siblings": {**self._siblings_state, **{run: events.checkpoint() for run, events in
+                                                                         self.siblings.items()}},
                                  **self._saved_layout})
 
     def _layout_state(self) -> dict:
@@ -421,7 +430,7 @@ class RunWatcher:
                 pool.kill()
         self._save()
         self.events.close()
-        for events in self.spread_events.values():
+        for events in self.siblings.values():
             events.close()
 
 

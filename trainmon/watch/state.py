@@ -7,10 +7,10 @@ import json
 import os
 from pathlib import Path
 
+from trainmon.core.layout import WATCH_STATE_FILE
 from trainmon.read.errors import InputError
 
-STATE_FILE = "watch_state.json"
-VERSION = 1
+VERSION = 2  # 2: the view's runs in directories of their own (max, min, median, nonfinite_elements)
 
 
 def load_state(logdir: Path) -> dict:
@@ -19,7 +19,7 @@ def load_state(logdir: Path) -> dict:
     Raises:
         InputError: the file is there but is not this daemon's state (naming it).
     """
-    path = logdir / STATE_FILE
+    path = logdir / WATCH_STATE_FILE
     if not path.exists():
         return {}
     try:
@@ -33,7 +33,7 @@ def load_state(logdir: Path) -> dict:
 
 
 def save_state(logdir: Path, state: dict) -> None:
-    path = logdir / STATE_FILE
+    path = logdir / WATCH_STATE_FILE
     temporary = path.with_suffix(".tmp")
     with open(temporary, "w", encoding="utf-8") as fh:
         fh.write(json.dumps({"version": VERSION, **state}))  # dumps: the C encoder (dump to a file is not)

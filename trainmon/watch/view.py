@@ -1,23 +1,29 @@
 """What the daemon's TensorBoard view holds: a bounded set of tags, whatever the ranks, micro-steps or calls.
 
-- `Overview/`: the first screen. The logged scalars and the global grad norm (the largest across ranks), per
-  family the largest `<op>` (norm by default) and the largest |value| over every tensor and rank, the NaN and
-  Inf elements, the (tensor, rank) pairs holding one, the rank of the first of them, and the stalled ranks.
-  The place of the first NaN/Inf is written as text (`Overview/first_nonfinite`) whenever it changes.
-- `<family>/`: one chart per layer (`<family>/<layer>/<op>`: the layer's tensors reduced, the largest across
-  tensors and ranks), and the family's NaN and Inf elements. With more than one rank, the sibling runs
-  `ranks_min` and `ranks_median` hold the same tags: each rank's layer value (the largest of its tensors)
-  reduced over ranks, so each layer chart draws the min, median and max over ranks. Collectives are layers
-  of their own, one per op and group, named by the group's role (`all_reduce@dp`, `send@pp`) from the
-  ranks' `parallel` metadata.
+- `Overview/`: the first screen (`headline`): the loss, grad norm, learning rate, loss scale and the weights'
+  global norm, the NaN and Inf elements, the (tensor, rank) pairs holding one, the rank of the first of them and the
+  stalled ranks; as text, the place of the first NaN/Inf, written once.
+- `Worst tensor/`: per family the largest `<op>` (norm by default) and the largest |value| of any one tensor and rank
+  (`<family> <op>`, `<family> absmax`: a single tensor's, not a global norm), and per one-value family value its
+  worst over the model. The model output's grad when it is exactly 1 (dL/dL: the forward returns the loss) is left
+  out: a constant is no signal.
+- `<family>/`: one chart per layer (`<family>/<op> of <layer>`: the layer's tensors reduced, the largest across
+  tensors and ranks), and the family's NaN and Inf elements. Collectives are layers of their own, one per op and
+  group, named by the group's role (`all_reduce@dp`, `send@pp`) from the ranks' `parallel` metadata.
 - One-value families (L2 features, MoE load; `trainmon.core.feature_table`): per value one chart per layer,
-  `<family>/<layer>/<value>`, and its worst over the model, `Overview/<family>_<value>_{max|min}`: the largest, or the
-  smallest where a fall is the failure (an entropy collapsing); not the generic per-op charts, which would mix the
-  values of a module. The tokens of each expert (`moe_expert_load`) are drawn as a heatmap only.
-- `scalars/<name>/{min,median,max}`: the spread across ranks of each logged scalar (more than one rank only).
+  `<family>/<value> of <layer>`; not the generic per-op charts, which would mix the values of a module. The tokens of
+  each expert (`moe_expert_load`) are drawn as a heatmap only.
+- `scalars/<name>`: the other logged scalars; with more than one rank `scalars/<name>/{min,median,max}`, the spread
+  across ranks of every logged scalar.
 - What the user selects: `detail/<family>/<tensor>/<op>` for every tensor whose name matches a `--detail`
   pattern (with more than one rank the cross-rank min/median/max and the rank of the max), and every figure
   of the `--ranks` ranks as `rank<R>/...`.
+
+The runs (TensorBoard names a run by its directory, and draws a line per run in each chart): `max` holds every tag;
+with more than one rank, `min` and `median` hold the layer charts' tags, each rank's layer value (the largest of its
+tensors) reduced over ranks, so each layer chart draws the min, median and max over ranks; `nonfinite_elements` holds,
+in each layer chart, the layer's NaN and Inf elements over its tensors and ranks at the steps that have some, so that
+a failure is drawn in the chart of the layer where it is, whatever the axis.
 Reductions follow the figures: NaN wins, then +Inf, so a failure is never hidden behind a finite value.
 """
 from __future__ import annotations
@@ -29,30 +35,30 @@ from typing import Iterable, Optional
 
 from trainmon.core import feature_table
 from trainmon.core.collective_ops import parse_comm_name
-from trainmon.core.records import COMM, FEATURE_FAMILIES
+from trainmon.core.records import ACTV_GRAD, COMM, FEATURE_FAMILIES
 from trainmon.watch.aggregate import (MAX_RANK, SCALARS, StepFigures, cross_rank, family_rank, label_of, layer_of,
-                                      tag_base)
+                                      tag_base, worst)
+from trainmon.watch.headline import (FIRST_NONFINITE_RANK_TAG, INF_ELEMENTS, NAN_ELEMENTS, OVERVIEW,
+                                     STALLED_RANKS_TAG, TENSORS_NONFINITE, Headline, headline_names)
 
-OVERVIEW = "Overview"  # capitalised: TensorBoard sorts tag groups by code point, so it comes first
+WORST = "Worst tensor"  # sorts after Overview ("W" > "O") and before the families (lower case)
 DETAIL = "detail"
-NAN_ELEMENTS, INF_ELEMENTS = "nan_elements", "inf_elements"
-FIRST_NONFINITE_TAG = f"{OVERVIEW}/first_nonfinite"
-# The layer charts' spread over ranks goes into sibling runs of these names: TensorBoard then draws the min
-# and the median in the same chart as the max (this run), and the tags stay one per layer.
-SPREAD_RUN = "ranks_"
+# The runs: the layer charts' spread over ranks and their NaN/Inf elements go into sibling runs of MAX_RUN, so that
+# TensorBoard draws them in the same chart, and the tags stay one per layer.
+MAX_RUN = "max"
 SPREAD_STATS = ("min", "median")
+NONFINITE_RUN = "nonfinite_elements"
+# The model's own output: its grad is dL/dL = 1 where the forward returns the loss
+_MODEL_OUTPUT = re.compile(r"^\.output(_\d+)?$")
 
 
-def worst(values: Iterable[float]) -> float:
-    """The largest value, NaN if any is NaN (NaN when there is none)."""
-    out = -math.inf
-    seen = False
-    for value in values:
-        if value != value:
-            return math.nan
-        seen = True
-        out = value if value > out else out
-    return out if seen else math.nan
+def layer_tag(family: str, layer: str, what: str) -> str:
+    """The tag of a layer's chart of `what` (an op, or a one-value family's value)."""
+    return f"{family}/{what} of {layer}"
+
+
+def worst_tag(family: str, what: str) -> str:
+    return f"{WORST}/{family} {what}"
 
 
 class GroupRoles:
@@ -124,60 +130,60 @@ class ViewOptions:
         return f"{vpp}:{layer}" if vpp else layer
 
 
+@dataclass
+class StepTags:
+    """What one step writes: the tags of MAX_RUN, those of each sibling run, and the texts."""
+
+    scalars: list[tuple[str, float]]
+    siblings: dict[str, list[tuple[str, float]]]
+    texts: list[tuple[str, str]]
+
+
 class View:
-    """Turns each exported step's figures into (tag, value) pairs; keeps the state that spans steps (the last
-    place of the first NaN/Inf)."""
+    """Turns each exported step's figures into tags; keeps the state that spans steps (the headline's incident, the
+    layer charts that held a NaN/Inf).
 
-    def __init__(self, options: ViewOptions):
+    Args:
+        options: what it shows.
+        state: `state()` of an earlier daemon on the same log directory.
+    """
+
+    def __init__(self, options: ViewOptions, state: Optional[dict] = None):
         self.options = options
-        self.first_nonfinite: Optional[tuple] = None
+        state = state or {}
+        self.headline = Headline(options.layer, state.get("headline"))
+        self.nonfinite_charts: set[str] = set(state.get("nonfinite_charts", []))  # the layer charts NONFINITE_RUN draws
 
-    def tag_values(self, figure: StepFigures, stalled: int = 0) -> list[tuple[str, float]]:
-        out = self._overview(figure, stalled) + self._layers(figure) + self._features(figure) + self._spread(figure)
-        out += self._detail(figure) + self._ranks(figure)
-        return out
+    def state(self) -> dict:
+        return {"headline": self.headline.state(), "nonfinite_charts": sorted(self.nonfinite_charts)}
 
-    def texts(self, figure: StepFigures) -> list[tuple[str, str]]:
-        """(tag, markdown) to write at this step: the first NaN/Inf's place, when it moved."""
-        if figure.worst is None or figure.worst == self.first_nonfinite:
-            return []
-        self.first_nonfinite = figure.worst
-        family, name, vpp, rank = figure.worst
-        elements = figure.nonfinite_elements.get(family, (0.0, 0.0))
-        return [(FIRST_NONFINITE_TAG,
-                 f"step {figure.step}: first NaN/Inf in **{self.options.layer(family, name, vpp)}** "
-                 f"({family} `{label_of(name, vpp)}`) on rank {rank}. This step: {figure.tensors_nonfinite} "
-                 f"tensor(s) hold a NaN or Inf over all ranks; {family} holds {elements[0]:.0f} NaN and "
-                 f"{elements[1]:.0f} Inf elements")]
+    def tags(self, figure: StepFigures, stalled: int = 0) -> StepTags:
+        scalars = self.headline.values(figure, stalled) + self._worst_tensors(figure) + self._layers(figure)
+        scalars += self._features(figure) + self._scalars(figure) + self._detail(figure) + self._ranks(figure)
+        return StepTags(scalars, self._siblings(figure), self.headline.texts(figure))
 
     # --------------------------------------------------------------------------------------- parts
-    def _overview(self, figure: StepFigures, stalled: int) -> list[tuple[str, float]]:
+    def _worst_tensors(self, figure: StepFigures) -> list[tuple[str, float]]:
         op = self.options.op
-        out = [(f"{OVERVIEW}/{name}", worst(by_rank.values())) for name, by_rank in figure.scalar_series().items()]
         largest: dict[str, list] = {}
         extremes: dict[str, list] = {}
-        for (family, _, _, key_op), (low, _, high, _) in figure.stats.items():
-            if family in FEATURE_FAMILIES:
-                continue  # summarised per value (`_features`)
+        for (family, name, vpp, key_op), (low, _, high, _) in figure.stats.items():
+            if family in FEATURE_FAMILIES or key_op not in (op, "min", "max"):
+                continue  # one-value families: summarised per value (`_features`)
+            if family == ACTV_GRAD and _is_loss_grad(figure, name, vpp):
+                continue
             if key_op == op:
                 largest.setdefault(family, []).append(high)
-            elif key_op in ("min", "max"):
+            else:
                 extremes.setdefault(family, []).append(abs(high) if key_op == "max" else abs(low))
                 if key_op == "min" and high != high:  # a NaN min on some rank
                     extremes[family].append(math.nan)
+        out = []
         for family in sorted(set(largest) | set(extremes), key=family_rank):
             if family in largest:
-                out.append((f"{OVERVIEW}/{family}_{op}_max", worst(largest[family])))
+                out.append((worst_tag(family, op), worst(largest[family])))
             if family in extremes:
-                out.append((f"{OVERVIEW}/{family}_absmax", worst(extremes[family])))
-        if figure.recorded:  # a step without records has no count to show, not a count of 0
-            counts = figure.nonfinite_elements.values()
-            out += [(f"{OVERVIEW}/{NAN_ELEMENTS}", sum(c[0] for c in counts)),
-                    (f"{OVERVIEW}/{INF_ELEMENTS}", sum(c[1] for c in counts)),
-                    (f"{OVERVIEW}/tensors_nonfinite", float(figure.tensors_nonfinite))]
-        out.append((f"{OVERVIEW}/stalled_ranks", float(stalled)))
-        if figure.worst is not None:
-            out.append((f"{OVERVIEW}/first_nonfinite_rank", float(figure.worst[3])))
+                out.append((worst_tag(family, "absmax"), worst(extremes[family])))
         return out
 
     def _layers(self, figure: StepFigures) -> list[tuple[str, float]]:
@@ -190,7 +196,7 @@ class View:
             families.add(family)
             if key_op == op:
                 layers.setdefault((family, self.options.layer(family, name, vpp)), []).append(high)
-        out = [(f"{family}/{layer}/{op}", worst(values)) for (family, layer), values in layers.items()]
+        out = [(layer_tag(family, layer, op), worst(values)) for (family, layer), values in layers.items()]
         for family in families:
             nans, infs = figure.nonfinite_elements.get(family, (0.0, 0.0))
             out += [(f"{family}/{NAN_ELEMENTS}", nans), (f"{family}/{INF_ELEMENTS}", infs)]
@@ -198,8 +204,8 @@ class View:
 
     def _features(self, figure: StepFigures) -> list[tuple[str, float]]:
         """Per one-value family, value and layer: the worst over the layer's modules and the ranks; per value, its
-        worst over the model in the overview. A value is its record's max (= min = mean), or |value| (norm) where
-        the run's ops have neither."""
+        worst over the model. A value is its record's max (= min = mean), or |value| (norm) where the run's ops have
+        neither."""
         layers: dict[tuple, list] = {}
         for (family, name, vpp, key_op), (low, _, high, _) in figure.stats.items():
             if family not in feature_table.VALUES:
@@ -214,30 +220,44 @@ class View:
         out, model = [], {}
         for (family, layer, value, low_worse), values in layers.items():
             worst_here = -worst(-v for v in values) if low_worse else worst(values)
-            out.append((f"{family}/{layer}/{value}", worst_here))
+            out.append((layer_tag(family, layer, value), worst_here))
             model.setdefault((family, value, low_worse), []).append(worst_here)
         for (family, value, low_worse), values in model.items():
-            out.append((f"{OVERVIEW}/{family}_{value}_{'min' if low_worse else 'max'}",
-                        -worst(-v for v in values) if low_worse else worst(values)))
+            out.append((worst_tag(family, value), -worst(-v for v in values) if low_worse else worst(values)))
         return out
 
-    def spread_values(self, figure: StepFigures) -> dict[str, list[tuple[str, float]]]:
-        """Per stat of SPREAD_STATS, the layer charts' values over ranks: each rank's layer value (the largest of
-        its tensors) reduced over ranks. Empty with one rank."""
+    def _siblings(self, figure: StepFigures) -> dict[str, list[tuple[str, float]]]:
+        """Per sibling run, its values of the layer charts: per stat of SPREAD_STATS each rank's layer value (the
+        largest of its tensors) reduced over ranks (none with one rank); NONFINITE_RUN the layers' NaN and Inf
+        elements, in each layer chart from its first NaN/Inf on (0 at a step without: TensorBoard would draw a line
+        across the steps between two failures)."""
+        op = self.options.op
         out: dict[str, list] = {stat: [] for stat in SPREAD_STATS} if figure.layer_spread else {}
         for (family, layer), (low, median, _, _) in figure.layer_spread.items():
             if family in FEATURE_FAMILIES:
                 continue  # a value per layer, the worst over ranks (`_features`)
-            tag = f"{family}/{layer}/{self.options.op}"
+            tag = layer_tag(family, layer, op)
             out["min"].append((tag, low))
             out["median"].append((tag, median))
+        elements: dict[str, float] = {}
+        for (family, name, vpp), count in figure.nonfinite_by_tensor.items():
+            if family not in FEATURE_FAMILIES:
+                tag = layer_tag(family, self.options.layer(family, name, vpp), op)
+                elements[tag] = elements.get(tag, 0.0) + count
+        self.nonfinite_charts |= elements.keys()
+        if self.nonfinite_charts and figure.recorded:
+            out[NONFINITE_RUN] = [(tag, elements.get(tag, 0.0)) for tag in sorted(self.nonfinite_charts)]
         return out
 
-    def _spread(self, figure: StepFigures) -> list[tuple[str, float]]:
+    def _scalars(self, figure: StepFigures) -> list[tuple[str, float]]:
+        """The logged scalars the headline does not show; with more than one rank, every one's spread."""
+        series = figure.scalar_series()
         if self.options.single_rank:
-            return []
+            shown = set(headline_names(series))
+            return [(f"{SCALARS}/{name}", worst(by_rank.values())) for name, by_rank in series.items()
+                    if name not in shown]
         out = []
-        for name, by_rank in figure.scalar_series().items():
+        for name, by_rank in series.items():
             low, median, high, _ = cross_rank(by_rank)
             out += [(f"{SCALARS}/{name}/min", low), (f"{SCALARS}/{name}/median", median),
                     (f"{SCALARS}/{name}/max", high)]
@@ -270,24 +290,42 @@ class View:
         return out
 
 
+def _is_loss_grad(figure: StepFigures, name: str, vpp: int) -> bool:
+    """Whether a grad is the model output's and exactly 1 in every figure: dL/dL, where the forward returns the
+    loss."""
+    if not _MODEL_OUTPUT.match(name):
+        return False
+    figures = [figure.stats.get((ACTV_GRAD, name, vpp, op)) for op in ("min", "max", "norm")]
+    figures = [f for f in figures if f is not None]
+    return bool(figures) and all(f[0] == 1.0 and f[2] == 1.0 for f in figures)
+
+
 def layout(scalar_names: Iterable[str], families: Iterable[str], op: str, single_rank: bool,
            detail_keys: Iterable[tuple]) -> dict[str, list]:
-    """The custom-scalars layout: `Overview` first (per family in one chart each: the largest `op`, NaN and
-    Inf elements), the scalars' spread across ranks, and the selected tensors' largest value per family and op.
-    Each chart is ("multiline", title, [tag regexes]) or ("margin", title, median, low, high)."""
+    """The custom-scalars layout: the headline first (the only category open), the worst tensor per family and
+    their NaN and Inf elements, one category per family, the scalars' spread across ranks, and the selected
+    tensors' largest value per family and op. Each chart is ("multiline", title, [tag regexes]) or ("margin", title,
+    median, low, high)."""
     families = sorted(families, key=family_rank)
-    overview = [("multiline", f"largest {op} per family", [rf"^{OVERVIEW}/.*_{op}_max$"]),
-                ("multiline", "largest |value| per family", [rf"^{OVERVIEW}/.*_absmax$"]),
-                ("multiline", "NaN elements per family", [rf"^[^/]+/{NAN_ELEMENTS}$"]),
-                ("multiline", "Inf elements per family", [rf"^[^/]+/{INF_ELEMENTS}$"])]
-    out = {OVERVIEW: overview}
+    overview = [("multiline", name, [rf"^{OVERVIEW}/{re.escape(name)}$"]) for name in headline_names(scalar_names)]
+    overview += [("multiline", "NaN and Inf elements", [rf"^{OVERVIEW}/({NAN_ELEMENTS}|{INF_ELEMENTS})$"]),
+                 ("multiline", "tensors holding a NaN or Inf (x ranks)", [rf"^{OVERVIEW}/{TENSORS_NONFINITE}$"]),
+                 ("multiline", "rank of the first NaN/Inf", [rf"^{re.escape(FIRST_NONFINITE_RANK_TAG)}$"]),
+                 ("multiline", "stalled ranks", [rf"^{re.escape(STALLED_RANKS_TAG)}$"])]
+    worst_charts = [("multiline", f"largest {op} of a tensor, per family", [rf"^{WORST}/[^/]+ {op}$"]),
+                    ("multiline", "largest |value| of a tensor, per family", [rf"^{WORST}/[^/]+ absmax$"]),
+                    ("multiline", "NaN elements per family", [rf"^(?!{OVERVIEW}/)[^/]+/{NAN_ELEMENTS}$"]),
+                    ("multiline", "Inf elements per family", [rf"^(?!{OVERVIEW}/)[^/]+/{INF_ELEMENTS}$"])]
+    out = {OVERVIEW: overview, WORST: worst_charts}
     for family in families:
         if family in feature_table.VALUES:
-            overview.append(("multiline", f"{family}: worst per value", [rf"^{OVERVIEW}/{re.escape(family)}_"]))
-            out[family] = [("multiline", f"{family}: {value} per layer", [rf"^{re.escape(family)}/[^/]+/{value}$"])
+            worst_charts.append(("multiline", f"{family}: worst per value", [rf"^{WORST}/{re.escape(family)} "]))
+            out[family] = [("multiline", f"{family}: {value} per layer",
+                            [rf"^{re.escape(layer_tag(family, '', value))}[^/]+$"])
                            for value in feature_table.names(family)]
         elif family not in FEATURE_FAMILIES:
-            out[family] = [("multiline", f"{family}: {op} per layer", [rf"^{re.escape(family)}/[^/]+/{op}$"])]
+            out[family] = [("multiline", f"{family}: {op} per layer",
+                            [rf"^{re.escape(layer_tag(family, '', op))}[^/]+$"])]
     if not single_rank:
         out[SCALARS] = [("margin", name, f"{SCALARS}/{name}/median", f"{SCALARS}/{name}/min", f"{SCALARS}/{name}/max")
                         for name in sorted(scalar_names)]
@@ -298,4 +336,3 @@ def layout(scalar_names: Iterable[str], families: Iterable[str], op: str, single
         out.setdefault(f"{DETAIL} {family}", []).append(
             ("multiline", f"{family} {key_op}{suffix}", [rf"^{DETAIL}/{re.escape(family)}/.*/{key_op}{suffix}$"]))
     return out
-

@@ -14,6 +14,8 @@ from trainmon.writers.base import Sink, SinkContext
 from trainmon.writers.event_encoding import scalar_event
 from trainmon.writers.tags import tag_of
 
+EVENT_FILE_PREFIX = "events.out.tfevents."  # what `tensorboard --logdir` reads
+
 
 def _fast_record_writer(record_writer):
     """TensorBoard's RecordWriter with a compiled CRC32C when the `crc32c` package is installed.
@@ -77,7 +79,7 @@ class EventWriter:
             return
         logdir.mkdir(parents=True, exist_ok=True)
         # EventFileWriter's naming: tensorboard --logdir finds the file and orders it by time.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._files)}"
+        name = f"{EVENT_FILE_PREFIX}{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._files)}"
         self.path = logdir / name
         self._records = record_writer(open(self.path, "wb"))
         self._records.write(self._event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())

@@ -97,6 +97,21 @@ class Browser:
                                      f"{self.evaluate('document.body.innerText.slice(0, 2000)')}")
             time.sleep(0.2)
 
+    def viewport(self, width: int, height: int) -> None:
+        """The page's size in CSS pixels, one device pixel each (what the screenshots hold)."""
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def screenshot(self):
+        """The page as an RGB array (rows, columns, 3)."""
+        import base64
+        import io
+
+        import numpy as np
+        from PIL import Image
+        png = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+        with Image.open(io.BytesIO(png)) as image:
+            return np.asarray(image.convert("RGB"))
+
     def console_errors(self) -> list[str]:
         """Uncaught exceptions, console.error calls and error log entries (failed loads) so far."""
         errors = []

@@ -1,13 +1,11 @@
-"""The structure view: its data (module tree, non-finite path, comparison), the TensorBoard plugin loaded through
-its entry point by a real `tensorboard` process, and the page in a real headless browser."""
+"""The structure view: its data (the runs it offers, module tree, non-finite path, comparison), the TensorBoard plugin
+loaded through its entry point by a real `tensorboard` process, and the page in a real headless browser at 1600 x 1000,
+its colours read from screenshots."""
 from __future__ import annotations
 
-import configparser
-import importlib.metadata
 import json
 import os
 import shutil
-import subprocess
 import sys
 import urllib.error
 import urllib.parse
@@ -17,15 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from cdp import Browser, free_port, wait_for_http
+from cdp import Browser
+from tb_server import tensorboard_server
 from training import make_model, run_steps
 from trainmon import TrainerMon
+from trainmon.demo import DEMO_CONFIG
 from trainmon.tb_plugin import data
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "watch"))
+from runs import generate, watch_once  # noqa: E402
+
 FAULT_MODULE, FAULT_STEP = "layers.1.mlp.0", 2
+# a 4-rank run (benchmarks/generate_run.py): an Inf enters rank 2's layers.3 at step 6, all ranks have it from step 7
+FOUR_RANKS, FOUR_STEP, FOUR_ORIGIN = "four_ranks", 6, 2
 CONFIG = dict(targets={}, all_xy=True, xy_distribution=True, wg_distribution=True, sentinel=True, print_struct=True,
-              format=["db"], ops=["norm", "max", "nans", "infs"], dump={"steps": [1, FAULT_STEP]}, strict=True)
+              format=["db"], ops=DEMO_CONFIG["ops"], dump={"steps": [1, FAULT_STEP]}, strict=True)
 
 
 def _train(out: Path, config: Path, faulty: bool) -> Path:
@@ -43,9 +48,18 @@ def _train(out: Path, config: Path, faulty: bool) -> Path:
     return next(out.iterdir())
 
 
+def _age(run: Path, seconds_ago: float) -> None:
+    """Dates every file and directory of a run `seconds_ago` (the view opens the newest run holding a NaN/Inf)."""
+    import time
+    stamp = time.time() - seconds_ago
+    for path in [run, *run.rglob("*")]:
+        os.utime(path, (stamp, stamp))
+
+
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
-    """A logdir holding two runs of the same job: `clean`, and `faulty` (an Inf injected at FAULT_MODULE)."""
+    """A logdir holding two runs of the same job, `faulty` (an Inf injected at FAULT_MODULE) and, made after it,
+    `clean`; and, older than both, a 4-rank run."""
     root = tmp_path_factory.mktemp("structure")
     config = root / "config.json"
     config.write_text(json.dumps(CONFIG))
@@ -53,13 +67,16 @@ def logdir(tmp_path_factory):
     logdir.mkdir()
     saved = os.environ.get("MONITOR_OUTPUT_DIR")
     try:
-        for name, faulty in (("clean", False), ("faulty", True)):
+        for name, faulty in (("faulty", True), ("clean", False)):
             shutil.move(str(_train(root / f"out_{name}", config, faulty)), str(logdir / name))
     finally:
         if saved is None:
             os.environ.pop("MONITOR_OUTPUT_DIR", None)
         else:
             os.environ["MONITOR_OUTPUT_DIR"] = saved
+    generate(logdir / FOUR_RANKS, ranks=4, steps=10, inf_step=FOUR_STEP, origin=FOUR_ORIGIN)
+    for name, seconds_ago in ((FOUR_RANKS, 300), ("faulty", 200), ("clean", 100)):
+        _age(logdir / name, seconds_ago)
     return logdir
 
 
@@ -77,6 +94,17 @@ def test_records_belong_to_their_module_nodes():
     assert data.node_of_event({"module": "gate", "tensor": "save"}) == ""
 
 
+def test_the_runs_offered_are_those_under_the_logdir_and_those_its_watch_views_show(logdir, tmp_path):
+    names = data.run_names(logdir)
+    assert names == {name: logdir / name for name in ("clean", "faulty", FOUR_RANKS)}
+    assert [data.RunData(names[n]).holds_nonfinite() for n in ("clean", "faulty", FOUR_RANKS)] == [False, True, True]
+    # `tensorboard --logdir <run>/watch`, as the demo prints it: the daemon's state file names its run
+    view = tmp_path / "faulty_view"
+    assert watch_once(logdir / "faulty", "--logdir", view, "--heatmap-every", 1000).returncode == 0
+    assert data.run_names(view) == {"faulty": (logdir / "faulty").resolve()}
+    assert data.run_names(tmp_path) == {"faulty": (logdir / "faulty").resolve()}  # a view below the logdir too
+
+
 def test_the_tree_holds_every_module_with_its_class_and_figures(logdir):
     run = data.RunData(logdir / "faulty")
     assert run.ranks == [0] and run.steps(0) == [0, 1, 2, 3]
@@ -87,6 +115,10 @@ def test_the_tree_holds_every_module_with_its_class_and_figures(logdir):
     assert all(nodes[name]["class"] == type(module).__name__ for name, module in model.named_modules())
     position = {n["id"]: i for i, n in enumerate(tree["nodes"])}
     assert all(position[n["parent"]] < position[n["id"]] for n in tree["nodes"] if n["parent"] is not None)
+    # siblings in model order (module_struct.json's), not by name: the embeddings before the blocks and the head
+    in_model = [name for name, _ in model.named_modules()]
+    children = [n["id"] for n in tree["nodes"] if n["parent"] == ""]
+    assert children == [name for name in in_model if name and "." not in name] != sorted(children)
     fault = nodes[FAULT_MODULE]
     output = next(r for r in fault["records"] if r["family"] == "actv" and r["leaf"] == "output")
     assert output["infs"] > 0 and output["norm"] == "inf" and fault["nonfinite"] > 0
@@ -121,37 +153,27 @@ def test_the_nan_path_and_the_comparison_name_the_faulty_module(logdir):
                            FAULT_STEP)["first_divergent"] is None
 
 
+def test_the_steps_screened_at_once_hold_every_divergent_record(logdir):
+    """The comparison judges record by record only the steps `divergent_steps` finds: those must hold every record
+    that `align` judges diverged over all steps."""
+    from trainmon import open_run
+    from trainmon.compare.records import DIVERGED, align, divergent_steps
+    with open_run(logdir / "clean") as clean, open_run(logdir / "faulty") as faulty:
+        diverged = {r.step for r in align(clean, faulty, [0]) if r.verdict == DIVERGED}
+        screened = divergent_steps(clean, faulty, 0)
+        assert diverged == {FAULT_STEP, FAULT_STEP + 1} and diverged <= set(screened)
+        assert divergent_steps(clean, clean, 0) == []
+
+
 # ----------------------------------------------------------------------------------- through TensorBoard
 @pytest.fixture(scope="module")
 def tensorboard(logdir, tmp_path_factory):
-    """`python -m tensorboard.main` serving `logdir`, with trainmon's plugin found through the entry point that
-    setup.cfg declares: the installed one, or, where the installed trainmon does not declare it (an install
-    older than the checkout), the same written here as a distribution's metadata on the path."""
-    parser = configparser.ConfigParser()
-    parser.read(REPO / "setup.cfg")
-    entry_points = parser["options.entry_points"]["tensorboard_plugins"].strip()
-    site = tmp_path_factory.mktemp("site")
-    name, _, value = (part.strip() for part in entry_points.partition("="))
-    installed = {(e.name, e.value) for e in importlib.metadata.entry_points(group="tensorboard_plugins")}
-    if (name, value) not in installed:  # TensorBoard refuses a plugin name declared twice
-        dist = site / "trainmon_structure_view-0.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trainmon-structure-view\nVersion: 0\n")
-        (dist / "entry_points.txt").write_text(f"[tensorboard_plugins]\n{entry_points}\n")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
-                                "127.0.0.1", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    """TensorBoard serving `logdir`, the plugin found through its entry point."""
     try:
-        wait_for_http(f"{base}/data/plugins_listing", 120)
-    except OSError:
-        process.kill()
-        pytest.fail(f"tensorboard did not start: {process.communicate()[1][-3000:]}")
-    yield base
-    process.terminate()
-    process.wait(20)
+        with tensorboard_server(logdir, tmp_path_factory.mktemp("site")) as base:
+            yield base
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 def _get(url: str):
@@ -168,14 +190,17 @@ def test_tensorboard_loads_the_plugin_from_its_entry_point_and_serves_the_view(t
     assert listing["trainmon"]["loading_mechanism"] == {"type": "IFRAME",
                                                          "module_path": "/data/plugin/trainmon/index.js"}
     plugin = f"{tensorboard}/data/plugin/trainmon"
-    assert _get(f"{plugin}/runs") == (200, {"runs": [{"run": "clean", "ranks": [0]}, {"run": "faulty", "ranks": [0]}]})
+    status, runs = _get(f"{plugin}/runs")
+    assert status == 200 and [(r["run"], r["ranks"], r["nonfinite"]) for r in runs["runs"]] == [
+        ("clean", [0], False), ("faulty", [0], True), (FOUR_RANKS, [0, 1, 2, 3], True)]
+    assert runs["open"] == "faulty"  # the newest run holding a NaN/Inf, though a clean one came after it
     status, tree = _get(f"{plugin}/tree?run=faulty&rank=0&step={FAULT_STEP}")
     assert status == 200 and any(n["id"] == FAULT_MODULE and n["nonfinite"] for n in tree["nodes"])
     assert _get(f"{plugin}/tree?run=faulty&rank=0&step=x")[0] == 400
     assert _get(f"{plugin}/steps?run=faulty&rank=7")[0] == 500
     outside = urllib.parse.quote("../..")
     status, body = _get(f"{plugin}/steps?run={outside}&rank=0")
-    assert status == 400 and "not under the logdir" in body["error"]
+    assert status == 400 and "not a run that /runs lists" in body["error"]
     with urllib.request.urlopen(f"{plugin}/index.js") as response:
         script = response.read().decode()
     assert "export async function render" in script and "http" not in script.replace("HTTP", "")
@@ -239,3 +264,67 @@ def test_the_page_in_a_browser_highlights_the_first_nan_and_finds_a_node(tensorb
     assert browser.console_errors() == []
     foreign = [u for u in browser.requested_urls() if not u.startswith(tensorboard)]
     assert foreign == [], "the page fetched something that TensorBoard does not serve"
+
+
+def _box(browser, selector: str) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) in the page's pixels of the first element of the view matching `selector`."""
+    return tuple(round(v) for v in browser.evaluate(in_view(
+        f"(() => {{ const f = frame.getBoundingClientRect(); const r = doc.querySelector({json.dumps(selector)})"
+        ".getBoundingClientRect(); return [f.left + r.left, f.top + r.top, f.left + r.right, f.top + r.bottom]; })()")))
+
+
+def _near(pixel, rgb: tuple[int, int, int], tolerance: int = 3) -> bool:
+    return all(abs(int(p) - c) <= tolerance for p, c in zip(pixel, rgb))
+
+
+def _select(view, element_id: str, value) -> None:
+    view(f"(() => {{ const e = doc.getElementById('{element_id}'); e.value = '{value}';"
+         " e.dispatchEvent(new win.Event('change')); return true; })()")
+
+
+def test_marks_follow_the_step_and_rank_shown_and_stay_readable_at_1600_px(tensorboard, browser):
+    """Screenshots at 1600 x 1000: the path mark at its step and rank only, the first NaN's label white on red when the
+    comparison marks its node too, the records' columns without a scroll; another run opens at its first NaN."""
+    def view(expression):
+        return browser.evaluate(in_view(expression))
+
+    browser.viewport(1600, 1000)
+    browser.call("Page.navigate", url=f"{tensorboard}/#trainmon")
+    browser.wait_for(in_view(f"doc.querySelector('.tm-node.first-nan[data-node=\"{FAULT_MODULE}\"]')"), 120)
+    # every column of the records' table in view without a horizontal scroll, even where every figure is as wide as
+    # one can be (six significant digits of a small negative number)
+    view("[...doc.querySelectorAll('#tm-details td:nth-child(n+4)')].forEach(td => td.textContent = '-0.000155813')"
+         " || true")
+    view("[...doc.querySelectorAll('#tm-details td:nth-child(1)')].forEach(td => td.textContent = 'grad_unreduced')"
+         " || true")
+    assert view("doc.getElementById('tm-details').scrollWidth <= doc.getElementById('tm-details').clientWidth")
+    assert _box(browser, "#tm-details th:last-child")[2] <= 1600
+    # the path the NaN took, at its step: a red left border
+    left, top, _, bottom = _box(browser, '.tm-node.nan-path[data-node="layers.1"]')
+    assert _near(browser.screenshot()[(top + bottom) // 2, left + 1], (242, 139, 130))
+    # compared with the clean run: the first NaN's node diverged too, and stays white on red
+    _select(view, "tm-baseline", "clean")
+    row = f'.tm-node.first-nan[data-node="{FAULT_MODULE}"]'
+    browser.wait_for(in_view(f"doc.querySelector('.first-divergent.diverged{row}')"))
+    pixels = browser.screenshot()
+    left, top, right, bottom = _box(browser, row)
+    assert _near(pixels[(top + bottom) // 2, right - 8], (197, 34, 31))  # the row, away from its text
+    left, top, right, bottom = _box(browser, f"{row} .tm-label")
+    label = pixels[top:bottom, left:right].reshape(-1, 3)
+    assert (label.min(axis=1) > 230).sum() >= 5 and (label.max(axis=1) < 250).sum() >= 5  # white text on its red
+    # a clean step of the same rank: no mark is left on
+    _select(view, "tm-step", FAULT_STEP - 1)
+    browser.wait_for(in_view(f"doc.body.dataset.shown === 'faulty:0:{FAULT_STEP - 1}'"))
+    assert view("doc.querySelectorAll('.tm-node.nan-path, .tm-node.first-nan').length") == 0
+    # another run opens at its first NaN (rank 2 there), and another rank of it shows the path there
+    _select(view, "tm-baseline", "")
+    _select(view, "tm-run", FOUR_RANKS)
+    browser.wait_for(in_view("doc.querySelector('.tm-node.first-nan[data-node=\"layers.3\"]')"), 120)
+    assert (view("doc.getElementById('tm-rank').value"), view("doc.getElementById('tm-step').value")) == \
+        (str(FOUR_ORIGIN), str(FOUR_STEP))
+    view("(() => { const k = doc.getElementById('tm-rank'); k.value = '0'; k.dispatchEvent(new win.Event('change'));"
+         " return true; })()")
+    browser.wait_for(in_view(f"doc.body.dataset.shown === '{FOUR_RANKS}:0:{FOUR_STEP}'"))
+    marked = view("[...doc.querySelectorAll('.tm-node.nan-path')].map(n => n.dataset.node)")
+    assert "(collectives)" in marked and view("doc.querySelectorAll('.tm-node.first-nan').length") == 0
+    assert browser.console_errors() == []

@@ -201,7 +201,7 @@ class TrainerMon:
             end_step=self._end_step, log_scalar=self.log_scalar))
         self._install_each()
         if config.print_struct:
-            write_json(self.output_dir / MODULE_STRUCT_FILE, module_structure(self._chunks))
+            self.save_structure()
         state.start_step(self.step, self._schedule.wants(self.step))
 
     def _install_each(self) -> None:
@@ -295,6 +295,18 @@ class TrainerMon:
     def active(self) -> bool:
         """Whether monitoring is installed (set_monitor succeeded and stop() was not called)."""
         return self._state is not None
+
+    def save_structure(self) -> None:
+        """Writes the module tree, `module_struct.json` (every module in model order with its class; what
+        `print_struct` asks for), from which TensorBoard's structure view draws the tree. Integrations call it
+        whatever the config. A file that cannot be written is logged; training goes on."""
+        if self._state is None:
+            raise RuntimeError("call set_monitor before save_structure")
+        try:
+            write_json(self.output_dir / MODULE_STRUCT_FILE, module_structure(self._chunks))
+        except OSError as err:
+            logger.error("trainmon: cannot write %s (%s); the structure view orders the tree by name",
+                         self.output_dir / MODULE_STRUCT_FILE, err)
 
     def log_scalar(self, name: str, value, step: Optional[int] = None) -> None:
         """Records a training scalar (loss, lr, grad norm) with the current (or given) step.

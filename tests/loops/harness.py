@@ -121,6 +121,13 @@ def check_healthy(output_dir: Path, probe: LoopProbe, short_last_step: bool = Tr
             assert reduced[(step, name)] == pytest.approx(norm, rel=1e-5), (step, name)
 
 
+def check_structure(output_dir: Path, model: torch.nn.Module) -> None:
+    """The integration wrote the module tree for the structure view: every module, in model order, with its class."""
+    struct = json.loads((rank_dir_of(output_dir) / "module_struct.json").read_text())
+    assert [(key.partition(":")[2], info["class"]) for key, info in struct.items()] == \
+        [(name, type(module).__name__) for name, module in model.named_modules()]
+
+
 def check_injected(output_dir: Path, module: str, capsys) -> None:
     """The online alert and nan-analyze name the injected (step, micro-batch, module, forward output)."""
     expected = {"rank": 0, "step": INJECTED_STEP, "micro_step": INJECTED_MICRO, "module": module,

@@ -11,8 +11,8 @@ from torch._dynamo.utils import counters
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from loops.harness import (CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected, rank_dir_of,  # noqa: E402
-                           read_family, samples)
+from loops.harness import (CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected,  # noqa: E402
+                           check_structure, rank_dir_of, read_family, samples)
 from trainmon.integrations.lightning import TrainmonCallback  # noqa: E402
 
 
@@ -77,6 +77,7 @@ def quiet_lightning():
 def test_automatic_optimization_with_accumulation_clipping_and_validation(output_dir, write_config):
     probe = run(write_config)
     check_healthy(output_dir, probe)  # 9 batches an epoch, accumulation 2: each epoch ends on a 1-batch step
+    check_structure(output_dir, probe.model)
 
 
 def test_manual_optimization(output_dir, write_config):

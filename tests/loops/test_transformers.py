@@ -8,7 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from loops.harness import CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected, samples  # noqa: E402
+from loops.harness import (CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected,  # noqa: E402
+                           check_structure, samples)
 from trainmon.integrations.transformers import TrainmonCallback  # noqa: E402
 
 
@@ -42,6 +43,7 @@ def run(tmp_path, write_config, user_optimizer: bool, inject=None, compile_backe
 def test_trainer_healthy(tmp_path, output_dir, write_config, user_optimizer):
     _, probe = run(tmp_path, write_config, user_optimizer)
     check_healthy(output_dir, probe)  # 18 samples, batch 2, accumulation 2: each epoch ends on a 1-batch step
+    check_structure(output_dir, probe.model)
 
 
 @pytest.mark.parametrize("user_optimizer", [False, True], ids=["trainer_optimizer", "user_optimizer"])

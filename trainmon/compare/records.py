@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import numpy as np
+
 from trainmon.core.ordering import order_key
 from trainmon.compare.names import NameMap
 from trainmon.compare.thresholds import DEFAULT_ATOL, DEFAULT_RTOL
@@ -157,6 +159,28 @@ def align(run_a: Run, run_b: Run, ranks: list[int], steps=None, name_map: Option
             else:
                 judge(record, rtol, atol)
             yield record
+
+
+def divergent_steps(run_a: Run, run_b: Run, rank: int, rtol: float = DEFAULT_RTOL,
+                    atol: float = DEFAULT_ATOL) -> list[int]:
+    """The steps of `rank` holding a record of both runs with an op that may differ beyond the tolerance, ascending:
+    every step that holds a DIVERGED record, and perhaps a few more (`align` judges them), found over all steps at
+    once with numpy. A figure without a value counts as NaN here: a record whose only difference is a NaN against
+    no value is not found (its NaN and Inf counts differ too, unless neither recorded them)."""
+    keys = ["family", "name", "step", "micro_step"]
+    frames = [run.records(ranks=[rank]) for run in (run_a, run_b)]
+    ops = [op for op in OPS if all(op in frame.columns for frame in frames)]
+    # align keeps a name's first record of a (step, micro-step); once per step is micro-step -1 (NaN keys never meet)
+    frames = [frame.assign(micro_step=frame.micro_step.fillna(-1))[keys + ops].drop_duplicates(keys)
+              for frame in frames]
+    both = frames[0].merge(frames[1], on=keys, suffixes=("_a", "_b"))
+    a = both[[f"{op}_a" for op in ops]].to_numpy(dtype=float)
+    b = both[[f"{op}_b" for op in ops]].to_numpy(dtype=float)
+    with np.errstate(invalid="ignore", over="ignore"):
+        beyond = np.abs(a - b) > atol + rtol * np.maximum(np.abs(a), np.abs(b))
+        infinite = (a != b) & (np.isinf(a) | np.isinf(b))  # the tolerance of an infinite scale is no screen
+    differs = (np.isnan(a) != np.isnan(b)) | beyond | infinite
+    return sorted(set(both.step[differs.any(axis=1)].astype(int).tolist()))
 
 
 def execution_order(records: list[Aligned]) -> list[Aligned]:

@@ -1,7 +1,8 @@
 """trainmon for Lightning: `lightning.Trainer(..., callbacks=[TrainmonCallback("monitor_config.json")])`.
 
 The callback attaches when fitting starts to the LightningModule and its (first) optimizer, with the
-Trainer's `accumulate_grad_batches`; Lightning's `LightningOptimizer` and its `step(closure)` are handled
+Trainer's `accumulate_grad_batches`, and writes the module tree (`module_struct.json`, for TensorBoard's structure
+view); Lightning's `LightningOptimizer` and its `step(closure)` are handled
 by the monitor itself, in automatic and manual optimization. Sanity checks and validation run in eval mode
 without grad, so they are no training micro-steps. The loss a training step returns is logged as `loss`
 at the step it belongs to, and monitoring stops when fitting ends.
@@ -39,6 +40,8 @@ class TrainmonCallback(Callback):
         self.monitor = TrainerMon(self.config).set_monitor(
             pl_module, optimizer=optimizers[0] if optimizers else None,
             grad_acc_steps=trainer.accumulate_grad_batches, start_iteration=trainer.global_step)
+        if self.monitor.active:
+            self.monitor.save_structure()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.monitor is not None:

@@ -2,8 +2,8 @@
 
 The callback attaches at train begin to the model and optimizer the Trainer hands its callbacks (the
 Trainer's own or the user's `optimizers=(opt, sched)`, wrapped by accelerate: the wrapper is taken off),
-with the Trainer's gradient accumulation; logs the Trainer's `loss`, `grad_norm` and `learning_rate` at the
-step they belong to; and stops at train end.
+with the Trainer's gradient accumulation; writes the module tree (`module_struct.json`, for TensorBoard's structure
+view); logs the Trainer's `loss`, `grad_norm` and `learning_rate` at the step they belong to; and stops at train end.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class TrainmonCallback(TrainerCallback):
         self.monitor = TrainerMon(self.config).set_monitor(
             model, optimizer=optimizer, grad_acc_steps=args.gradient_accumulation_steps,
             start_iteration=state.global_step)
+        if self.monitor.active:
+            self.monitor.save_structure()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.monitor is None or not self.monitor.active or state.global_step == 0:

@@ -1,6 +1,6 @@
-"""What the structure view shows, read through trainmon's read layer: the module tree of a run, each node's
-records at one step of one rank, the first non-finite tensor and its path (nan-analyze), and where the run
-parts from a baseline run (compare: records, and tensor dumps where both runs hold the step's).
+"""What the structure view shows, read through trainmon's read layer: the runs it offers, the module tree of a run,
+each node's records at one step of one rank, the first non-finite tensor and its path (nan-analyze), and where the
+run parts from a baseline run (compare: records, and tensor dumps where both runs hold the step's).
 
 A record belongs to a node of the module tree by its name (`node_of`): activations to their module, weights,
 grads and optimizer state to the module that holds the parameter, saved variables (`trainmon.save`) to the
@@ -16,13 +16,15 @@ import sqlite3
 from pathlib import Path
 
 from trainmon.core.records import COMM
-from trainmon.core.layout import RANK_DIR
+from trainmon.core.layout import (ANOMALIES_FILE, DB_NAME, DUMPS_DIR, MODULE_STRUCT_FILE, RANK_DIR, RUN_JSON,
+                                   STREAM_NAME, WATCH_STATE_FILE, WATCHED_RUN)
+from trainmon.read.errors import InputError
 from trainmon.read.layout import RankDir, RunDirs, find_run
 from trainmon.read.rank_records import open_rank
+from trainmon.writers.db_schema import NONFINITE_RECORD
 
 ROOT = ""  # the model itself
 COLLECTIVES = "(collectives)"
-STRUCT_FILE = "module_struct.json"
 _CALL = re.compile(r"#\d+$")  # `<module>#<k>`: the k-th extra call of a module in one micro-step
 # nan-analyze names a record's tensor; these are a module's own (the rest are a parameter's or a saved variable's)
 _MODULE_TENSORS = re.compile(r"^(grad_)?(input|output)(_\d+)?$")
@@ -41,6 +43,45 @@ def runs_under(logdir: Path, depth: int = 2) -> list[Path]:
                 below += children
         level = below
     return sorted(found)
+
+
+def watched_runs(logdir: Path, depth: int = 2) -> list[Path]:
+    """The runs whose `trainmon watch` view is at `logdir` or up to `depth` levels below it (the daemon's state file
+    names its run), so that `tensorboard --logdir <run>/watch` finds the run it shows."""
+    found, level = [], [logdir]
+    for _ in range(depth + 1):
+        below = []
+        for directory in level:
+            state = directory / WATCH_STATE_FILE
+            if state.is_file():
+                try:
+                    run = Path(json.loads(state.read_text(encoding="utf-8"))[WATCHED_RUN])
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # not a state file of this version: that view names no run
+                if run.is_dir():
+                    found.append(run)
+            else:
+                below += [c for c in _children(directory) if c.is_dir()]
+        level = below
+    return found
+
+
+def run_names(logdir: Path) -> dict[str, Path]:
+    """{name: directory} of the runs the view offers: the runs under `logdir` by their path below it (the logdir's
+    own name when it is a run), then the runs that a `trainmon watch` view under it shows, by their own name (with
+    their parent's where two share a name)."""
+    out: dict[str, Path] = {}
+    seen = set()
+    for path in runs_under(logdir):
+        out[path.name if path == logdir else path.relative_to(logdir).as_posix()] = path
+        seen.add(path.resolve())
+    for path in watched_runs(logdir):
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        name = path.name if path.name not in out else f"{path.parent.name}/{path.name}"
+        out[name] = path
+    return out
 
 
 def _children(directory: Path) -> list[Path]:
@@ -95,6 +136,44 @@ class RunData:
             raise KeyError(f"{self.path} has no rank {rank}")
         return self._by_rank[rank]
 
+    def stamps(self) -> tuple:
+        """What changes when a rank writes more: the modification times of its rank directories and databases."""
+        out = []
+        for rank_dir in self.dirs.ranks:
+            for path in (rank_dir.path / DB_NAME, rank_dir.path / f"{DB_NAME}-wal", rank_dir.path / ANOMALIES_FILE):
+                if path.exists():
+                    out.append(path.stat().st_mtime_ns)
+            out.append(rank_dir.path.stat().st_mtime_ns)
+        return tuple(out)
+
+    def modified(self) -> float:
+        """When a rank last wrote: the newest modification time of its records and metadata (not of the directory,
+        which readers change too, making a database's shared-memory file)."""
+        times = [path.stat().st_mtime for rank_dir in self.dirs.ranks
+                 for path in (rank_dir.path / name for name in (DB_NAME, STREAM_NAME, RUN_JSON, ANOMALIES_FILE))
+                 if path.exists()]
+        return max(times, default=0.0)
+
+    def holds_nonfinite(self) -> bool:
+        """Whether a rank's database holds a non-finite record (a seek in its partial index per rank, up to the
+        first rank holding one; ranks without a database are not looked at)."""
+        for rank_dir in self.dirs.ranks:
+            try:
+                db = rank_dir.db
+            except (InputError, OSError):
+                continue  # a record stream that cannot be read: the tree and nan-analyze say why
+            if db is None:
+                continue
+            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                if conn.execute(f"SELECT 1 FROM records WHERE {NONFINITE_RECORD} LIMIT 1").fetchone():
+                    return True
+            except sqlite3.Error:
+                continue  # not readable here: the tree and nan-analyze say why
+            finally:
+                conn.close()
+        return False
+
     def steps(self, rank: int) -> list[int]:
         """The steps `rank` holds records of (from CSV file names: the steps their ranges span)."""
         rank_dir = self.rank_dir(rank)
@@ -119,7 +198,7 @@ class RunData:
         """{module name: class} from the rank's `module_struct.json` (`print_struct`), or any rank's; {} without."""
         candidates = [self.rank_dir(rank)] + [r for r in self.dirs.ranks if r.rank != rank][:8]
         for rank_dir in candidates:
-            path = rank_dir.path / STRUCT_FILE
+            path = rank_dir.path / MODULE_STRUCT_FILE
             if path.is_file():
                 return _struct_classes(json.loads(path.read_text(encoding="utf-8")))
         return {}
@@ -138,7 +217,8 @@ def step_tree(data: RunData, rank: int, step: int) -> dict:
     """The module tree with each node's records at (rank, step).
 
     Returns:
-        {ops, nodes: [{id, parent, label, class, records: [...], nonfinite}]}: parents before children; a record
+        {ops, nodes: [{id, parent, label, class, records: [...], nonfinite}]}: parents before children, siblings in
+        model order (`module_struct.json`'s; without it, by name with numbers in order); a record
         is {family, leaf, micro_step, <op>: figure}; `nonfinite` counts the node's own records that hold a NaN
         or Inf.
     """
@@ -155,8 +235,10 @@ def step_tree(data: RunData, rank: int, step: int) -> dict:
         while name:
             name = _parent(name)
             names.add(name)
+    in_model = {name: i for i, name in enumerate(classes)}  # module_struct.json lists them in model order
     nodes = []
-    for name in sorted(names, key=lambda n: (n.count(".") + (n != ROOT), _natural(n))):
+    for name in sorted(names, key=lambda n: (n.count(".") + (n != ROOT), in_model.get(n, len(in_model)),
+                                             _natural(n))):
         own = records.get(name, [])
         nodes.append({"id": name, "parent": None if name == ROOT else _parent(name),
                       "label": "(model)" if name == ROOT else name.rpartition(".")[2],
@@ -197,18 +279,22 @@ def nan_path(run_path: Path) -> dict:
 def comparison(run: RunData, baseline: RunData, rank: int, step: int) -> dict:
     """Where `run` parts from `baseline` on `rank`: the first divergent record of all steps, and per node
     at `step` the largest relative difference of its records (and, where both runs dumped that step's
-    tensors, the lowest cosine and the largest absolute error)."""
-    from trainmon.compare.records import DIVERGED, align, execution_order
+    tensors, the lowest cosine and the largest absolute error). The steps are screened all at once
+    (`divergent_steps`); only those that may diverge, and `step`, are judged record by record."""
+    from trainmon.compare.records import DIVERGED, align, divergent_steps, execution_order
     from trainmon.compare.report import describe
     from trainmon.read import open_run
 
+    first = None
     with open_run(baseline.path) as run_a, open_run(run.path) as run_b:
-        records = execution_order(list(align(run_a, run_b, [rank])))
-    first = next((r for r in records if r.verdict == DIVERGED), None)
+        for candidate in divergent_steps(run_a, run_b, rank):
+            judged = execution_order(list(align(run_a, run_b, [rank], (candidate, candidate))))
+            first = next((r for r in judged if r.verdict == DIVERGED), None)
+            if first is not None:
+                break
+        records = list(align(run_a, run_b, [rank], (step, step)))
     nodes: dict[str, dict] = {}
     for record in records:
-        if record.step != step:
-            continue
         node = nodes.setdefault(node_of(record.family, record.name)[0], {"max_rel": 0.0, "diverged": 0})
         node["max_rel"] = max(node["max_rel"], record.worst)
         node["diverged"] += record.verdict == DIVERGED
@@ -224,15 +310,14 @@ def comparison(run: RunData, baseline: RunData, rank: int, step: int) -> dict:
 def _dump_figures(run: RunData, baseline: RunData, rank: int, step: int) -> dict:
     """{node: {cosine, max_abs, nonfinite_mismatch}} of the tensors both runs dumped at (rank, step) (cosine and
     max_abs over the elements finite in both); {} where one run has none."""
-    from trainmon.compare.dumps import read_dumps
+    directories = [side.rank_dir(rank).path / DUMPS_DIR for side in (baseline, run)]
+    if not all((directory / f"step{step}").is_dir() for directory in directories):
+        return {}
+    from trainmon.compare.dumps import read_dumps  # torch: imported only where there are tensors to compare
     from trainmon.compare.tensors import DEFAULT_COSINE, DEFAULT_MAX_ABS, compare_step
-    from trainmon.read import InputError
 
     dumps = []
-    for side in (baseline, run):
-        directory = side.rank_dir(rank).path / "dumps"
-        if not (directory / f"step{step}").is_dir():
-            return {}
+    for directory in directories:
         try:
             dumps.append(read_dumps(directory).get((rank, step)))
         except InputError:

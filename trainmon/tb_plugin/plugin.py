@@ -4,7 +4,8 @@ tab, next to the scalars that `tensorboard --logdir monitor_output` shows.
 
 Routes, under TensorBoard's `/data/plugin/trainmon/`:
 - `index.js`, `style.css`: the page;
-- `runs`: the runs under the logdir, each with its ranks;
+- `runs`: the runs under the logdir and those its `trainmon watch` views show (`data.run_names`), each with its
+  ranks and whether it holds a non-finite record, and the run to open: the newest holding one, else the newest;
 - `steps?run=&rank=`: the steps a rank holds;
 - `tree?run=&rank=&step=`: the module tree with each node's records (`data.step_tree`);
 - `nan?run=`: the first non-finite tensor and its path (nan-analyze, computed once per state of the run);
@@ -54,19 +55,6 @@ class _Cache:
         return value
 
 
-def _state(run: Path) -> tuple:
-    """What changes when a rank writes more: the modification times of the rank directories' files."""
-    stamps = []
-    for rank_dir in sorted(run.iterdir()):
-        if rank_dir.is_dir():
-            for name in ("monitor.db", "monitor.db-wal", "anomalies.jsonl"):
-                path = rank_dir / name
-                if path.exists():
-                    stamps.append(path.stat().st_mtime_ns)
-            stamps.append(rank_dir.stat().st_mtime_ns)
-    return tuple(stamps)
-
-
 class _BadRequest(Exception):
     pass
 
@@ -79,9 +67,10 @@ class StructurePlugin(base_plugin.TBPlugin):
     def __init__(self, context):
         self._logdir = Path(context.logdir) if context.logdir else None
         self._cache = _Cache()
+        self._nonfinite = _Cache(64)  # per run: whether it holds a NaN/Inf, until a rank writes more
 
     def is_active(self) -> bool:
-        return self._logdir is not None and bool(data.runs_under(self._logdir))
+        return bool(self._run_names())
 
     def frontend_metadata(self):
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="trainmon structure")
@@ -120,14 +109,18 @@ class StructurePlugin(base_plugin.TBPlugin):
 
     def _runs(self, args) -> dict:
         runs = []
-        for path in data.runs_under(self._logdir) if self._logdir else []:
+        for name, path in sorted(self._run_names().items()):
             try:
-                ranks = data.RunData(path).ranks
-            except InputError as err:
+                run = data.RunData(path)
+                stamps = run.stamps()
+            except (InputError, OSError) as err:
                 logger.warning("trainmon structure view: %s", err)
                 continue
-            runs.append({"run": self._name(path), "ranks": ranks})
-        return {"runs": runs}
+            nonfinite = self._nonfinite.get((str(run.path), stamps), run.holds_nonfinite)
+            runs.append({"run": name, "ranks": run.ranks, "nonfinite": nonfinite, "modified": run.modified()})
+        # the newest run holding a NaN/Inf: a clean run made after a failure must not hide it
+        newest = sorted(runs, key=lambda r: (r["nonfinite"], r["modified"]))
+        return {"runs": runs, "open": newest[-1]["run"] if newest else None}
 
     def _steps(self, args) -> dict:
         run = self._run(args, "run")
@@ -135,33 +128,31 @@ class StructurePlugin(base_plugin.TBPlugin):
 
     def _tree(self, args) -> dict:
         run, rank, step = self._run(args, "run"), self._int(args, "rank"), self._int(args, "step")
-        key = ("tree", str(run.path), rank, step, _state(run.path))
+        key = ("tree", str(run.path), rank, step, run.stamps())
         return self._cache.get(key, lambda: data.step_tree(run, rank, step))
 
     def _nan(self, args) -> dict:
         run = self._run(args, "run")
-        return self._cache.get(("nan", str(run.path), _state(run.path)), lambda: data.nan_path(run.path))
+        return self._cache.get(("nan", str(run.path), run.stamps()), lambda: data.nan_path(run.path))
 
     def _compare(self, args) -> dict:
         run, baseline = self._run(args, "run"), self._run(args, "baseline")
         rank, step = self._int(args, "rank"), self._int(args, "step")
-        key = ("compare", str(run.path), str(baseline.path), rank, step, _state(run.path), _state(baseline.path))
+        key = ("compare", str(run.path), str(baseline.path), rank, step, run.stamps(), baseline.stamps())
         return self._cache.get(key, lambda: data.comparison(run, baseline, rank, step))
 
     # ---------------------------------------------------------------------------------------- arguments
-    def _name(self, path: Path) -> str:
-        return "." if path == self._logdir else path.relative_to(self._logdir).as_posix()
+    def _run_names(self) -> dict[str, Path]:
+        return data.run_names(self._logdir) if self._logdir is not None else {}
 
     def _run(self, args, key: str) -> data.RunData:
-        """The run named by argument `key`: a run directory under the logdir (never outside it)."""
+        """The run named by argument `key`: one that /runs lists (never another directory)."""
         name = args.get(key)
         if not name or self._logdir is None:
             raise _BadRequest(f"give `{key}`: one of the runs that /runs lists")
-        path = (self._logdir / name).resolve()
-        if path != self._logdir.resolve() and self._logdir.resolve() not in path.parents:
-            raise _BadRequest(f"{key} {name!r} is not under the logdir")
-        if path not in {p.resolve() for p in data.runs_under(self._logdir)}:
-            raise _BadRequest(f"{key} {name!r} is not a run under the logdir")
+        path = self._run_names().get(name)
+        if path is None:
+            raise _BadRequest(f"{key} {name!r} is not a run that /runs lists")
         return data.RunData(path)
 
     @staticmethod

@@ -57,7 +57,8 @@ function buildPage(root) {
   root.append(bar, el("div", { id: "tm-status", class: "tm-status" }), summary, results,
     el("div", { class: "tm-main" }, tree, details));
 
-  runSelect.addEventListener("change", () => { state.userMoved = true; selectRun(runSelect.value); });
+  // another run opens at its first NaN/Inf, as the first one did
+  runSelect.addEventListener("change", () => { state.userMoved = false; selectRun(runSelect.value); });
   baseline.addEventListener("change", () => { state.baseline = baseline.value; loadCompare(); });
   rank.addEventListener("change", () => { state.userMoved = true; selectRank(Number(rank.value)); });
   stepSelect.addEventListener("change", () => { state.userMoved = true; selectStep(Number(stepSelect.value)); });
@@ -124,6 +125,7 @@ async function selectStep(step) {
   setStatus(`${state.tree.nodes.length} nodes, rank ${state.rank}, step ${step}`);
   if (state.baseline) await loadCompare();
   runSearch(document.getElementById("tm-search").value);
+  document.body.dataset.shown = `${state.run}:${state.rank}:${step}`;  // for scripts: what the tree shows
 }
 
 async function loadNan() {
@@ -190,11 +192,11 @@ function nodeClasses(node) {
   if (state.compare && state.compare.first_divergent && state.compare.first_divergent.node === node.id) {
     classes.push("first-divergent");
   }
+  // the first NaN/Inf and the places it reached, where they are: at the rank and step shown
+  const here = (p) => p.rank === state.rank && p.step === state.step && p.node === node.id;
   const nan = state.nan && state.nan.first;
-  if (nan && nan.rank === state.rank) {
-    if (nan.node === node.id && nan.step === state.step) classes.push("first-nan");
-    else if (state.nan.chain.some((p) => p.rank === state.rank && p.node === node.id)) classes.push("nan-path");
-  }
+  if (nan && here(nan)) classes.push("first-nan");
+  else if (nan && state.nan.chain.some(here)) classes.push("nan-path");
   if (node.id === state.selected) classes.push("selected");
   return classes.join(" ");
 }
@@ -387,14 +389,14 @@ export async function render() {
   document.body.append(root);
   buildPage(root);
   try {
-    const { runs } = await getJson("runs");
+    const { runs, open } = await getJson("runs");
     state.runs = runs;
     if (!runs.length) {
-      setStatus("no trainmon run under the logdir");
+      setStatus("no trainmon run under the logdir, nor one that a trainmon watch view under it shows");
       return;
     }
-    fillSelect(document.getElementById("tm-run"), runs.map((r) => r.run), runs[runs.length - 1].run);
-    await selectRun(runs[runs.length - 1].run);
+    fillSelect(document.getElementById("tm-run"), runs.map((r) => r.run), open);
+    await selectRun(open);
   } catch (err) {
     setStatus(err.message, true);
   }

@@ -32,7 +32,7 @@ def _wait_gone(pid: int, timeout: float = 120) -> None:
 
 def _expected(run: str) -> dict:
     """{(layer tag, step): value}: per family and layer, the largest norm of its tensors over ranks and
-    micro-steps (NaN if one is NaN), from the databases."""
+    micro-steps (NaN if one is NaN; +Inf written as NaN, which TensorBoard draws), from the databases."""
     from trainmon.watch.view import ViewOptions
     options = ViewOptions()
     with open_run(run, "db") as monitor_run:
@@ -42,7 +42,7 @@ def _expected(run: str) -> dict:
     out = {}
     for (family, layer, step), group in frame.groupby(["family", "layer", "step"]):
         values = group["norm"].to_numpy()
-        out[(f"{family}/{layer}/norm", step)] = math.nan if np.isnan(values).any() else values.max()
+        out[(f"{family}/norm of {layer}", step)] = values.max() if np.isfinite(values).all() else math.nan
     return out
 
 
@@ -71,7 +71,7 @@ def test_alert_names_rank_1_while_the_job_runs_and_matches_nan_analyze(job):
 def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     _, run = job
-    events = EventAccumulator(str(Path(run) / "watch"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events = EventAccumulator(str(Path(run) / "watch" / "max"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
     expected = _expected(run)
@@ -90,9 +90,15 @@ def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
     assert len([t for t in tags if not t.startswith("detail/")]) < 200, "no tag per tensor, rank or call"
     assert {t for t in tags if t.startswith("detail/")} >= {"detail/actv/head.output/norm_median", "detail/actv/head.output/norm_max"}, \
         "the config's watch.detail reaches the spawned daemon"
-    assert any(t.startswith("actv/blocks.0/") for t in tags) and any(t.startswith("grad_reduced/head/") for t in tags)
+    assert "actv/norm of blocks.0" in tags and "grad_reduced/norm of head" in tags
     # the text plugin holds the alert, the custom-scalars plugin the layout
     assert "alerts" in events.Tags()["tensors"] and "custom_scalars__config__" in events.Tags()["tensors"]
+    # the headline stays on the incident: rank 1's blocks.0 at the injected step, written once, its rank charted after
+    [incident] = events.Tensors("Overview/first_nonfinite")
+    text = incident.tensor_proto.string_val[0].decode()
+    assert incident.step == INJECT_STEP and "**blocks.0**" in text and "on rank 1" in text, text
+    assert [(e.step, e.value) for e in events.Scalars("Overview/first_nonfinite_rank")] == \
+        [(step, 1.0) for step in range(INJECT_STEP, STEPS)]
     images = events.Tags()["images"]
     for name in ("heatmaps/actv_layer_x_step", "heatmaps/actv_layer_x_rank", "heatmaps/loss_rank_x_step",
                  "heatmaps/grad_norm_rank_x_step"):

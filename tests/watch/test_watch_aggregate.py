@@ -7,8 +7,11 @@ import pytest
 
 from runs import generate, read_events
 from trainmon.read.parallel import PARALLEL_FROM
-from trainmon.watch.aggregate import reduce_groups, reduce_matrix
+from trainmon.watch.aggregate import layer_of, reduce_groups, reduce_matrix, step_figures
+from trainmon.watch.chunk import RankChunk
+from trainmon.watch.rank_matrix import AlignedRanks
 from trainmon.watch.run_watcher import RunWatcher, WatchOptions
+from trainmon.writers.db_schema import NO_MICRO_STEP
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -50,3 +53,47 @@ def test_workers_give_the_events_of_the_daemons_process(tmp_path):
         assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(got[tag], values)), tag
     assert got_steps == want_steps  # the heatmaps too, drawn at the same steps
     assert (tmp_path / "workers" / "heatmaps").is_dir()
+
+
+def _chunks(seed: int, shuffled: bool) -> list:
+    """Ranks that recorded the same tensors in the same order (whole-step records, and records of each
+    micro-step), with NaN, both infinities and figures without a value; `shuffled`: each rank's rows in an order
+    of its own, which no longer follows one sequence."""
+    rng = np.random.default_rng(seed)
+    keys = [("actv", f"layers.{i}.output", 0) for i in range(3)] + [("grad_reduced", f"layers.{i}.weight", 0)
+                                                                    for i in range(2)]
+    micros = int(rng.integers(1, 4))
+    sequence = [(step, tag, micro) for step in range(5, 9) for tag in range(len(keys))
+                for micro in (range(micros) if tag < 3 else [NO_MICRO_STEP])]
+    chunks = []
+    for rank in rng.permutation(6)[:int(rng.integers(2, 6))].tolist():
+        values, present = {}, {}
+        for op in ("norm", "max", "nans"):
+            pool = [0.0, 1.0, 2.0, -3.0, math.nan, math.inf, -math.inf]
+            values[op] = rng.choice(pool, size=len(sequence)) if seed % 2 else rng.normal(size=len(sequence))
+            present[op] = rng.random(len(sequence)) < 0.9
+        order = rng.permutation(len(sequence))
+        order = order if shuffled else np.arange(len(sequence))
+        step, tag, micro = (np.array([sequence[i][k] for i in order], dtype=np.int64) for k in range(3))
+        chunks.append(RankChunk(rank, keys, step, tag, micro, {op: v[order] for op, v in values.items()},
+                                {op: p[order] for op, p in present.items()}))
+    return sorted(chunks, key=lambda chunk: chunk.rank)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ranks_that_follow_one_sequence_give_the_figures_of_the_sorted_reduction(seed):
+    """Their matrices are gathered from the ranks' rows (`AlignedRanks`); shuffled, the same records are reduced
+    by the sort of every value."""
+    spread = ("norm", lambda family, name, vpp: layer_of(name))
+    aligned, shuffled = _chunks(seed, False), _chunks(seed, True)
+    got, want = step_figures(aligned, spread=spread), step_figures(shuffled, spread=spread)
+    assert got.keys() == want.keys()
+    for step, figure in want.items():
+        for name in ("stats", "layer_spread"):
+            ours, theirs = getattr(got[step], name), getattr(figure, name)
+            assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k], equal_nan=True)
+                                                         for k in theirs), (step, name)
+    rows = [np.concatenate([getattr(c, f) for c in aligned]) for f in ("tag", "micro", "step")]
+    ranks = np.array([c.rank for c in aligned])
+    rank = np.repeat(ranks, [len(c.step) for c in aligned])
+    assert AlignedRanks.of(rows[2] * 10 + rows[0], rows[1] - NO_MICRO_STEP, rank, ranks) is not None

@@ -81,8 +81,9 @@ def read_columns(conn: sqlite3.Connection, ops: list[str], family: Optional[str]
     out = Columns(stored, tags=[t[1:4] for t in tags], tag_info=[(shape, t[5]) for shape, t in zip(shapes, tags)],
                   tag_at=tag_at)
     out.rows.update({RAW_PREFIX + f: fields[f] for f in FIELDS})
+    derive = ColumnDeriver(fields, out.rows["nan_fields"])
     for op in ops:
-        out.rows[op], out.missing[op] = derive_columns(fields, out.rows["nan_fields"], op)
+        out.rows[op], out.missing[op] = derive(op)
     return out
 
 
@@ -149,15 +150,28 @@ def _from_records(conn: sqlite3.Connection, family_ids: Optional[list[int]], fir
             "fields": {f: np.array(values[6 + i], dtype=np.float64) for i, f in enumerate(FIELDS)}}  # NULL is NaN
 
 
-def derive_columns(stored: dict, nan_fields: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray]:
-    """(figure, missing) of every row: `core.schema.OP_TABLE`'s column derivation, as `DbRankReader.rows`
+class ColumnDeriver:
+    """The figures of records given as columns: `core.schema.OP_TABLE`'s column derivation, as `DbRankReader.rows`
     applies it (NaN and Inf counts that were not recorded count as none; a NaN figure of a row without NaN
-    fields and without NaN/Inf elements comes from fields that were not recorded, and has no value)."""
-    fields = {**stored, "nans": np.nan_to_num(stored["nans"], nan=0.0), "infs": np.nan_to_num(stored["infs"], nan=0.0)}
-    with np.errstate(invalid="ignore", divide="ignore"):
-        value, has = OP_BY_NAME[op].derive_array(fields)
-    nonfinite = (fields["nans"] > 0) | (fields["infs"] > 0)
-    missing = np.isnan(value) & (nan_fields == 0) & ~nonfinite
-    if has is not None:
-        missing |= ~has
-    return np.where(missing, np.nan, value), missing
+    fields and without NaN/Inf elements comes from fields that were not recorded, and has no value). What every
+    op needs is made once.
+
+    Args:
+        stored: the stored fields, name -> array (NaN where NULL).
+        nan_fields: each row's bit mask of the fields stored as NULL because they were NaN.
+    """
+
+    def __init__(self, stored: dict, nan_fields: np.ndarray):
+        self.fields = {**stored, "nans": np.nan_to_num(stored["nans"], nan=0.0),
+                       "infs": np.nan_to_num(stored["infs"], nan=0.0)}
+        # a NaN figure has a value where a field was NaN or an element was NaN or Inf
+        self.nan_is_value = (nan_fields != 0) | (self.fields["nans"] > 0) | (self.fields["infs"] > 0)
+
+    def __call__(self, op: str) -> tuple[np.ndarray, np.ndarray]:
+        """(figure, missing) of every row."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            value, has = OP_BY_NAME[op].derive_array(self.fields)
+        missing = np.isnan(value) & ~self.nan_is_value
+        if has is not None:
+            missing |= ~has
+        return np.where(missing, np.nan, value), missing

@@ -23,6 +23,7 @@ from trainmon.core.collective_ops import parse_comm_name
 from trainmon.monitor.config_keys import STAT_OPS
 from trainmon.core.records import (ACTV, ACTV_GRAD, COMM, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, PARAM_UPDATED)
+from trainmon.watch.rank_matrix import AlignedRanks, reduce_rows
 from trainmon.writers.db_schema import NO_MICRO_STEP
 
 STATS = ("min", "median", "max")
@@ -101,23 +102,7 @@ def reduce_matrix(group: np.ndarray, slot: np.ndarray, slot_rank: np.ndarray, va
     filled[cell] = True
     matrix = np.full(groups * slots, np.nan)
     matrix[cell] = value
-    filled, matrix = filled.reshape(groups, slots), matrix.reshape(groups, slots)
-    nan = filled & np.isnan(matrix)
-    ordered = np.sort(matrix, axis=1)  # the values that are not NaN lead each row, the empty slots are NaN too
-    count = filled.sum(axis=1) - nan.sum(axis=1)
-    rows = np.arange(groups)
-    low, high = np.maximum(count - 1, 0) // 2, count // 2
-    with np.errstate(invalid="ignore", over="ignore"):
-        median = np.where(count % 2 == 1, ordered[rows, high], (ordered[rows, low] + ordered[rows, high]) / 2)
-    largest = ordered[rows, np.maximum(count - 1, 0)]
-    has_nan = nan.any(axis=1)
-    largest[has_nan] = np.nan
-    with np.errstate(invalid="ignore"):
-        holder = np.where(has_nan[:, None], nan, filled & (matrix == largest[:, None])).argmax(axis=1)
-    empty = count == 0
-    used = filled.any(axis=1)
-    return (rows[used], np.where(empty, np.nan, ordered[:, 0])[used], np.where(empty, np.nan, median)[used],
-            largest[used], slot_rank[holder][used])
+    return reduce_rows(matrix.reshape(groups, slots), filled.reshape(groups, slots), slot_rank)
 
 
 def worst(values) -> float:
@@ -240,9 +225,11 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
         micros = int(micro.max(initial=0)) + 1
         ranks_read = np.array(sorted({chunk.rank for chunk, _ in parts}), dtype=np.int64)
         slot = np.searchsorted(ranks_read, rank) * micros + micro
+        aligned = AlignedRanks.of(group, micro, rank, ranks_read)
         for op in ops:
             rows = present[op]
-            reduced = reduce_matrix(group[rows], slot[rows], np.repeat(ranks_read, micros), values[op][rows])
+            reduced = aligned.reduce(values[op], rows) if aligned else \
+                reduce_matrix(group[rows], slot[rows], np.repeat(ranks_read, micros), values[op][rows])
             if reduced is None:
                 reduced = reduce_groups(group[rows], rank[rows], values[op][rows])
             if not rows.any():
@@ -256,7 +243,7 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
                     zip([op_keys[t] for t in (ids[begin:end] % width).tolist()], figures_of_group[begin:end]))
         _count_nonfinite(at, keys, step, tag, rank, micro, values, present)
         if spread is not None and spread[0] in values:
-            _spread_layers(at, keys, spread, step - first, tag, rank, values, present, first)
+            _spread_layers(at, keys, spread, step - first, tag, rank, values, present, first, aligned, width)
         by_step = np.argsort(step, kind="stable")
         bounds = np.flatnonzero(np.r_[True, np.diff(step[by_step]) != 0, True])
         for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
@@ -279,9 +266,10 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
 
 
 def _spread_layers(at, keys: list, spread: tuple, offset: np.ndarray, tag: np.ndarray, rank: np.ndarray,
-                   values: dict, present: dict, first: int) -> None:
+                   values: dict, present: dict, first: int, aligned: Optional[AlignedRanks], width: int) -> None:
     """Per step and (family, layer): the layer's value on each rank (the largest `op` of its tensors over
-    micro-steps, NaN winning), reduced over ranks to (min, median, max, rank of the max)."""
+    micro-steps, NaN winning), reduced over ranks to (min, median, max, rank of the max). `aligned`: the chunk's
+    layout when its ranks' rows follow one sequence (its groups: offset * width + tag), else None."""
     op, layer_of = spread
     rows = present[op]
     if not rows.any():
@@ -289,11 +277,18 @@ def _spread_layers(at, keys: list, spread: tuple, offset: np.ndarray, tag: np.nd
     layers: dict = {}
     layer_id = np.array([layers.setdefault((key[0], layer_of(*key)), len(layers)) for key in keys], dtype=np.int64)
     names, n_layers = list(layers), len(layers)
-    ranks = rank[rows]
-    n_ranks = int(ranks.max()) + 1
-    cell = (offset[rows] * n_layers + layer_id[tag[rows]]) * n_ranks + ranks
-    cells, _, _, per_rank, _ = reduce_groups(cell, ranks, values[op][rows])
-    groups, low, median, high, high_rank = reduce_groups(cells // n_ranks, cells % n_ranks, per_rank)
+    if aligned is not None:
+        ids = np.arange((int(offset.max()) + 1) * width)  # every group id of the chunk
+        layer_cell = ids // width * n_layers + layer_id[ids % width]
+        cells, per_rank, held = aligned.largest_per_rank(values[op], rows, layer_cell)
+        used, low, median, high, high_rank = reduce_rows(per_rank, held, aligned.ranks)
+        groups = cells[used]
+    else:
+        ranks = rank[rows]
+        n_ranks = int(ranks.max()) + 1
+        cell = (offset[rows] * n_layers + layer_id[tag[rows]]) * n_ranks + ranks
+        cells, _, _, per_rank, _ = reduce_groups(cell, ranks, values[op][rows])
+        groups, low, median, high, high_rank = reduce_groups(cells // n_ranks, cells % n_ranks, per_rank)
     for group, figures in zip(groups.tolist(), zip(low.tolist(), median.tolist(), high.tolist(), high_rank.tolist())):
         at(first + group // n_layers).layer_spread[names[group % n_layers]] = figures
 

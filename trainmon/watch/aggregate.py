@@ -303,15 +303,18 @@ def _count_nonfinite(at, keys: list, step: np.ndarray, tag: np.ndarray, rank: np
     bad = np.flatnonzero((counts[0] > 0) | (counts[1] > 0))
     if not len(bad):
         return
+    bad = bad[np.argsort(step[bad], kind="stable")]  # step by step, each step's rows in their order
     families = sorted({key[0] for key in keys}, key=family_rank)
     family_of = np.array([families.index(key[0]) for key in keys], dtype=np.int64)[tag[bad]]
-    for number in np.unique(step[bad]).tolist():
-        rows = bad[step[bad] == number]
-        figure, fam = at(number), family_of[step[bad] == number]
+    pair = tag[bad] * (int(rank.max()) + 1) + rank[bad]  # a (tensor, rank) pair
+    bounds = np.flatnonzero(np.r_[True, step[bad][1:] != step[bad][:-1], True])
+    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        rows, fam = bad[begin:end], family_of[begin:end]
+        figure = at(int(step[rows[0]]))
         for index in np.unique(fam).tolist():
             mine = rows[fam == index]
             figure.nonfinite_elements[families[index]] = (float(counts[0][mine].sum()), float(counts[1][mine].sum()))
-        figure.tensors_nonfinite = len({(t, r) for t, r in zip(tag[rows].tolist(), rank[rows].tolist())})
+        figure.tensors_nonfinite = len(np.unique(pair[begin:end]))
         tags, elements = np.unique(tag[rows], return_inverse=True)
         totals = np.bincount(elements, weights=counts[0][rows] + counts[1][rows])
         figure.nonfinite_by_tensor = {keys[t]: total for t, total in zip(tags.tolist(), totals.tolist())}

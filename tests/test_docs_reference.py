@@ -89,3 +89,10 @@ def test_every_design_section_the_code_cites_is_a_section_of_the_design_page():
              for match in re.findall(r"design §(\w+)", path.read_text())}
     sections = set(re.findall(r"^## (\w+)\. ", (DOCS / "design.md").read_text(), re.M))
     assert cited and cited <= sections, f"cited but missing from docs/design.md: {sorted(cited - sections)}"
+
+
+def test_every_docs_page_the_code_names_exists():
+    named = {match for path in (ROOT / "trainmon").rglob("*.py")
+             for match in re.findall(r"docs/[\w/.-]+\.md", path.read_text())}
+    assert "docs/guides/anomalies.md" in named
+    assert [page for page in sorted(named) if not (ROOT / page).is_file()] == []

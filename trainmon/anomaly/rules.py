@@ -436,5 +436,5 @@ def build_rules(rule_configs) -> list[Rule]:
             rules.append(cls(**cfg.args))
         except TypeError as err:
             raise ValueError(f"alert.rules[{i}].args {cfg.args} do not fit {cfg.rule_name}: {err}; see the "
-                             f"{cfg.rule_name} arguments in the README") from None
+                             f"{cfg.rule_name} arguments in docs/guides/anomalies.md") from None
     return rules

@@ -51,7 +51,8 @@ def source_comments(module) -> dict[str, str]:
     for node in ast.parse(text).body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
             else []
-        names = [n.id for t in targets for n in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(n, ast.Name)]
+        names = [n.id for t in targets for n in (t.elts if isinstance(t, ast.Tuple) else [t])
+                 if isinstance(n, ast.Name)]
         if not names:
             continue
         comment = next((comments[row] for row in range(node.lineno, node.end_lineno + 1)
@@ -175,15 +176,16 @@ def config_page() -> str:
     for prefix, cls in sections:
         docs = field_docs(cls)
         out.append(f"\n## {f'`{prefix}`' if prefix else 'Top-level keys'}\n\n{docstring(cls)}\n")
-        rows = [(code(f"{prefix}.{f.name}" if prefix else f.name), code(f.type), _default(f), cell(docs.get(f.name, "")))
-                for f in dataclasses.fields(cls)]
+        rows = [(code(f"{prefix}.{f.name}" if prefix else f.name), code(f.type), _default(f),
+                 cell(docs.get(f.name, ""))) for f in dataclasses.fields(cls)]
         out.append(table(("key", "type", "default", "meaning"), rows))
     out.append("\n## Ops\n\nThe statistics `ops` may list; each is derived from the fields of the record "
                "([database schema](database.md#the-records-fields)).\n\n")
     out.append(table(("op", "fields it needs", "meaning"),
                      [(code(op.name), ", ".join(code(n) for n in op.fields), cell(op.doc)) for op in schema.OP_TABLE]))
     out.append("\n## Allowed values\n\n")
-    rows = [(code("format"), ", ".join(code(f) for f in sinks.formats()))]
+    # the built-in formats only: what a process registered is not the project's
+    rows = [(code("format"), ", ".join(code(f) for f in sinks.BUILT_IN) + ", and those `trainmon.register_sink` adds")]
     for key, name in (("output_filesystem", "OUTPUT_FILESYSTEMS"), ("sat_dtype", "SAT_DTYPES"),
                       ("alert.action", "ALERT_ACTIONS"), ("alert.rules[].rule_name", "RULE_NAMES"),
                       ("alert.rules[].args.signals", "PRECURSOR_SIGNALS"), ("targets.<module>", "TARGET_FIELDS"),

@@ -17,10 +17,10 @@ WRITER_REPORT = "writer"               # run.json's key of the writer's report, 
 ANOMALIES_FILE = "anomalies.jsonl"     # one AnomalyEvent per line
 DB_NAME = "monitor.db"                 # the database sink (local filesystems)
 STREAM_NAME = "records.stream"         # the database sink's record stream (network filesystems)
-STACK_INFO_FILE = "stack_info.json"
-CC_LOG_FILE = "cc_log.json"
-MODULE_STRUCT_FILE = "module_struct.json"
-DYNAMIC_STATE_FILE = "dynamic_state.json"
+STACK_INFO_FILE = "stack_info.json"     # stack_info: where each module is called from
+CC_LOG_FILE = "cc_log.json"             # cc_distribution.cc_log_only: the collectives used
+MODULE_STRUCT_FILE = "module_struct.json"  # the module tree in model order (print_struct, save_structure)
+DYNAMIC_STATE_FILE = "dynamic_state.json"  # dynamic_on: the config changes applied, and when
 WATCH_STATE_FILE = "watch_state.json"  # trainmon watch's state, in its log directory
 WATCHED_RUN = "run"                    # that file's key naming the run directory the view is of
 ANOMALY_DUMPS_DIR = "anomaly_dumps"    # alert.dump: the first anomalous module's tensors
@@ -30,7 +30,8 @@ _RANK_PREFIX = "rank_"
 RANK_DIR = re.compile(r"^rank_(\d+)$|-rank(\d+)-")       # trainmon's and msprobe's monitor rank directories
 TRAINMON_RANK_DIR = re.compile(r"^rank_\d+$")             # trainmon's only (what a conversion writes)
 DUMP_RANK_DIR = re.compile(r"^(?:rank_?(\d*)|proc\d+)$")  # rank directories of trainmon's and msprobe's dumps
-FAMILY_FILE = re.compile(r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
+FAMILY_FILE = re.compile(  # a family's CSV file: <family>_<first step>-<last step>.csv
+    r"^(?P<family>.+)_(?P<first>\d+)-(?P<last>\d+)\.csv$")
 
 
 def rank_dir_name(rank: int) -> str:

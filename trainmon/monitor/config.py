@@ -17,9 +17,9 @@ Where trainmon differs from msprobe 26.x (which mostly logs a warning and carrie
   NaN across ranks;
 - integer keys take integral floats (`1e8`), never bools; `eps` may be an int.
 
-Environment variables are not read here: `MONITOR_OUTPUT_DIR` (output root, default
-`./monitor_output`) and `DYNAMIC_MONITOR` (`true`: re-read this file when it changes and start when
-`dynamic_on` is true) are handled by the monitor itself.
+Two environment variables complete the config file: `MONITOR_OUTPUT_DIR` (the output root, default
+`./monitor_output`) and `DYNAMIC_MONITOR` (`true`: re-read the file when it changes, and start monitoring when
+`dynamic_on` is true).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 NaN in a REAL column: SQLite turns a bound NaN into NULL. So a record keeps `nan_fields`, a bit mask
 over FIELDS (bit i set: field i was NaN and is stored as NULL), and a scalar or an anomaly keeps
 `is_nan`. A NULL without its bit means "not recorded" (CSV conversions lack some fields). +-Inf is
-stored as REAL. Writers and the read layer both encode and decode through the functions here.
+stored as REAL. Writers and readers encode and decode these values the same way (`encode_fields`, `decode_fields`).
 """
 from __future__ import annotations
 

@@ -29,7 +29,12 @@
      those of the categories the layout opens, `by_category` each category's);
    - text: `text/tags`, `text/text?run&tag` per tag.
    Per dashboard: total seconds, requests, bytes, the slowest request. TensorBoard is stopped at the end.
-4. A JSON summary on stdout (and in `--json FILE`).
+4. With `--first-screen N` (before the dashboards' requests, so TensorBoard's caches are cold): N times, a fresh
+   headless Chromium (tests/cdp.py) at 1600 x 1000 opens `#timeseries`, what a user sees first; `first_screen_s` is
+   the time from the navigation until every card of the first group in view shows its axes and values,
+   `first_lines_s` until each of them has also drawn a line (pixels of a run's colour in its chart, read from
+   screenshots every 0.1 s).
+5. A JSON summary on stdout (and in `--json FILE`).
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -266,7 +272,52 @@ def text_dashboard(client: Client) -> dict:
     return _summary(client, first)
 
 
-def measure(logdir: Path, reload: str, last_step: int | None, timeout: float) -> dict:
+# the first group's cards in view: each with its chart's axes and the values of its runs (not the spinner)
+_CARDS_IN_VIEW = ("[...(document.querySelector('metrics-card-grid') || document.createElement('b'))"
+                  ".querySelectorAll('card-view')].filter(c => c.getBoundingClientRect().top < innerHeight)")
+_CARDS_SHOWN = (f"(() => {{ const cards = {_CARDS_IN_VIEW}; return cards.length > 0 && cards.every(c =>"
+                " c.querySelector('line-chart canvas') && c.querySelector('scalar-card-data-table tb-data-table-content-row')"
+                " && !c.querySelector('mat-spinner')); })()")
+_CHART_BOXES = (f"{_CARDS_IN_VIEW}.map(c => {{ const r = c.querySelector('line-chart').getBoundingClientRect();"
+                " return [r.left, r.top, r.right, r.bottom].map(Math.round); })")
+_RUN_COLOURS = ("[...document.querySelectorAll('runs-data-table .run-color-swatch')]"
+                ".map(s => s.style.background.match(/\\d+/g).slice(0, 3).map(Number))")
+
+
+def first_screen(base: str, loads: int) -> dict:
+    """Seconds until a fresh browser shows the first screen of Time Series (module docstring, 4.)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import numpy as np
+    from cdp import Browser
+    executable, why = Browser.find()
+    if executable is None:
+        return {"first_screen": f"skipped: {why}"}
+    shown, lines = [], []
+    for _ in range(loads):
+        profile = tempfile.TemporaryDirectory(prefix="tbview-browser-")  # a first visit: nothing cached
+        browser = Browser(executable, Path(profile.name))
+        try:
+            browser.viewport(1600, 1000)
+            started = time.perf_counter()
+            browser.call("Page.navigate", url=f"{base}/#timeseries")
+            browser.wait_for(_CARDS_SHOWN, 120)
+            shown.append(time.perf_counter() - started)
+            colours = np.array(browser.evaluate(_RUN_COLOURS))
+            while time.perf_counter() - started < 120:
+                page = browser.screenshot().astype(int)
+                charts = [page[top:bottom, left:right] for left, top, right, bottom in browser.evaluate(_CHART_BOXES)]
+                if all((np.abs(chart[:, :, None, :] - colours).max(axis=3) <= 12).any(axis=2).sum() >= 20
+                       for chart in charts):
+                    lines.append(time.perf_counter() - started)
+                    break
+                time.sleep(0.1)
+        finally:
+            browser.close()
+            profile.cleanup()
+    return {"first_screen_s": [round(s, 2) for s in shown], "first_lines_s": [round(s, 2) for s in lines]}
+
+
+def measure(logdir: Path, reload: str, last_step: int | None, timeout: float, first_screen_loads: int = 0) -> dict:
     port = free_port()
     started = time.perf_counter()
     process = start_tensorboard(logdir, port, reload)
@@ -274,6 +325,7 @@ def measure(logdir: Path, reload: str, last_step: int | None, timeout: float) ->
         client = Client(port)
         load_s = wait_loaded(process, client, reload, last_step, timeout)
         load_cpu = _cpu_s(process.pid)
+        screen = first_screen(client.base, first_screen_loads) if first_screen_loads else {}
         runs = sorted(client.get("/data/runs"))
         scalar_tags, image_tags, text_tags = _tag_counts(client)
         dashboards = {"scalars": scalars_dashboard(client), "time_series": time_series_dashboard(client),
@@ -281,7 +333,7 @@ def measure(logdir: Path, reload: str, last_step: int | None, timeout: float) ->
                       "text": text_dashboard(client)}
         return {"tensorboard_load_s": round(load_s, 1), "tensorboard_load_cpu_s": round(load_cpu, 1),
                 "tensorboard_rss_mb": _rss_mb(process.pid), "runs": runs, "scalar_tags": scalar_tags,
-                "image_tags": image_tags, "text_tags": text_tags, "dashboards": dashboards,
+                "image_tags": image_tags, "text_tags": text_tags, **screen, "dashboards": dashboards,
                 "served_for_s": round(time.perf_counter() - started, 1)}
     finally:
         stop(process)
@@ -300,6 +352,8 @@ def main() -> int:
     parser.add_argument("--reload", choices=["blocking", "thread"], default="blocking",
                         help="TensorBoard's loading: all before serving (default), or its default thread")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds TensorBoard may take to load")
+    parser.add_argument("--first-screen", type=int, default=0, metavar="N",
+                        help="open Time Series N times in headless Chromium and time its first screen")
     parser.add_argument("--json", metavar="FILE", help="also write the summary here")
     args = parser.parse_args()
     run = Path(args.run).resolve()
@@ -318,7 +372,7 @@ def main() -> int:
         last_step = json.loads(state.read_text()).get("exported")
     out["last_step"] = last_step
     out["reload"] = args.reload
-    out.update(measure(logdir, args.reload, last_step, args.timeout))
+    out.update(measure(logdir, args.reload, last_step, args.timeout, args.first_screen))
     out["load_average_end"] = os.getloadavg()[0]
     text = json.dumps(out, indent=1)
     print(text)

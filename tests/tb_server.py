@@ -7,6 +7,7 @@ import configparser
 import contextlib
 import importlib.metadata
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,10 @@ def tensorboard_server(logdir: Path, site: Path) -> Iterator[str]:
         (dist / "entry_points.txt").write_text(f"[tensorboard_plugins]\n{entry_points}\n")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # a session of its own: the worker processes of its plugins end with it
     process = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
                                 "127.0.0.1", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -48,6 +50,10 @@ def tensorboard_server(logdir: Path, site: Path) -> Iterator[str]:
             raise RuntimeError(f"tensorboard did not start: {process.communicate()[1][-3000:]}") from None
         yield base
     finally:
-        if process.poll() is None:
-            process.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
             process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

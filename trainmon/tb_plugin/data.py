@@ -286,7 +286,8 @@ def comparison(run: RunData, baseline: RunData, rank: int, step: int) -> dict:
     from trainmon.read import open_run
 
     first = None
-    with open_run(baseline.path) as run_a, open_run(run.path) as run_b:
+    # each run opened at its rank's directory: the other ranks are not read (a thousand of them cost seconds)
+    with open_run(baseline.rank_dir(rank).path) as run_a, open_run(run.rank_dir(rank).path) as run_b:
         for candidate in divergent_steps(run_a, run_b, rank):
             judged = execution_order(list(align(run_a, run_b, [rank], (candidate, candidate))))
             first = next((r for r in judged if r.verdict == DIVERGED), None)

@@ -154,6 +154,7 @@ class StepFigures:
     # (family, layer) -> min, median, max over ranks of each rank's layer value, and the rank of the max
     layer_spread: dict[tuple[str, str], tuple] = field(default_factory=dict)
     recorded: bool = False  # the step has records (not only scalars): a step between collected ones has none
+    _series: Optional[dict] = field(default=None, init=False, repr=False, compare=False)  # `scalar_series`, once made
 
     def grad_norms(self) -> dict[int, float]:
         """The global grad norm per rank: the logged `grad_norm` scalar, else the framework's norm before
@@ -179,12 +180,14 @@ class StepFigures:
         return out
 
     def scalar_series(self) -> dict[str, dict[int, float]]:
-        """Per-rank series: the logged scalars, the global grad norm and the weights' global norm."""
-        out = dict(self.scalars)
-        for name, norms in ((GRAD_NORM, self.grad_norms()), (PARAMS_NORM, self.params_norms())):
-            if norms:
-                out[name] = norms
-        return out
+        """Per-rank series: the logged scalars, the global grad norm and the weights' global norm. Made once, when
+        the step's figures are complete, for every part of the view that asks (a norm per rank each time)."""
+        if self._series is None:
+            self._series = dict(self.scalars)
+            for name, norms in ((GRAD_NORM, self.grad_norms()), (PARAMS_NORM, self.params_norms())):
+                if norms:
+                    self._series[name] = norms
+        return self._series
 
 
 def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Optional[tuple] = None

@@ -334,7 +334,9 @@ class RunWatcher:
                            "from about %d on: narrow --detail or --ranks", self.run.name, tags, TAGS_WARNING)
 
     def _grow_layout(self, figure: StepFigures) -> None:
-        keys = {key for key in figure.stats if self.view.options.selected(key[1])} - self.layout_keys
+        keys = set()  # the tensors that get charts of their own: none without a --detail to match
+        if self.options.detail:
+            keys = {key for key in figure.stats if self.view.options.selected(key[1])} - self.layout_keys
         names = set(figure.scalar_series()) - self.scalar_names
         families = {key[0] for key in figure.stats} - self.families
         if keys or names or families:

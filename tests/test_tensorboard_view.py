@@ -91,7 +91,7 @@ def test_the_first_page_of_the_first_group_holds_the_headline(served, browser):
         browser.wait_for(f"{card}.querySelector('tb-truncated-path')")
         titles.add(browser.evaluate(f"{card}.querySelector('tb-truncated-path').title"))
     assert {"Overview/loss", "Overview/grad_norm", "Overview/nan_elements", "Overview/lr",
-            "Overview/first_nonfinite_rank"} <= titles, titles
+            "Overview/first_nonfinite_rank in layers.1 (actv)"} <= titles, titles  # where, and which rank
     assert all(t.startswith("Overview/") for t in titles) and len(titles) <= 12
 
 

@@ -97,7 +97,7 @@ def test_tensorboard_holds_the_cross_rank_figures_of_the_databases(job):
     [incident] = events.Tensors("Overview/first_nonfinite")
     text = incident.tensor_proto.string_val[0].decode()
     assert incident.step == INJECT_STEP and "**blocks.0**" in text and "on rank 1" in text, text
-    assert [(e.step, e.value) for e in events.Scalars("Overview/first_nonfinite_rank")] == \
+    assert [(e.step, e.value) for e in events.Scalars("Overview/first_nonfinite_rank in blocks.0 (actv)")] == \
         [(step, 1.0) for step in range(INJECT_STEP, STEPS)]
     images = events.Tags()["images"]
     for name in ("heatmaps/actv_layer_x_step", "heatmaps/actv_layer_x_rank", "heatmaps/loss_rank_x_step",

@@ -36,7 +36,7 @@ def test_the_overview_shows_the_fault_where_it_happens(tmp_path):
     assert all(inf[s] == 0 for s in range(8)) and all(inf[s] > 0 for s in range(8, 12))
     assert dict(events["Overview/tensors_nonfinite"])[8] > 0
     # the origin rank's layers.3, first in model order, at every step from the incident on
-    assert events["Overview/first_nonfinite_rank"] == [(step, 1.0) for step in range(8, 12)]
+    assert events["Overview/first_nonfinite_rank in layers.3 (actv)"] == [(step, 1.0) for step in range(8, 12)]
     # the Inf is written as NaN, which TensorBoard draws (an infinity breaks the chart), never as a finite norm
     norm = dict(events["actv/norm of layers.3"])
     assert math.isfinite(norm[7]) and math.isnan(norm[8])
@@ -150,7 +150,8 @@ def test_the_headline_stays_on_the_incident(tmp_path):
     assert "micro-step 0" in incident
     later = texts["Overview/first_nonfinite_then_reached"]
     assert later and all(step > 6 and "then reached" in text for step, text in later)
-    assert events["Overview/first_nonfinite_rank"] == [(step, 2.0) for step in range(6, 10)]
+    # the chart of its rank says where: the incident's layer is in its name
+    assert events["Overview/first_nonfinite_rank in layers.3 (actv)"] == [(step, 2.0) for step in range(6, 10)]
 
 
 def test_the_first_group_holds_the_headline_and_the_worst_tensors_their_own():
@@ -163,7 +164,7 @@ def test_the_first_group_holds_the_headline_and_the_worst_tensors_their_own():
     assert {tag for tag in values if tag.startswith("Overview/")} == {
         "Overview/loss", "Overview/grad_norm", "Overview/learning_rate", "Overview/loss_scale", "Overview/params_norm",
         "Overview/nan_elements", "Overview/inf_elements", "Overview/tensors_nonfinite", "Overview/stalled_ranks",
-        "Overview/first_nonfinite_rank"}
+        "Overview/first_nonfinite_rank in a.0 (actv)"}
     assert values["Overview/grad_norm"] == 2.0 and values["Overview/params_norm"] == 4.0  # sqrt of the sums
     assert values["Worst tensor/param_origin norm"] == 3.0  # a tensor's norm, apart from the global one
     assert {tag for tag in values if tag.startswith("scalars/")} == {"scalars/lm loss", "scalars/amp_updates"}

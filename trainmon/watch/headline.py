@@ -7,8 +7,9 @@ the (tensor, rank) pairs holding one, the rank of the incident, and the stalled 
 
 The incident is the first NaN/Inf of the run: (step, micro-step, rank, layer, tensor). It is written once, as the
 text `Overview/first_nonfinite`, and never replaced; each later step whose first NaN/Inf is somewhere else is said
-under `Overview/first_nonfinite_then_reached`, and `Overview/first_nonfinite_rank` stays the incident's rank at
-every step after it.
+under `Overview/first_nonfinite_then_reached`. From the incident on, the chart `Overview/first_nonfinite_rank in
+<layer> (<family>)` holds its rank at every step: its title says where, its line starts at the step, its value is
+the rank, on the first screen (the incident never changes, so neither does the tag).
 """
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ class Headline:
         out.append((STALLED_RANKS_TAG, float(stalled)))
         self._note(figure)
         if self.incident is not None:
-            out.append((FIRST_NONFINITE_RANK_TAG, float(self.incident[1].rank)))
+            place = self.incident[1]
+            out.append((f"{FIRST_NONFINITE_RANK_TAG} in {self.layer(place.family, place.name, place.vpp)} "
+                        f"({place.family})", float(place.rank)))
         return out
 
     def texts(self, figure: StepFigures) -> list[tuple[str, str]]:

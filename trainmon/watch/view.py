@@ -1,8 +1,8 @@
 """What the daemon's TensorBoard view holds: a bounded set of tags, whatever the ranks, micro-steps or calls.
 
 - `Overview/`: the first screen (`headline`): the loss, grad norm, learning rate, loss scale and the weights'
-  global norm, the NaN and Inf elements, the (tensor, rank) pairs holding one, the rank of the first of them and the
-  stalled ranks; as text, the place of the first NaN/Inf, written once.
+  global norm, the NaN and Inf elements, the (tensor, rank) pairs holding one, the rank of the first of them (the
+  layer in the chart's name) and the stalled ranks; as text, the place of the first NaN/Inf, written once.
 - `Worst tensor/`: per family the largest `<op>` (norm by default) and the largest |value| of any one tensor and rank
   (`<family> <op>`, `<family> absmax`: a single tensor's, not a global norm), and per one-value family value its
   worst over the model. The model output's grad when it is exactly 1 (dL/dL: the forward returns the loss) is left
@@ -310,7 +310,7 @@ def layout(scalar_names: Iterable[str], families: Iterable[str], op: str, single
     overview = [("multiline", name, [rf"^{OVERVIEW}/{re.escape(name)}$"]) for name in headline_names(scalar_names)]
     overview += [("multiline", "NaN and Inf elements", [rf"^{OVERVIEW}/({NAN_ELEMENTS}|{INF_ELEMENTS})$"]),
                  ("multiline", "tensors holding a NaN or Inf (x ranks)", [rf"^{OVERVIEW}/{TENSORS_NONFINITE}$"]),
-                 ("multiline", "rank of the first NaN/Inf", [rf"^{re.escape(FIRST_NONFINITE_RANK_TAG)}$"]),
+                 ("multiline", "rank of the first NaN/Inf", [rf"^{re.escape(FIRST_NONFINITE_RANK_TAG)} "]),
                  ("multiline", "stalled ranks", [rf"^{re.escape(STALLED_RANKS_TAG)}$"])]
     worst_charts = [("multiline", f"largest {op} of a tensor, per family", [rf"^{WORST}/[^/]+ {op}$"]),
                     ("multiline", "largest |value| of a tensor, per family", [rf"^{WORST}/[^/]+ absmax$"]),

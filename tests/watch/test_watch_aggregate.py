@@ -1,16 +1,20 @@
 """The cross-rank reduction: its matrix form agrees with the sort of every value, and a finished run read and
 reduced in worker processes (`--once` over many ranks) gives the events of one read in the daemon's process."""
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from runs import generate, read_events
+from trainmon.read.layout import find_run
 from trainmon.read.parallel import PARALLEL_FROM
 from trainmon.watch.aggregate import layer_of, reduce_groups, reduce_matrix, step_figures
-from trainmon.watch.chunk import RankChunk
+from trainmon.watch.chunk import OpenReaders, RankChunk
+from trainmon.watch.follow import RankFollower
 from trainmon.watch.rank_matrix import AlignedRanks
-from trainmon.watch.run_watcher import RunWatcher, WatchOptions
+from trainmon.watch.run_watcher import RunWatcher, WatchOptions, read_figures
 from trainmon.writers.db_schema import NO_MICRO_STEP
 
 
@@ -97,3 +101,24 @@ def test_ranks_that_follow_one_sequence_give_the_figures_of_the_sorted_reduction
     ranks = np.array([c.rank for c in aligned])
     rank = np.repeat(ranks, [len(c.step) for c in aligned])
     assert AlignedRanks.of(rows[2] * 10 + rows[0], rows[1] - NO_MICRO_STEP, rank, ranks) is not None
+
+
+def test_readers_kept_open_between_spans_stop_at_their_limit(tmp_path):
+    """--once's workers keep up to `limit` ranks' databases open from one span to the next, with the figures of
+    fresh reads; the daemon following a live run (no limit) holds none open after a read."""
+    run = generate(tmp_path / "run", ranks=3, steps=6, inf_step=4)
+    followers = [RankFollower(d) for d in find_run(run).ranks]
+    fresh = read_figures(followers, 0, 5)
+    assert _open_databases() == set()
+    readers = OpenReaders(limit=2)
+    for first, last in ((0, 2), (3, 5), (0, 5)):
+        kept = read_figures(followers, first, last, readers=readers)
+        assert {step: figure.stats for step, figure in kept.items()} == \
+            {step: fresh[step].stats for step in range(first, last + 1)}
+        assert _open_databases() == {str(f.rank_dir.db) for f in followers[:2]}
+
+
+def _open_databases() -> set[str]:
+    """The monitor databases this process has open."""
+    links = (os.readlink(link) for link in Path("/proc/self/fd").iterdir() if link.exists())
+    return {path for path in links if path.endswith("monitor.db")}

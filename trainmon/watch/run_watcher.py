@@ -19,7 +19,7 @@ from trainmon.read.layout import find_run
 from trainmon.read.parallel import PARALLEL_FROM
 from trainmon.watch.aggregate import StepFigures, step_figures
 from trainmon.watch.alerts import AlertTracker
-from trainmon.watch.chunk import read_chunk
+from trainmon.watch.chunk import OpenReaders, read_chunk
 from trainmon.watch.events import ALERT_TAG, WatchEvents
 from trainmon.watch.follow import RankFollower
 from trainmon.watch.heatmap import pictures
@@ -42,17 +42,18 @@ TAGS_WARNING = 500  # tags a step from which TensorBoard's dashboards take secon
 
 def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kept: frozenset = frozenset(),
                  on_error: Optional[Callable[[RankFollower, Exception], None]] = None,
-                 spread: Optional[tuple] = None) -> dict[int, StepFigures]:
+                 spread: Optional[tuple] = None, readers: Optional[OpenReaders] = None) -> dict[int, StepFigures]:
     """The figures of steps first..last of the followed ranks, by step, read in this process.
 
     Args:
         on_error: called for a rank that cannot be read (then left out), and for each of its files that cannot be
             read whole (the rest of the rank is read); None lets the error through.
+        readers: where the ranks' readers are kept open (default: each opened for this read and closed).
 
     Raises:
         InputError: a rank or one of its files cannot be read and `on_error` is None.
     """
-    chunks = map(read_chunk, [(f.rank_dir, f.source, first, last, f.rank in ranks_kept) for f in followers])
+    chunks = [read_chunk((f.rank_dir, f.source, first, last, f.rank in ranks_kept), readers) for f in followers]
     read = []
     for follower, chunk in zip(followers, chunks):
         for error in [chunk.error] if chunk.error is not None else chunk.unread:
@@ -64,6 +65,10 @@ def read_figures(followers: list[RankFollower], first: int, last: int, ranks_kep
     return step_figures(read, ranks_kept, spread)
 
 
+# the readers of a worker process that reads spans of a finished run (`--once`), kept from one span to the next
+_SPAN_READERS = OpenReaders()
+
+
 def figures_of_span(task: tuple) -> tuple[dict[int, StepFigures], list[tuple[int, str]]]:
     """(followers, first, last, ranks_kept, drawn, spread) -> (`read_figures` of those steps, (rank, why) of what
     could not be read and was left out), in a worker process: the values of every rank (`StepFigures.rows`)
@@ -72,7 +77,7 @@ def figures_of_span(task: tuple) -> tuple[dict[int, StepFigures], list[tuple[int
     followers, first, last, ranks_kept, drawn, spread = task
     errors = []
     figures = read_figures(followers, first, last, ranks_kept, lambda f, err: errors.append((f.rank, str(err))),
-                           spread)
+                           spread, _SPAN_READERS)
     first_bad = min((step for step, figure in figures.items() if figure.worst is not None), default=None)
     for step, figure in figures.items():
         if step != last and step not in drawn and step != first_bad:

@@ -4,6 +4,7 @@ import json
 import math
 import shutil
 import sqlite3
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -234,3 +235,14 @@ def test_blocks_and_records_give_the_same_columns(tmp_path):
     _write_blocks_run(whole, range(12))
     for first, last in [(None, None), (5, 9), (8, 11)]:
         _assert_same_columns(_columns(appended, None, first, last), _columns(whole, None, first, last))
+
+
+def test_a_copy_with_a_call_index_that_sorts_later_takes_its_place_in_order():
+    """A record read twice (its CSV row on the stage run.json names, its database row on another): the copy with a
+    call index is kept, and the firsts follow its place, not the other copy's."""
+    row = _anomaly(2, 0, None, "layers.1", "forward", "output", "infs", 1.0, "actv")
+    indexed = replace(row, pp_stage=1, call_index=5)
+    earlier = replace(row, pp_stage=1, call_index=0, tensor="input")  # between the two copies in the key order
+    summary = summarize(0, [indexed, row, earlier])
+    assert summary.records == 2 and summary.firsts == [earlier]
+    assert summarize(0, [row, earlier]).firsts == [row]  # without the indexed copy, the CSV row comes first

@@ -37,15 +37,18 @@ def summarize(rank: int, events: Iterable[AnomalyEvent]) -> RankSummary:
     """The summary of one rank's non-finite events (any order; a record read twice counts once, the
     copy with a call index kept)."""
     chosen: dict[tuple, AnomalyEvent] = {}
+    replaced = False  # a copy took the place of one that sorts elsewhere: the kept ones are sorted again
     for event in sorted(events, key=order_key):
         ident = record_identity(event)
         kept = chosen.get(ident)
-        if kept is None or (kept.call_index is None and event.call_index is not None):
+        if kept is None:
             chosen[ident] = event
+        elif kept.call_index is None and event.call_index is not None:
+            chosen[ident], replaced = event, True
     out = RankSummary(rank, records=len(chosen))
     seen = set()
     inputs = set()  # (step, micro-step, call) of the collective calls whose input is non-finite here
-    for event in sorted(chosen.values(), key=order_key):
+    for event in sorted(chosen.values(), key=order_key) if replaced else chosen.values():
         if event.family == COMM:
             call, _, tensor = event.module.rpartition(".")  # <call>.input, <call>.output_1, ...
             io = tensor.partition("_")[0]

@@ -122,3 +122,20 @@ def _open_databases() -> set[str]:
     """The monitor databases this process has open."""
     links = (os.readlink(link) for link in Path("/proc/self/fd").iterdir() if link.exists())
     return {path for path in links if path.endswith("monitor.db")}
+
+
+def test_a_finished_runs_databases_are_read_ahead_and_a_live_runs_are_not(tmp_path, monkeypatch):
+    """--once reads each rank whole, span after span: its database is read ahead once, in one sequential read; the
+    daemon following a live run reads a few new steps a poll, and only those pages."""
+    run = generate(tmp_path / "run", ranks=2, steps=4, inf_step=3)
+    followers = [RankFollower(d) for d in find_run(run).ranks]
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: (
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), advice)), real(fd, offset, length, advice)))
+    read_figures(followers, 0, 3)
+    assert advised == []
+    readers = OpenReaders(limit=2)
+    for first in (0, 2):
+        read_figures(followers, first, first + 1, readers=readers)
+    assert advised == [(str(f.rank_dir.db), os.POSIX_FADV_WILLNEED) for f in followers]

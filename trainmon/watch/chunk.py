@@ -18,6 +18,7 @@ from trainmon.core.records import GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN
 from trainmon.read.errors import InputError
 from trainmon.read.layout import RankDir
 from trainmon.read.rank_records import open_rank
+from trainmon.read.read_ahead import read_ahead
 from trainmon.writers.db_schema import NO_MICRO_STEP
 
 NORM_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN)  # whose global norms the view shows
@@ -53,7 +54,8 @@ class OpenReaders:
     read every rank once a chunk, and opening a database and preparing its statements cost about as much as
     reading 64 of its steps. Up to a quarter of the process's file descriptors are kept (`limit`: 0 opens and
     closes a reader for each read, as the daemon following a live run does); each with a small page cache, as a
-    chunk's pages are read once."""
+    chunk's pages are read once. Each of those databases is read ahead (`read_ahead`): a chunk's steps lie all
+    over the file, and the run is read whole."""
 
     PAGE_CACHE_KIB = 64
 
@@ -73,6 +75,7 @@ class OpenReaders:
         if reader is None:
             reader = open_rank(rank_dir, source)
             if self.limit and hasattr(reader, "conn"):
+                read_ahead(reader.path)
                 reader.conn.execute(f"PRAGMA cache_size = -{self.PAGE_CACHE_KIB}")
         try:
             yield reader

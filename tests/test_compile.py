@@ -32,6 +32,12 @@ GA, STEPS = 2, 3
 MODES = ("default", "fullgraph", "blocks", "in_place")
 
 
+def slow_but(values, fast) -> list:
+    """`values` to parametrize a test, each marked slow but those in `fast`: every case compiles a model, and the fast
+    set keeps one or two of them."""
+    return [value if value in fast else pytest.param(value, marks=pytest.mark.slow) for value in values]
+
+
 def compiled(model, mode: str, backend: str = "aot_eager"):
     """`model` compiled as `mode` says: the whole model, with fullgraph, in place, or each block (torchtitan's
     way)."""
@@ -87,8 +93,8 @@ def unmonitored():
     return {mode: monitored_run(None, None, mode)[:3] for mode in MODES}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tier", [*TIERS, "all"])
+@pytest.mark.parametrize("mode", slow_but(MODES, {"default", "blocks"}))
+@pytest.mark.parametrize("tier", slow_but([*TIERS, "all"], {"all"}))
 def test_compiled_training_runs_to_the_end_with_no_graph_break_from_trainmon(output_dir, write_config, unmonitored,
                                                                             tier, mode):
     losses, breaks, graphs, monitor = monitored_run(write_config, ALL if tier == "all" else TIERS[tier], mode)
@@ -102,7 +108,7 @@ def test_compiled_training_runs_to_the_end_with_no_graph_break_from_trainmon(out
             assert len(run.records()), "records were written"
 
 
-@pytest.mark.parametrize("mode", ["default", "blocks"])
+@pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"blocks"}))
 def test_trainmon_attached_after_the_first_compiled_step_records_the_modules_inside(output_dir, write_config, mode):
     """Dynamo does not guard on the hooks of the modules it inlines: a graph compiled before trainmon was attached
     would run on without them. Attaching drops it, and the modules inside are recorded as with an early attach."""
@@ -126,7 +132,7 @@ def _records(monitor) -> dict:
             for r in frame.itertuples()}
 
 
-@pytest.mark.parametrize("mode", ["default", "fullgraph", "blocks"])
+@pytest.mark.parametrize("mode", slow_but(["default", "fullgraph", "blocks"], {"blocks"}))
 def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, mode):
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         *_, eager = monitored_run(write_config, ALL, None)
@@ -161,7 +167,9 @@ def hooks_of_their_own(model):
         module.register_forward_hook(lambda module, args, output: None)
 
 
-@pytest.mark.parametrize("mode,prepare", [*((mode, None) for mode in MODES), ("blocks", hooks_of_their_own)],
+@pytest.mark.parametrize("mode,prepare", [
+    *(pytest.param(mode, None, marks=() if mode == "default" else pytest.mark.slow) for mode in MODES),
+    pytest.param("blocks", hooks_of_their_own, marks=pytest.mark.slow)],
                          ids=[*MODES, "blocks-hooks_of_their_own"])
 def test_compiled_activation_grads_take_the_eager_places_in_the_call_order(output_dir, write_config, mode, prepare):
     """Inside a compiled region the grads come to the hooks from the compiled backward: at the place where eager
@@ -184,7 +192,7 @@ def checkpointed_blocks(model):
         model.layers[i] = checkpoint_wrapper(block)
 
 
-@pytest.mark.parametrize("mode", ["default", "blocks"])
+@pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
 def test_activation_checkpointing_inside_a_compiled_region_trains_and_says_what_it_does_not_collect(
         output_dir, write_config, caplog, mode):
     """torch recomputes in the backward what a checkpointed region of a compiled graph saves: there no grad is tapped,
@@ -206,7 +214,7 @@ def test_activation_checkpointing_inside_a_compiled_region_trains_and_says_what_
         assert got.norm == pytest.approx(eager_records[key].norm, rel=1e-5, abs=1e-9), key
 
 
-@pytest.mark.parametrize("mode", ["default", "blocks"])
+@pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
 def test_compiled_activation_grads_are_those_of_a_full_backward_hook(output_dir, write_config, mode):
     """The grads a compiled graph hands the hooks are the `grad_output` and `grad_input` a full backward hook on the
     module sees: an input's grad as the module's own backward computed it, before the residual branch's is added
@@ -236,6 +244,7 @@ def test_compiled_activation_grads_are_those_of_a_full_backward_hook(output_dir,
             (grad.norm().item(), grad.min().item(), grad.max().item()), rel=1e-5, abs=1e-9), name
 
 
+@pytest.mark.slow  # inductor's C++ compile
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["default", "fullgraph", "blocks"])
 def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode, device):
@@ -289,9 +298,11 @@ def weight_inf_fault(model, module: str, at: tuple[int, int]):
 # inductor with the sentinel alone and with every tier: its C++ compile is slow here
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,backend,config", [
-    ("default", "inductor", {"sentinel": True}), ("blocks", "inductor", ALL),
+    pytest.param("default", "inductor", {"sentinel": True}, marks=pytest.mark.slow),
+    pytest.param("blocks", "inductor", ALL, marks=pytest.mark.slow),
     ("blocks", "aot_eager", {"sentinel": True}), ("blocks", "aot_eager", ALL),
-    ("fullgraph", "aot_eager", {"sentinel": True}), ("fullgraph", "aot_eager", ALL)],
+    pytest.param("fullgraph", "aot_eager", {"sentinel": True}, marks=pytest.mark.slow),
+    pytest.param("fullgraph", "aot_eager", ALL, marks=pytest.mark.slow)],
     ids=["inductor-sentinel", "inductor-blocks-all", "blocks-sentinel", "blocks-all", "fullgraph-sentinel", "fullgraph-all"])
 def test_an_inf_in_one_blocks_mlp_is_named_exactly_under_compile(output_dir, write_config, capsys, caplog, mode,
                                                                  backend, config, device):
@@ -387,8 +398,9 @@ def no_autograd_cache():
         yield
 
 
-@pytest.mark.parametrize("session_flag", [True, False], ids=["compile-session-flag", "no-compile-session-flag"])
-@pytest.mark.parametrize("tier", ["sentinel", "activations", "activation_grads"])
+@pytest.mark.parametrize("session_flag", slow_but([True, False], {True}), ids=["compile-session-flag",
+                                                                               "no-compile-session-flag"])
+@pytest.mark.parametrize("tier", slow_but(["sentinel", "activations", "activation_grads"], {"activations"}))
 def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(output_dir, write_config, monkeypatch,
                                                                              no_autograd_cache, tier, session_flag):
     """trainmon's op in the graph made AOTAutograd's partitioner save fp32 products of LayerNorm and GELU that it

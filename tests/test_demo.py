@@ -24,6 +24,7 @@ def _demo(tmp_path, *args) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # the demo as a process of its own
 def test_trainmon_demo_runs_and_writes_every_family(tmp_path):
     import tempfile
     from trainmon.read import open_run
@@ -53,6 +54,7 @@ def test_base_install_has_what_the_printed_commands_need():
         assert package in base, package
 
 
+@pytest.mark.slow  # the demo as a process of its own
 def test_demo_inject_nan_names_the_module_and_prints_commands_that_work(tmp_path):
     stdout = _demo(tmp_path, "--steps", "12", "--inject", "nan")
     place = "rank 0 step 6 micro-step 0: layers.1.mlp.0 forward output"
@@ -81,6 +83,7 @@ def test_cli_help_lists_the_commands():
     assert out.returncode == 0 and "demo" in out.stdout
 
 
+@pytest.mark.slow  # the demo as a process of its own
 def test_the_demos_view_is_smaller_than_its_database(tmp_path):
     """The view's budgets on the demo: a fixed set of tags, and an event file no bigger than the database."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader

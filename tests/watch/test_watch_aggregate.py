@@ -48,6 +48,7 @@ def _export(run, logdir, once):
     return read_events(logdir)
 
 
+@pytest.mark.slow  # worker processes over many ranks
 def test_workers_give_the_events_of_the_daemons_process(tmp_path):
     run = generate(tmp_path / "run", ranks=PARALLEL_FROM, steps=30, inf_step=20, origin=5)
     (got, got_steps), (want, want_steps) = _export(run, tmp_path / "workers", True), _export(run, tmp_path / "here", False)

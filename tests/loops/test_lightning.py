@@ -13,7 +13,8 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from loops.harness import (CONFIG, LoopProbe, TinyRegressor, check_healthy, check_injected,  # noqa: E402
                            check_structure, rank_dir_of, read_family, samples)
-from trainmon.integrations.lightning import TrainmonCallback  # noqa: E402
+from trainmon.integrations.lightning import TrainmonCallback
+from trainmon import TrainerMon  # noqa: E402
 
 
 class Regression(pl.LightningModule):
@@ -74,10 +75,17 @@ def quiet_lightning():
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
 
-def test_automatic_optimization_with_accumulation_clipping_and_validation(output_dir, write_config):
+def test_automatic_optimization_with_accumulation_clipping_and_validation(output_dir, write_config, monkeypatch):
+    logged = []
+    log_scalar = TrainerMon.log_scalar
+    monkeypatch.setattr(TrainerMon, "log_scalar", lambda self, name, value, step=None:
+                        logged.append((name, value, step)) or log_scalar(self, name, value, step))
     probe = run(write_config)
     check_healthy(output_dir, probe)  # 9 batches an epoch, accumulation 2: each epoch ends on a 1-batch step
     check_structure(output_dir, probe.model)
+    lr = [(step, value) for name, value, step in logged if name == "lr"]
+    assert len(lr) == 18 and {value for _, value in lr} == {1e-2}
+    assert sorted({step for step, _ in lr}) == list(range(10))  # 5 optimizer steps an epoch, 2 epochs
 
 
 def test_manual_optimization(output_dir, write_config):

@@ -4,8 +4,8 @@ The callback attaches when fitting starts to the LightningModule and its (first)
 Trainer's `accumulate_grad_batches`, and writes the module tree (`module_struct.json`, for TensorBoard's structure
 view); Lightning's `LightningOptimizer` and its `step(closure)` are handled
 by the monitor itself, in automatic and manual optimization. Sanity checks and validation run in eval mode
-without grad, so they are no training micro-steps. The loss a training step returns is logged as `loss`
-at the step it belongs to, and monitoring stops when fitting ends.
+without grad, so they are no training micro-steps. The loss a training step returns is logged as `loss`, and the
+first optimizer's learning rate as `lr`, at the step they belong to; monitoring stops when fitting ends.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class TrainmonCallback(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.monitor.log_scalar("loss", loss.detach(), step=self._batch_step)
+        if trainer.optimizers:
+            self.monitor.log_scalar("lr", trainer.optimizers[0].param_groups[0]["lr"], step=self._batch_step)
 
     def on_fit_end(self, trainer, pl_module):
         if self.monitor is not None:

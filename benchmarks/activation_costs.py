@@ -50,7 +50,7 @@ def _install_variants(order: list[str], out_path: str, warmup: int) -> None:
     """Child side: patches ActivationHooks so that each step runs the next variant of `order`, and times the steps."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from trainmon.monitor import module_hooks
+    from trainmon.hooks import module_hooks
 
     hooks = module_hooks.ActivationHooks
     running = [order[0]]

@@ -39,7 +39,7 @@ def saved_bytes(args, tier: str) -> dict:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from trainmon.demo import TinyGPT
-    from trainmon.monitor import in_graph
+    from trainmon.hooks import in_graph
 
     if args.keep_setting:
         in_graph._partition_as_unmonitored = lambda: None

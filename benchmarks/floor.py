@@ -36,7 +36,7 @@ def count_reads(tier: str, args, seq: int) -> dict:
 
     from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
     from trainmon.engine import stats, stats_cpu
-    from trainmon.monitor import sentinel
+    from trainmon.hooks import sentinel
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)

@@ -27,9 +27,9 @@ import numpy as np
 
 from trainmon.anomaly.processor import AnomalyProcessor
 from trainmon.anomaly.rules import build_rules
-from trainmon.monitor.config import RuleConfig
+from trainmon.config.settings import RuleConfig
 from trainmon.core.collective_ops import collective_name, compact_ranks
-from trainmon.monitor.output import run_metadata
+from trainmon.config.output import run_metadata
 from trainmon.core.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, RecordKey, StepBatch)
 from trainmon.engine import stats

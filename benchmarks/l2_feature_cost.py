@@ -117,7 +117,7 @@ def per_call_us() -> dict[str, float]:
     """Host time per call (µs, one thread) of each feature's computation on this model's tensors, and of making the
     records of a call's values: what a hooked call adds, without the run's noise."""
     from trainmon.engine import stats
-    from trainmon.monitor import features
+    from trainmon.hooks import features
 
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(BATCH, SEQ, HEADS, HIDDEN // HEADS, generator=gen) for _ in range(2))

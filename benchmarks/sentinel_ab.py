@@ -17,9 +17,9 @@ import torch
 
 from trainmon.demo import TinyGPT, lm_loss, synthetic_batch
 from trainmon.engine import stats
-from trainmon.monitor.collector import StepCollector
-from trainmon.monitor.sentinel import nan_sentinel
-from trainmon.monitor.state import HookState
+from trainmon.hooks.collector import StepCollector
+from trainmon.hooks.sentinel import nan_sentinel
+from trainmon.hooks.state import HookState
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python docs/generate_reference.py           # rewrite the pages
     python docs/generate_reference.py --check   # exit 1, naming each page that differs from what the code gives
 
-Sources: the config dataclasses and their field docstrings (`trainmon/monitor/config.py`) with the value tables of
+Sources: the config dataclasses and their field docstrings (`trainmon/config/settings.py`) with the value tables of
 `config_keys.py`; the argparse parsers of `trainmon/cli.py` and `trainmon/commands/`; the SQLite schema of
 `trainmon/writers/db_schema.py` and the record's field table (`trainmon/core/schema.py`); the run layout of
 `trainmon/core/layout.py`; the exit statuses the command modules define. Output depends on nothing but the code
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from trainmon import cli  # noqa: E402
 from trainmon.commands import arguments  # noqa: E402
 from trainmon.core import layout, records, schema, sinks  # noqa: E402
-from trainmon.monitor import config, config_keys  # noqa: E402
+from trainmon.config import keys as config_keys, settings as config  # noqa: E402
 from trainmon.watch import daemon  # noqa: E402
 from trainmon.writers import db_schema, stream_format  # noqa: E402
 
@@ -171,7 +171,7 @@ def _config_sections(cls: type, prefix: str, out: list[tuple[str, type]]) -> Non
 def config_page() -> str:
     sections: list[tuple[str, type]] = []
     _config_sections(config.MonitorConfig, "", sections)
-    out = [GENERATED.format(sources="trainmon/monitor/config.py and config_keys.py"), "# Config keys\n\n",
+    out = [GENERATED.format(sources="trainmon/config/settings.py and config_keys.py"), "# Config keys\n\n",
            docstring(config)]
     for prefix, cls in sections:
         docs = field_docs(cls)
@@ -199,7 +199,7 @@ def config_page() -> str:
     out.append("\n## Keys accepted without effect\n\nmsprobe keys and values that trainmon accepts, so that msprobe "
                "configs load, but does not act on: each warns once when given anything but its inert value.\n\n")
     out.append(table(("key", "why it has no effect"),
-                     [(code(key), cell(why)) for key, why in config_keys.NOT_HONOURED.items()]))
+                     [(code(key), cell(why)) for key, why in sorted(config_keys.NOT_HONOURED.items())]))
     out.append("\n## Keys no longer accepted\n\nA config holding one of these is an error that says why.\n\n")
     out.append(table(("key", "why"), [(code(key), cell(why)) for key, why in config_keys.REMOVED.items()]))
     return "".join(out)

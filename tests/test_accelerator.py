@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 
 from trainmon.engine import stats
 from trainmon.engine.accelerator import collective_device, collective_device_type
-from trainmon.monitor.collector import StepCollector
+from trainmon.hooks.collector import StepCollector
 from trainmon.core.records import RecordKey
 
 # ---------------------------------------------------------------------------------------- the host copy

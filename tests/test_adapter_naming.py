@@ -1,5 +1,5 @@
 """Global numbers in parameter and module names (adapters.naming)."""
-from trainmon.monitor.adapters.naming import renumber
+from trainmon.adapters.naming import renumber
 
 
 def test_renumber_adds_the_offset_to_whole_path_components_only():

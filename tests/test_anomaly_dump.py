@@ -7,7 +7,7 @@ import torch
 from test_anomaly_online import SENTINEL_ONLY, Clock, forward_inf
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.monitor.dump_capture import DumpRequest, capture
+from trainmon.hooks.dump_capture import DumpRequest, capture
 
 load_file = pytest.importorskip("safetensors.torch").load_file  # the `dump` extra
 

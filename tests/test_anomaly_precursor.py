@@ -15,7 +15,7 @@ from trainmon.anomaly.rules import AnomalyPrecursor, build_rules
 from trainmon.core.derive import derive_rows
 from trainmon.core.records import ATTENTION_HOOK, MOE_LOAD, PARAM_UPDATED, RecordKey, StepBatch
 from trainmon.engine import stats
-from trainmon.monitor.config import ConfigError, load_config
+from trainmon.config.settings import ConfigError, load_config
 from trainmon.writers.base import SinkContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -12,7 +12,7 @@ from trainmon.anomaly.processor import AlertRateLimit
 from trainmon.anomaly.rules import AnomalyNan, AnomalySpike, AnomalyTurbulence
 from trainmon.demo import lm_loss
 from trainmon.engine import stats
-from trainmon.monitor.config import ConfigError, load_config
+from trainmon.config.settings import ConfigError, load_config
 
 HEALTHY = dict(targets={}, all_xy=True, xy_distribution=True, wg_distribution=True, param_distribution=True,
                mv_distribution=True, ops=["min", "max", "norm", "mean", "zeros", "nans", "infs"], format="csv",

@@ -9,7 +9,7 @@ from test_anomaly_online import SENTINEL_ONLY
 from op_log import Ops
 from training import make_model, run_steps
 from trainmon import TrainerMon
-from trainmon.monitor import collector, sentinel
+from trainmon.hooks import collector, sentinel
 
 
 def sentinel_run(write_config, steps, counter=None, grad_acc_steps=2, **config):

@@ -3,8 +3,9 @@ nothing else from trainmon.
 
 Floors, bottom to top; a part may import its own modules and those of lower floors only:
   core: shared facts (record schema, records, anomaly event, ordering key, run layout)
-  engine: the statistic engine (records of tensors on their device, the accelerators' slot table)
-  monitor: hooks, adapters, config
+  engine / config / adapters: the statistic engine (records of tensors on their device, the accelerators' slot
+    table) / the monitor's configuration / the framework adapters
+  hooks: the hooks on a training job and the step collector
   writers: the writer thread and sinks
   read: the one read layer
   anomaly: rules, the online processor, post-mortem analysis
@@ -29,8 +30,8 @@ import trainmon
 ROOT = Path(trainmon.__file__).parent
 FLOORS = (
     {"core"},
-    {"engine"},
-    {"monitor"},
+    {"engine", "config", "adapters"},
+    {"hooks"},
     {"writers"},
     {"read"},
     {"anomaly"},
@@ -138,6 +139,9 @@ def _module(path: Path) -> str:
 
 # Floors inside a package, bottom to top, for packages whose modules build on each other.
 INNER_FLOORS = {
+    "config": ({"keys", "output", "schedule"}, {"settings"}, {"dynamic"}),
+    "adapters": ({"base", "naming", "patching", "unwrap"}, {"ddp", "deepspeed_moe", "fsdp2", "megatron_model"},
+                 {"deepspeed", "megatron", "megatron_torch"}),
     "engine": ({"buffers", "fold_kernels", "accelerator", "paths"}, {"stat_kernels"}, {"stats_fused"}, {"stats_native"},
                {"stats_cpu"}, {"stats"}, {"folding"}, {"slot_table", "records"}),
 }
@@ -150,6 +154,7 @@ def _inner_upward(path: Path, text: str | None = None) -> list[str]:
     if floors is None:
         return []
     floor = {module: level for level, modules in enumerate(floors) for module in modules}
+    floor["__init__"] = len(floors)  # a package's own module is above all of its modules
     here = names[2]
     out = []
     for line, name in _imports(path, text):

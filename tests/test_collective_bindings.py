@@ -3,7 +3,7 @@ where it still holds the wrapper."""
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from trainmon.monitor.collective_bindings import repoint, restore
+from trainmon.hooks.collective_bindings import repoint, restore
 
 
 def test_every_binding_is_repointed_and_restored():

@@ -10,7 +10,7 @@ import torch
 from trainmon.core.records import RecordKey
 from trainmon.engine import paths, stats, stats_cpu, stats_native
 from trainmon.engine.paths import SNAPSHOT_MAX_BYTES
-from trainmon.monitor.collector import StepCollector
+from trainmon.hooks.collector import StepCollector
 
 FIELDS = stats.fields_for_ops(["norm", "min", "max"])
 NORM = stats.FIELDS.index("sumsq")
@@ -282,7 +282,7 @@ def test_a_tensor_whose_figures_are_not_its_record_takes_the_engine(monkeypatch)
 def test_a_graph_buffer_is_recorded_with_its_values_at_the_hook_and_never_found_again_by_identity(monkeypatch):
     """A compiled graph lends its hooks buffers whose memory its later kernels overwrite without a version bump: a
     small one is copied in the hook (held is the copy), and the same object recorded again is read again."""
-    from trainmon.monitor import in_graph
+    from trainmon.hooks import in_graph
 
     collector, reads = collector_reading(monkeypatch)
     monkeypatch.setattr(in_graph, "graph_buffers", lambda: True)

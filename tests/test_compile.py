@@ -16,7 +16,7 @@ from training import DEVICES, batches, make_model
 from trainmon import TrainerMon
 from trainmon.cli import main as cli_main
 from trainmon.demo import lm_loss
-from trainmon.monitor import in_graph
+from trainmon.hooks import in_graph
 from trainmon.read import open_run
 
 OPS = ["min", "max", "norm", "nans", "infs"]

@@ -1,4 +1,4 @@
-"""Contracts of trainmon.monitor.config: msprobe configs load, defaults are msprobe's, errors say how to fix."""
+"""Contracts of trainmon.config.settings: msprobe configs load, defaults are msprobe's, errors say how to fix."""
 import copy
 import dataclasses
 import json
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from trainmon.core import sinks
-from trainmon.monitor import config_keys
-from trainmon.monitor.config import (
+from trainmon.config import keys as config_keys
+from trainmon.config.settings import (
     NOT_HONOURED, AlertConfig, CCConfig, ConfigError, ConfigNotHonouredWarning, MonitorConfig,
     RuleConfig, TargetSpec, load_config, parse_target_spec,
 )
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
-ignore_not_honoured = pytest.mark.filterwarnings("ignore::trainmon.monitor.config_keys.ConfigNotHonouredWarning")
+ignore_not_honoured = pytest.mark.filterwarnings("ignore::trainmon.config.keys.ConfigNotHonouredWarning")
 
 # Configs msprobe users already have (shared/msprobe-format.md), copied so a clone needs nothing else.
 MSPROBE_EXAMPLES = [

@@ -37,7 +37,7 @@ def test_the_config_page_holds_every_key_with_its_default():
     import dataclasses
     import json
 
-    from trainmon.monitor.config import MonitorConfig
+    from trainmon.config.settings import MonitorConfig
     page = generate_reference.config_page()
     defaults = MonitorConfig()
     for f in dataclasses.fields(MonitorConfig):

@@ -1,7 +1,7 @@
 """watch_grad sees the grad that Tensor.register_hook sees, per output of a multi-output node."""
 import torch
 
-from trainmon.monitor.grad_watch import watch_grad
+from trainmon.hooks.grad_watch import watch_grad
 
 
 def test_each_output_of_a_split_gets_its_own_grad_as_a_tensor_hook_sees_it():

@@ -11,7 +11,7 @@ from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.trainer_mon import UNUSED_MSPROBE_ARGUMENTS, UnusedArgumentWarning
 from trainmon.hook_table import GROUPS
-from trainmon.monitor.hook_group import HookGroup
+from trainmon.hooks.hook_group import HookGroup
 
 
 def _groups(write_config, steps=1, **config) -> dict:

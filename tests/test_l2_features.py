@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from op_log import Ops
 from trainmon import TrainerMon, open_run
-from trainmon.monitor import features
+from trainmon.hooks import features
 
 HIDDEN, HEADS, SEQ, BATCH, EXPERTS = 16, 2, 6, 2, 4
 STEPS, GA = 3, 2

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from writer_helpers import monitored
-from trainmon.monitor.config import ConfigError, load_config
+from trainmon.config.settings import ConfigError, load_config
 from trainmon.writers import filesystem
 from trainmon.writers.filesystem import DB_PATH, LOCAL, NETWORK, STREAM_PATH
 

@@ -11,7 +11,7 @@ import trainmon
 from op_log import Ops
 from trainmon import TrainerMon, open_run
 from trainmon.cli import main as cli_main
-from trainmon.monitor import saved
+from trainmon.hooks import saved
 
 GA, STEPS, NAN_STEP, NAN_MICRO = 2, 3, 2, 1
 STATS = dict(targets={}, all_xy=True, xy_distribution=True, ops=["norm", "min", "max", "mean", "nans", "infs"],

@@ -4,10 +4,10 @@ import math
 import torch
 
 from trainmon.engine import buffers, stats
-from trainmon.monitor.collector import StepCollector
-from trainmon.monitor.patching import patch_attribute
-from trainmon.monitor.shard_merge import identity_record, piece_records
-from trainmon.monitor.state import HookState
+from trainmon.hooks.collector import StepCollector
+from trainmon.adapters.patching import patch_attribute
+from trainmon.hooks.shard_merge import identity_record, piece_records
+from trainmon.hooks.state import HookState
 
 
 def test_merged_pieces_equal_the_whole_tensor():

@@ -13,9 +13,9 @@ from training import make_model, run_steps
 from trainmon import TrainerMon
 from trainmon.core import schema
 from trainmon.core.records import ACTV, record_key
-from trainmon.monitor import collector as collector_module
+from trainmon.hooks import collector as collector_module
 from trainmon.engine import folding, stats, stats_fused
-from trainmon.monitor.collector import StepCollector
+from trainmon.hooks.collector import StepCollector
 from trainmon.read import open_run
 
 EVERY_FAMILY = {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "mv_distribution": True,

@@ -20,7 +20,7 @@ from training import DEVICES
 from trainmon.core import schema
 from trainmon.core.records import RecordKey
 from trainmon.engine import paths, stat_kernels, stats_fused, stats_native
-from trainmon.monitor.collector import StepCollector
+from trainmon.hooks.collector import StepCollector
 from trainmon.engine.buffers import merge_records
 from trainmon.engine.paths import CHUNK_ELEMS, ONE_PASS_MIN
 from trainmon.engine.stats import fields_for_ops, tensor_records
@@ -560,7 +560,7 @@ def test_without_a_compiler_the_multi_pass_kernels_serve(tmp_path):
     """A machine without a working C++ compiler: the compile fails once, in the background, with one
     message, and the records are still right."""
     code = ("import torch, math\n"
-            "from trainmon.monitor import stat_kernels, stats\n"
+            "from trainmon.engine import stat_kernels, stats\n"
             "x = torch.tensor([1.0, math.nan, -math.inf, 0.0]).bfloat16()\n"
             "assert not stat_kernels.prepare('cpu', [torch.bfloat16], wait=True)\n"
             "rec = stats.tensor_records([x], 1e-8, frozenset(stats.FIELDS))[0].tolist()\n"
@@ -595,7 +595,7 @@ def test_compiling_never_disturbs_the_training_loops_random_draws(tmp_path):
     the RNG state around a compile, which must not rewind those draws. (An empty cache: a package on disk
     would be loaded at the first request, with no compile.)"""
     code = ("import time, torch\n"
-            "from trainmon.monitor import stat_kernels, stats, stats_fused\n"
+            "from trainmon.engine import stat_kernels, stats, stats_fused\n"
             "x = torch.randn(5000).bfloat16()\n"
             "torch.manual_seed(0)\n"
             "draws, deadline = [], time.time() + 280\n"

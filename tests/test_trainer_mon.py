@@ -64,7 +64,7 @@ def _count_ops(write_config, monitored: bool, steps: int):
 
 
 def test_no_host_sync_in_hooks_and_one_transfer_per_step(output_dir, write_config, monkeypatch):
-    from trainmon.monitor import collector
+    from trainmon.hooks import collector
 
     transfers = []
     to_host = collector._to_host
@@ -83,8 +83,8 @@ def test_the_adam_update_copies_no_step_to_the_moments_device():
     """A step kept on the host beside moments on another device (torch's Adam on an accelerator) is read as a
     number, where a copy to the device would wait; a step on the moments' device is used there. Both give the
     bias-corrected update and ratio."""
-    from trainmon.monitor.adapters.base import AdamPiece
-    from trainmon.monitor.optimizer_hooks import _adam_update_and_ratio
+    from trainmon.adapters.base import AdamPiece
+    from trainmon.hooks.optimizer_hooks import _adam_update_and_ratio
 
     g = torch.Generator().manual_seed(0)
     m, v = torch.randn(50, generator=g), torch.rand(50, generator=g)
@@ -304,7 +304,7 @@ def test_print_struct_and_stack_info(output_dir, write_config):
 
 
 def test_a_failing_hook_is_logged_once_and_training_goes_on(output_dir, write_config, monkeypatch, caplog):
-    from trainmon.monitor import module_hooks
+    from trainmon.hooks import module_hooks
 
     original = module_hooks.ActivationHooks._record_activations
 

@@ -130,7 +130,7 @@ def test_a_ddp_model_is_recorded_once_as_the_model_itself(output_dir, write_conf
 
 
 def test_the_sentinel_probes_a_wrapped_module_once(output_dir, write_config):
-    from trainmon.monitor.sentinel import NanSentinel
+    from trainmon.hooks.sentinel import NanSentinel
 
     model = blocks(CheckpointImpl.NO_REENTRANT)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -7,8 +7,8 @@ from trainmon.core.version import __version__
 
 # Imported on first use, so that the command line and the read layer start without torch.
 _LAZY = {"TrainerMon": "trainmon.trainer_mon", "open_run": "trainmon.read", "Run": "trainmon.read",
-         "ConfigError": "trainmon.monitor.config", "load_config": "trainmon.monitor.config",
-         "save": "trainmon.monitor.saved", "save_grad": "trainmon.monitor.saved",
+         "ConfigError": "trainmon.config.settings", "load_config": "trainmon.config.settings",
+         "save": "trainmon.hooks.saved", "save_grad": "trainmon.hooks.saved",
          "register_sink": "trainmon.core.sinks"}
 
 __all__ = ["TrainerMon", "save", "save_grad", "open_run", "Run", "ConfigError", "load_config", "register_sink",

@@ -8,7 +8,7 @@ import sys
 from typing import Optional
 
 from trainmon.commands.arguments import EXIT_BAD_INPUT
-from trainmon.monitor.config import ConfigError
+from trainmon.config.settings import ConfigError
 from trainmon.read.errors import InputError
 
 # The exit status of a command whose reader went away (`trainmon ... | head`): that of a process that

@@ -17,24 +17,24 @@ import torch
 
 from trainmon.anomaly.actions import StepGate
 from trainmon.core.layout import CC_LOG_FILE, STACK_INFO_FILE
-from trainmon.monitor import in_graph
-from trainmon.monitor.adapters import ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH
-from trainmon.monitor.collectives import CollectiveMonitor
-from trainmon.monitor.config import MonitorConfig
-from trainmon.monitor.feature_hooks import L2Features, feature_modules
-from trainmon.monitor.forward_passes import ForwardPasses
-from trainmon.monitor.grad_hooks import AdapterGradCapture, GradHooks
-from trainmon.monitor.hook_group import HookGroup
-from trainmon.monitor.loss_scale import LossScaleWatch
-from trainmon.monitor.module_hooks import ActivationHooks
-from trainmon.monitor.moe_load import MoeLoad
-from trainmon.monitor.optimizer_hooks import OptimizerHooks
-from trainmon.monitor.saved import SavedVariables
-from trainmon.monitor.selection import watched_modules
-from trainmon.monitor.sentinel import nan_sentinel
-from trainmon.monitor.state import HookState
-from trainmon.monitor.structure import StackRecorder
-from trainmon.monitor.tensor_dump import TensorDump
+from trainmon.hooks import in_graph
+from trainmon.adapters import ADAPTER, ADAPTER_PER_MICRO_BATCH, NOT_RECORDED, PER_MICRO_BATCH
+from trainmon.hooks.collectives import CollectiveMonitor
+from trainmon.config.settings import MonitorConfig
+from trainmon.hooks.feature_hooks import L2Features, feature_modules
+from trainmon.hooks.forward_passes import ForwardPasses
+from trainmon.hooks.grad_hooks import AdapterGradCapture, GradHooks
+from trainmon.hooks.hook_group import HookGroup
+from trainmon.hooks.loss_scale import LossScaleWatch
+from trainmon.hooks.module_hooks import ActivationHooks
+from trainmon.hooks.moe_load import MoeLoad
+from trainmon.hooks.optimizer_hooks import OptimizerHooks
+from trainmon.hooks.saved import SavedVariables
+from trainmon.hooks.selection import watched_modules
+from trainmon.hooks.sentinel import nan_sentinel
+from trainmon.hooks.state import HookState
+from trainmon.hooks.structure import StackRecorder
+from trainmon.hooks.tensor_dump import TensorDump
 
 logger = logging.getLogger("trainmon")
 

@@ -18,17 +18,17 @@ from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE,
 from trainmon.core.derive import derive_rows
 from trainmon.hook_table import SetUp, build_groups, unreduced_mode, warn_about
 from trainmon.engine import stats
-from trainmon.monitor.adapters import ADAPTER_PER_MICRO_BATCH, PER_MICRO_BATCH, TrainingAdapter, select_adapter
-from trainmon.monitor.adapters.base import group_coordinates
-from trainmon.monitor.collector import StepCollector
-from trainmon.monitor.config import MonitorConfig, load_config
-from trainmon.monitor.dynamic import DynamicConfigWatcher, dynamic_enabled
-from trainmon.monitor.hook_group import HookGroup
-from trainmon.monitor.output import agree_on_run_name, distributed_rank, rank_dir, run_metadata, write_json
-from trainmon.monitor.schedule import CollectionSchedule
-from trainmon.monitor.selection import watched_params
-from trainmon.monitor.state import HookState, without_torch_function
-from trainmon.monitor.structure import module_structure
+from trainmon.adapters import ADAPTER_PER_MICRO_BATCH, PER_MICRO_BATCH, TrainingAdapter, select_adapter
+from trainmon.adapters.base import group_coordinates
+from trainmon.hooks.collector import StepCollector
+from trainmon.config.settings import MonitorConfig, load_config
+from trainmon.config.dynamic import DynamicConfigWatcher, dynamic_enabled
+from trainmon.hooks.hook_group import HookGroup
+from trainmon.config.output import agree_on_run_name, distributed_rank, rank_dir, run_metadata, write_json
+from trainmon.config.schedule import CollectionSchedule
+from trainmon.hooks.selection import watched_params
+from trainmon.hooks.state import HookState, without_torch_function
+from trainmon.hooks.structure import module_structure
 from trainmon.watch.spawn import spawn_watch
 from trainmon.writers import filesystem
 from trainmon.writers.api_sink import ApiSink

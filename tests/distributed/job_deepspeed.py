@@ -25,7 +25,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_g
 from common import (CC_MODES, LocalGrads, SavedLogits, TinyLM, Truth, batches, finish, inject_inf, injection_config,
                     write_config)
 from trainmon import TrainerMon
-from trainmon.monitor.collectives import not_monitored
+from trainmon.hooks.collectives import not_monitored
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--stage", type=int, required=True)

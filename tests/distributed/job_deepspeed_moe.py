@@ -26,7 +26,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 
 from common import HIDDEN, VOCAB, Truth, batches, finish, write_config
 from trainmon import TrainerMon
-from trainmon.monitor.collectives import not_monitored
+from trainmon.hooks.collectives import not_monitored
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

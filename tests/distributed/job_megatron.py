@@ -32,7 +32,7 @@ import train_megatron
 from common import CC_MODES, Truth, finish, inject_inf, injection_config, write_config
 import trainmon
 from trainmon import TrainerMon
-from trainmon.monitor.collectives import not_monitored
+from trainmon.hooks.collectives import not_monitored
 
 own = argparse.ArgumentParser()
 own.add_argument("--out", required=True)

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from launch import torchrun
-from trainmon.monitor import in_graph
+from trainmon.hooks import in_graph
 from trainmon.read import open_run
 from verify import assert_injection_named, assert_one_record_per_call, the_run
 

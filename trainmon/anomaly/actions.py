@@ -14,10 +14,10 @@ from typing import Callable, Optional
 
 import torch
 
-from trainmon.monitor.hook_group import Hooks
+from trainmon.hooks.hook_group import Hooks
 from trainmon.core.events import AnomalyEvent
 from trainmon.anomaly.processor import AnomalyProcessor
-from trainmon.monitor.patching import patch_attribute
+from trainmon.adapters.patching import patch_attribute
 
 logger = logging.getLogger("trainmon")
 

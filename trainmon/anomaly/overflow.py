@@ -24,7 +24,7 @@ from trainmon.read import Run, coverage, find_run
 
 COMPUTED, INHERITED, INTERNAL = "computed here", "inherited", "internal"
 FROM_DATA = "data"
-# Scalars the monitor writes per step when a loss scaler is reachable (trainmon.monitor.loss_scale).
+# Scalars the monitor writes per step when a loss scaler is reachable (trainmon.hooks.loss_scale).
 LOSS_SCALE, SKIPPED, UPDATES = "loss_scale", "amp_skipped_steps", "amp_updates"
 _LISTED = 8  # modules listed after the first
 

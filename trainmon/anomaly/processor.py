@@ -17,12 +17,12 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from trainmon.writers.anomaly_table import AnomalyTable
-from trainmon.monitor.dump_capture import DumpRequest
+from trainmon.hooks.dump_capture import DumpRequest
 from trainmon.writers.tensor_files import write_dump
 from trainmon.core.events import (SCALAR_PHASE, SENTINEL_RULE, SENTINEL_VALUES, AnomalyEvent,
                                      phase_of, split_name)
 from trainmon.anomaly.rules import Rule
-from trainmon.monitor.sentinel import verdict
+from trainmon.hooks.sentinel import verdict
 from trainmon.core.records import RecordKey, StepBatch
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.core.layout import ANOMALIES_FILE, DB_NAME

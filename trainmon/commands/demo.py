@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.config is not None:
-        from trainmon.monitor.config import load_config
+        from trainmon.config.settings import load_config
         load_config(args.config)  # a bad or missing config is a ConfigError (exit 2) before the model is built
     from trainmon import demo
     return demo.run(args)

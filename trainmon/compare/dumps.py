@@ -1,6 +1,6 @@
 """Tensor dumps as comparison input: trainmon's (`dump` config block) and msprobe's (`task: tensor`).
 
-trainmon: `<rank dir>/dumps/step<S>/index.json` and `tensors.safetensors` (trainmon.monitor.tensor_dump
+trainmon: `<rank dir>/dumps/step<S>/index.json` and `tensors.safetensors` (trainmon.hooks.tensor_dump
 writes them). Accepted: a run directory, a rank directory, its `dumps/` directory or one step directory.
 msprobe: `<dump_path>/step<S>/rank<R>/dump.json` with `dump_tensor_data/<data_name>` files (`.pt`, or
 `.npy`); entries in execution order, each tensor naming its file in `data_name`. Its `stack.json` gives

@@ -28,12 +28,12 @@ MG_DIRECTION = "mg_direction"
 # trainmon.core.collective_ops.parse_comm_name.
 COMM = "comm"
 # Variables of the training script given to `trainmon.save` (their values, in forward) and `trainmon.save_grad`
-# (their grads, in backward); a record's name is the one the script gave (see trainmon.monitor.saved).
+# (their grads, in backward); a record's name is the one the script gave (see trainmon.hooks.saved).
 SAVE = "save"
 SAVE_GRAD = "save_grad"
 # msprobe's L2 features (`recording_l2_features`, `l2_targets`), one family per hook of `l2_targets`, named as
 # msprobe names its CSV files. A record's name is `<module>.<feature>` (e.g. `layers.0.attn.core.entropy`), and
-# its value is the record of a one-element tensor: min = max = mean = the feature (trainmon.monitor.features).
+# its value is the record of a one-element tensor: min = max = mean = the feature (trainmon.hooks.features).
 ATTENTION_HOOK = "attention_hook"
 LINEAR_HOOK = "linear_hook"
 MOE_ROUTER_WEIGHT_HOOK = "moe_router_weight_hook"

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from trainmon.core.collective_ops import parse_comm_name
-from trainmon.monitor.config_keys import STAT_OPS
+from trainmon.config.keys import STAT_OPS
 from trainmon.core.records import (ACTV, ACTV_GRAD, COMM, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, PARAM_UPDATED)
 from trainmon.watch.rank_matrix import AlignedRanks, reduce_rows

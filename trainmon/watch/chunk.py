@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from trainmon.monitor.config_keys import STAT_OPS
+from trainmon.config.keys import STAT_OPS
 from trainmon.core.records import GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN
 from trainmon.read.errors import InputError
 from trainmon.read.layout import RankDir

@@ -17,7 +17,7 @@ from trainmon.writers.tensor_files import save_tensors
 from trainmon.engine import stats
 from trainmon.core.derive import derive_ops
 from trainmon.core.schema import OPS
-from trainmon.monitor.tensor_dump import StepCapture
+from trainmon.hooks.tensor_dump import StepCapture
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.core.layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE  # noqa: F401 (the layout readers find)
 

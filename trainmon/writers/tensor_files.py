@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from trainmon.core.layout import ANOMALY_DUMPS_DIR
-from trainmon.monitor.dump_capture import DumpRequest
+from trainmon.hooks.dump_capture import DumpRequest
 
 
 def save_tensors(path: Path, tensors: dict) -> None:

@@ -1,0 +1,592 @@
+"""trainmon's forward hooks inside `torch.compile`d regions and captured graphs.
+
+Dynamo runs a compiled module's own hooks outside its graph, but traces the hooks of every module inside the
+region into it. The eager hook bodies cannot be traced: their bookkeeping (micro-steps, call indices, names,
+reuse by tensor identity, step gating) reads Python state that Dynamo would turn into graph breaks, or into
+guards that recompile every micro-step. So every forward hook trainmon registers goes through
+`forward_pre_hook` / `forward_hook` / `around_forward` here: in eager mode it is the hook itself; under tracing
+it becomes one op of the graph, `trainmon::observe`, which receives the call's tensors (detached) and, when the
+graph runs, runs the same hook on them, in program order. The eager code then names and counts the event
+exactly as it would have without compile, and the records are the same.
+
+Nothing of the hook's own state is read while tracing. The module is named to the op by a scalar tensor
+attribute (`_trainmon_token`), a graph input: an int constant would be a guard, and a model compiled block by
+block (torchtitan) would compile one graph per block instead of one for all of them.
+
+Grads: a compiled region's backward is one autograd node, so the grad hooks an eager hook puts on a call's
+tensors never run there. Where a hook watches grads (`grads=True`), the traced call passes its tensors that
+require grad (the inputs before its forward, the output leaves after it) through one identity autograd function,
+`_GradTap`, whose backward hands their grads to a second ordered op, `trainmon::observe_grads`; the compiled
+backward runs it where autograd would have run the eager hooks, in the same order. The eager hook asks for them
+at forward time (`graph_call`); the op that ran it returns a scalar tensor carrying that request, which the tap
+saves for the backward, so each backward finds its own call's request, whatever order the micro-batches' backward
+passes run in.
+
+CUDA graphs: a Python op under stream capture runs once, at capture, and never at replay. Rather than record
+nothing silently, a hook that runs under capture (traced or eager) records nothing and says so once. Inductor
+is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it captures.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import types
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from trainmon.adapters.naming import compiled_name
+from trainmon.hooks.tensor_select import input_places, input_values
+
+logger = logging.getLogger("trainmon")
+
+_TOKEN = "_trainmon_token"
+# (module token, kind) -> (weak module, eager hook, with_kwargs, with_output, grads_refused)
+_hooks: dict[tuple[int, str], tuple] = {}
+_tokens = itertools.count()
+_said: set[str] = set()  # messages said since the first hook was registered
+_on_graph_buffers = 0  # depth of eager hooks running inside `trainmon::observe` (see `graph_buffers`)
+_graph_call: Optional["GraphCall"] = None  # the traced call whose hooks are running (see `graph_call`)
+_grad_watchers = 0  # registered hooks that watch grads: while there are some, traced calls tap their tensors
+_CALL = "_trainmon_call"  # the attribute of `trainmon::observe`'s result that holds its `GraphCall`
+# The attribute of a traced output leaf passed through `_GradTap` (set while tracing): (that call's
+# `trainmon::observe` result, the leaf's place among its tapped tensors).
+_TAPPED_OUTPUT = "_trainmon_tapped_output"
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning("trainmon: %s", message)
+
+
+def graph_buffers() -> bool:
+    """Whether the running hook was handed its tensors by a compiled graph (`trainmon::observe`). They are the
+    graph's buffers, which its later kernels may overwrite as soon as the op returns (inductor reuses the memory
+    of dead intermediates, without bumping a version counter): the hook reads them before it returns."""
+    return _on_graph_buffers > 0
+
+
+class GraphCall:
+    """The tensors of one traced call whose grads the compiled backward hands back: the hook that
+    `trainmon::observe` runs asks for them (`on_grads`), and gets them when the backward computes them.
+
+    Those the call passed through `_GradTap` come with its backward. An output leaf that is already an inner
+    call's tapped output (a module returning its last submodule's output) is not tapped again: its grad comes
+    with that inner call's, after the inner hook's, which is the order in which eager grad hooks on one tensor run.
+    """
+
+    __slots__ = ("_where", "_wanted")
+
+    def __init__(self, tapped: list[torch.Tensor], joined: list[tuple[torch.Tensor, "GraphCall", int]]):
+        # id of each tensor -> (the call whose backward hands back its grad, its place among that call's tapped)
+        self._where = {id(t): (self, i) for i, t in enumerate(tapped)}
+        for t, call, i in joined:
+            self._where[id(t)] = (call, i)
+        self._wanted: list[tuple[int, list[tuple[int, int]], Callable]] = []
+
+    def takes_grad(self, tensor: torch.Tensor) -> bool:
+        """Whether the compiled backward hands back the grad of `tensor` (one the hook was given)."""
+        return id(tensor) in self._where
+
+    def on_grads(self, tensors: list[torch.Tensor], callback: Callable[[list], None]) -> None:
+        """Calls `callback(grads)` in the compiled backward, `grads[i]` being that of `tensors[i]` (each one that
+        `takes_grad`), None where no grad reached it; once per call that hands some of them back."""
+        by_call: dict = {}
+        for k, t in enumerate(tensors):
+            call, i = self._where[id(t)]
+            by_call.setdefault(call, []).append((k, i))
+        for call, places in by_call.items():
+            call._wanted.append((len(tensors), places, callback))
+
+    def deliver(self, grads: list) -> None:
+        for count, places, callback in self._wanted:
+            wanted = [None] * count
+            for k, i in places:
+                wanted[k] = grads[i]
+            callback(wanted)
+
+
+def graph_output_call(tensor: torch.Tensor, grad_fn) -> Optional[GraphCall]:
+    """Where `tensor` (whose `grad_fn` is given) is an output of a compiled region that a call inside the region
+    tapped: a `GraphCall` that hands back its grad with that call's, after it (see `GraphCall`); None otherwise.
+    An eager hook on a module returning that tensor (a compiled model's root) asks there."""
+    if type(grad_fn).__name__ != _COMPILED_BACKWARD:
+        return None
+    tapped = getattr(tensor, _TAPPED_OUTPUT, None)
+    inner = None if tapped is None else getattr(tapped[0], _CALL, None)
+    return None if inner is None else GraphCall([], [(tensor, inner, tapped[1])])
+
+
+_COMPILED_BACKWARD = "CompiledFunctionBackward"  # AOTAutograd's one autograd node for a compiled region
+
+
+def graph_call() -> Optional[GraphCall]:
+    """The traced call whose hook is running, where that hook was handed its tensors by a compiled graph and the
+    graph passed some of them through `_GradTap` (see the module doc); None otherwise."""
+    return _graph_call
+
+
+# Dynamo's frame callback, None outside a compiled call; a torch release without this query reports one always (the
+# hooks then always go through Dynamo's disable wrapper).
+_dynamo_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: "unknown")
+
+
+def stream_capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now).
+    torch has no device-generic query for this; an accelerator that is not initialised captures nothing."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+# Called by the eager hooks of a compiled module, where Dynamo would compile it as a frame of its own: the CUDA
+# query is not traceable, and a `fullgraph=True` compile would fail on it.
+torch._dynamo.eval_frame.skip_code(stream_capturing.__code__)
+
+
+CAPTURE_REFUSED = ("a CUDA graph is being captured: hooks that run during capture would run only then, never at "
+                   "replay, so nothing of the captured region is recorded (activations, activation grads and "
+                   "the NaN sentinel's probes there); weight grads and optimizer state outside it still are")
+SUBGRAPH_GRADS_REFUSED = ("grads of activations made inside activation checkpointing (or another higher-order op) "
+                          "of a torch.compile'd region are not collected (torch recomputes what such a region saves "
+                          "for its backward, and would run trainmon's hooks again there); those outside it are")
+GRADS_REFUSED = ("the NaN sentinel's backward probes skip the activations made inside torch.compile'd regions (the "
+                 "compiled backward is one autograd node); its forward probes, and every statistic, actv_grad "
+                 "included, are collected there")
+
+
+@torch.library.custom_op("trainmon::observe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe(token: torch.Tensor, kind: str, grad_enabled: bool, inputs: list[torch.Tensor],
+             outputs: list[torch.Tensor], out_positions: list[int], out_total: int, tapped: list[int],
+             joined: list[int], joined_calls: list[torch.Tensor], joined_places: list[int],
+             untapped: bool) -> torch.Tensor:
+    """Runs the eager hook `kind` of the module `token` names on the tensors of one call (see the module doc).
+    `tapped`: the positions among the hook's tensors (its outputs where it takes them, else its inputs) of those
+    passed through `_GradTap`; `joined`: of those that are an inner call's tapped outputs, with that call's result
+    and their place among its tapped tensors (see `GraphCall`); `untapped`: grads were watched, but the call was
+    traced inside a higher-order op, where it is not tapped (see `_in_subgraph`). Returns the scalar that the tap
+    saves for the backward, carrying the hook's requests for their grads."""
+    result = torch.empty((), dtype=torch.int64)
+    entry = _hooks.get((int(token), kind))
+    if entry is None:
+        return result  # removed since the graph was traced
+    module_ref, hook, with_kwargs, with_output, grads_refused = entry
+    module = module_ref()
+    if module is None:
+        return result
+    if stream_capturing():
+        _say_once(CAPTURE_REFUSED)
+        return result
+    if grads_refused and grad_enabled:
+        _say_once(GRADS_REFUSED)
+    if untapped:
+        _say_once(SUBGRAPH_GRADS_REFUSED)
+    args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
+    if with_output:
+        leaves: list = [None] * out_total
+        for position, tensor in zip(out_positions, outputs):
+            leaves[position] = tensor
+        args += (leaves[0] if out_total == 1 else leaves,)
+    call = None
+    if tapped or joined:
+        watched = outputs if with_output else inputs
+        call = GraphCall([watched[i] for i in tapped],
+                         [(watched[i], getattr(inner, _CALL), place)
+                          for i, inner, place in zip(joined, joined_calls, joined_places)])
+        setattr(result, _CALL, call)
+    global _on_graph_buffers, _graph_call
+    outer = _graph_call
+    _on_graph_buffers += 1
+    _graph_call = call
+    try:  # a compiled forward runs its ops with grad off; the hook decides as the traced call would have
+        with torch.set_grad_enabled(grad_enabled):
+            hook(module, *args)
+    finally:
+        _on_graph_buffers -= 1
+        _graph_call = outer
+    return result
+
+
+@_observe.register_fake
+def _(token, kind, grad_enabled, inputs, outputs, out_positions, out_total, tapped, joined, joined_calls,
+      joined_places, untapped) -> torch.Tensor:
+    if inputs or outputs:
+        _partition_as_unmonitored()
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("trainmon::observe_grads", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe_grads(call: torch.Tensor, grads: list[Optional[torch.Tensor]]) -> None:
+    """Hands the grads of a traced call's tapped tensors to the hooks that asked for them (`call`: what
+    `trainmon::observe` returned for that call)."""
+    requests = getattr(call, _CALL, None)
+    if requests is None:
+        return
+    if stream_capturing():
+        _say_once(CAPTURE_REFUSED)
+        return
+    global _on_graph_buffers
+    _on_graph_buffers += 1
+    try:
+        requests.deliver(grads)
+    finally:
+        _on_graph_buffers -= 1
+
+
+@_observe_grads.register_fake
+def _(call, grads) -> None:
+    return None
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity on a traced call's tensors; its backward hands their grads to `trainmon::observe_grads`."""
+
+    @staticmethod
+    def forward(ctx, call: torch.Tensor, *tensors):
+        ctx.save_for_backward(call)
+        # Views of the tensors would make autograd reject in-place ops on them; detached aliases do not.
+        return tuple([t.detach() for t in tensors])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        torch.ops.trainmon.observe_grads(ctx.saved_tensors[0], list(grads))
+        return (None,) + grads
+
+
+# AOTAutograd's partitioner will not recompute, in the backward, a node that the forward uses after an
+# unfusible use of that node's input ("used far apart"). The op is such a use of every tensor it observes, placed
+# between the tensor and its module's own uses: a LayerNorm's fp32 cast of its bf16 input then counts as used far
+# apart, and the fp32 products of LayerNorm and GELU are saved where unmonitored they are recomputed from their
+# bf16 inputs (2.33 GB more peak memory on a 12-layer, hidden-2048 GPU model; 29 against 23 MB saved on a
+# 2-layer CPU one). So the heuristic is off while a graph holding the op is compiled, and back once it is.
+_PARTITION_KEY = "ban_recompute_used_far_apart"
+_partition_off = False                          # turned off by a graph holding the op, until the compile's end
+
+
+def _partition_as_unmonitored() -> None:
+    """Turns the heuristic off for the compile under way (called while a graph holding the op is traced)."""
+    global _partition_off
+    from torch._functorch import config
+
+    handler = getattr(torch._dynamo, "callback_handler", None)    # runs callbacks at each compile's end
+    if _partition_off or handler is None or not getattr(config, _PARTITION_KEY, False):
+        return
+    if not _compile_under_way():                # fake tensors outside a compile: nothing to partition
+        return
+    if _restore_partition not in handler.end_callbacks:   # torch._dynamo.reset() clears them
+        handler.register_end_callback(_restore_partition)
+    setattr(config, _PARTITION_KEY, False)
+    _partition_off = True
+
+
+def _compile_under_way() -> bool:
+    """Whether Dynamo is compiling in this thread. The fake implementation runs as it is, not traced, when Dynamo
+    propagates shapes: `torch.compiler.is_compiling()` says so there only in torch releases that hold it for the
+    whole compile (pytorch/pytorch#184614, after 2.11); Dynamo's compile context says so in every release."""
+    return torch.compiler.is_compiling() or torch._guards.CompileContext.try_get() is not None
+
+
+def _restore_partition(_args=None) -> None:
+    """At the end of each compile: the heuristic back on, if a graph holding the op turned it off."""
+    global _partition_off
+    from torch._functorch import config
+
+    if _partition_off:
+        setattr(config, _PARTITION_KEY, True)
+        _partition_off = False
+
+
+# Ordered: passes keep the ops in program order among themselves and never drop them as unused.
+for _op in (_observe, _observe_grads):
+    torch.library._register_effectful_op(_op._opoverload, torch._higher_order_ops.effects._EffectType.ORDERED)
+
+
+def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: dict, output=None,
+                      with_output: bool = False):
+    """The traced form of a hook call: one `trainmon::observe` op (the eager hook runs when it does). While some
+    hook watches grads, the call's tensors that require grad (its output's where `with_output`, else its inputs)
+    go through `_GradTap`. Returns the call's (args, kwargs), or its output, with those tensors replaced by the
+    tap's."""
+    inputs = input_values(args, kwargs)
+    leaves, spec = tree_flatten(output) if with_output else ([], None)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    watched = [leaves[i] for i in positions] if with_output else inputs
+    grad_enabled = torch.is_grad_enabled()
+    tapped, joined, inner = [], [], []
+    untapped = bool(_grad_watchers) and grad_enabled and _in_subgraph()
+    if _grad_watchers and grad_enabled and not untapped:
+        for i, t in enumerate(watched):
+            if t.requires_grad:
+                tapped_output = getattr(t, _TAPPED_OUTPUT, None) if with_output else None
+                (tapped if tapped_output is None else joined).append(i)
+                if tapped_output is not None:
+                    inner.append(tapped_output)
+    call = torch.ops.trainmon.observe(getattr(module, _TOKEN), kind, grad_enabled, [t.detach() for t in inputs],
+                                      [leaves[i].detach() for i in positions], positions, len(leaves), tapped,
+                                      joined, [c for c, _ in inner], [place for _, place in inner], untapped)
+    if not tapped:
+        return output if with_output else (args, kwargs)
+    aliases = _GradTap.apply(call, *[watched[i] for i in tapped])
+    if with_output:
+        leaves = list(leaves)
+        for place, (i, alias) in enumerate(zip(tapped, aliases)):
+            setattr(alias, _TAPPED_OUTPUT, (call, place))
+            leaves[positions[i]] = alias
+        return tree_unflatten(leaves, spec)
+    places = input_places(args, kwargs)
+    args, kwargs = list(args), dict(kwargs)
+    for i, alias in zip(tapped, aliases):
+        positional, key = places[i]
+        (args if positional else kwargs)[key] = alias
+    return tuple(args), kwargs
+
+
+@torch._dynamo.assume_constant_result
+def _in_subgraph() -> bool:
+    """Whether Dynamo is tracing the body of a higher-order op (activation checkpointing, an autograd.Function):
+    run while tracing, its answer a constant of the graph. There a tap cannot go: AOTAutograd recomputes in the
+    backward what a checkpointed region saves, `trainmon::observe` included (whose result the tap would save), and
+    Dynamo refuses the attribute the tap sets on its outputs."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:                      # traced without Dynamo (non-strict export, AOTAutograd alone)
+        return False
+    return tx is not None and not tx.output.is_root_tracer()
+
+
+class _Handle:
+    """Removes hooks registered here: `undo` takes them off the module, and their entries go. `grads`: the hooks
+    watch grads (counted in `_grad_watchers` until removed)."""
+
+    def __init__(self, undo: Callable[[], None], *keys: tuple[int, str], grads: bool = False):
+        global _grad_watchers
+        self._undo, self._keys, self._grads = undo, keys, grads
+        _grad_watchers += grads
+
+    def remove(self) -> None:
+        global _grad_watchers
+        if self._undo is None:
+            return
+        self._undo()
+        self._undo = None
+        _grad_watchers -= self._grads
+        for key in self._keys:
+            _hooks.pop(key, None)
+        if not _hooks:  # the monitor is gone: a later one says it again
+            _said.clear()
+
+
+def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool, with_output: bool,
+           grads_refused: bool) -> tuple[int, str]:
+    """Enters `hook` as `module`'s trainmon hook `key`, which `trainmon::observe` runs (see the module doc)."""
+    token = module.__dict__.get(_TOKEN)
+    if token is None:
+        token = torch.tensor(next(_tokens))
+        object.__setattr__(module, _TOKEN, token)
+    entry = (int(token), key)
+    if entry in _hooks:
+        raise RuntimeError(f"trainmon: a {key} hook is already on {type(module).__name__} (two monitors on one model)")
+    _hooks[entry] = (weakref.ref(module), hook, with_kwargs, with_output, grads_refused)
+    return entry
+
+
+def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
+              grads_refused: bool, grads: bool, register: Callable) -> _Handle:
+    key = _entry(module, kind, hook, with_kwargs, with_output, grads_refused)
+
+    # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call
+    # (Dynamo's frame callback is set). Elsewhere the hook is called as it is: the wrapper that turns Dynamo off
+    # costs more than some hooks.
+    eager = torch._dynamo.disable(hook, recursive=True)
+
+    def traced_or_eager(mod, *args):
+        if torch.compiler.is_compiling():  # returns the call's inputs (or output) with their grads tapped
+            call_args, call_kwargs = args[0], (args[1] if with_kwargs else {})
+            traced = _observe_in_graph(mod, kind, call_args, call_kwargs, args[-1] if with_output else None,
+                                       with_output)
+            return traced if with_output or with_kwargs else traced[0]
+        if stream_capturing():
+            _say_once(CAPTURE_REFUSED)
+            return None
+        return (hook if _dynamo_frame_callback() is None else eager)(mod, *args)
+
+    # The hooks of the compiled module itself are frames of their own, which Dynamo would compile too: they
+    # run eagerly (the grads of the region's outputs are watched there). Hooks inlined into a traced frame
+    # are traced all the same.
+    torch._dynamo.eval_frame.skip_code(traced_or_eager.__code__)
+    handle = _Handle(register(traced_or_eager).remove, key, grads=grads)
+    _forget_compiled(module)
+    return handle
+
+
+def _forget_compiled(module: torch.nn.Module) -> None:
+    """Drops what Dynamo compiled for `module`'s forward. Dynamo does not guard on the hooks of the modules it
+    inlines (`skip_nnmodule_hook_guards`): a graph compiled before trainmon was attached (a compiled model run
+    once first) would keep running without them, every module inside it unrecorded. The next call compiles it
+    again, hooks included."""
+    code = getattr(type(module).forward, "__code__", None)
+    reset_code = getattr(torch._dynamo, "reset_code", None)
+    if code is not None and reset_code is not None:
+        reset_code(code)
+
+
+def forward_pre_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
+                     prepend: bool = False, grads_refused: bool = False, grads: bool = False) -> _Handle:
+    """Registers `hook` as `module`'s forward pre-hook, traceable (see the module doc); `kind` names it among
+    trainmon's hooks on that module. `grads_refused`: the hook watches activation grads, which it cannot take from
+    a compiled call (one message says so). `grads`: the hook watches activation grads, and takes them from a
+    compiled call through `graph_call`. Under compile its return value (modified inputs) is not used."""
+    return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads_refused, grads,
+                     lambda fn: module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend))
+
+
+def forward_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
+                 grads_refused: bool = False, grads: bool = False) -> _Handle:
+    """Registers `hook` as `module`'s forward hook, traceable (see `forward_pre_hook`)."""
+    return _register(module, f"{kind}.post", hook, with_kwargs, True, grads_refused, grads,
+                     lambda fn: module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+
+def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: Callable,
+                   grads_refused: bool = False, grads: bool = False) -> _Handle:
+    """Runs `before(module, args, kwargs)` and `after(module, args, kwargs, output)` around each call of `module`'s
+    forward, as a forward pre-hook and a forward hook with kwargs would (`before` may return new (args, kwargs)),
+    traceable as they are (see the module doc).
+
+    One wrapper around the module's `forward` runs the befores and afters of all of trainmon's groups on it, in
+    the order they were registered: torch's hook path costs more per call than the hooks trainmon runs on it
+    (`Module._call_impl` then takes its slow path, and each hook adds a frame and its checks). The wrapper runs
+    inside `Module.__call__`, after every forward pre-hook. Where the module holds forward hooks (which may
+    replace the output after forward) or backward hooks (which wrap the inputs before it) when trainmon is
+    attached, the two are registered as hooks instead, so that what those do is seen as before.
+
+    `grads_refused` and `grads` as for `forward_pre_hook`."""
+    around = module.__dict__.get(_AROUND)
+    if around is None and _hooks_outside_forward(module):
+        pre = forward_pre_hook(module, kind, before, with_kwargs=True, grads_refused=grads_refused, grads=grads)
+        post = forward_hook(module, kind, after, with_kwargs=True, grads_refused=grads_refused, grads=grads)
+        return _Handle(lambda: (pre.remove(), post.remove()))
+    if around is None:
+        around = _Around(module)
+    entry = around.add(kind, before, after, grads_refused)
+    _forget_compiled(module)
+    return _Handle(lambda: around.drop(entry), grads=grads)
+
+
+_AROUND = "_trainmon_around"  # the attribute that holds a module's `_Around`
+
+
+def _hooks_outside_forward(module: torch.nn.Module) -> bool:
+    """Whether `module` holds hooks that act outside its `forward` on what it is called with or returns."""
+    hooks = torch.nn.modules.module
+    return bool(module._forward_hooks or module._backward_hooks or module._backward_pre_hooks
+                or hooks._global_forward_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+class _Around:
+    """The wrapper `around_forward` puts in place of one module's forward, and the groups' entries it runs:
+    (kind, before, after, before and after with Dynamo off).
+
+    Under tracing the wrapper reads none of this (Dynamo would guard on it, and a model compiled block by block
+    would compile once per block): it puts one `trainmon::observe` op before the forward and one after, whose
+    eager hooks (`befores`, `afters`) run the entries."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.entries: list[tuple] = []
+        self.module = weakref.ref(module)
+        self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
+        self.keys = (_entry(module, "forward.pre", self.befores, True, False, False),
+                     _entry(module, "forward.post", self.afters, True, True, False))
+        # The wrapper calls the class's forward function with the module it is bound to; anything else as the
+        # module would have called it.
+        plain = self.replaced is None and isinstance(type(module).forward, types.FunctionType)
+        self.wrapper = wrapper = _wrapper(self, None if plain else module.forward)
+        try:  # what reads the forward's parameters (transformers' Trainer picks its dataset columns by them) reads them
+            signature = inspect.signature(module.forward)
+            wrapper.__signature__ = signature.replace(parameters=[
+                inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *signature.parameters.values()])
+        except (TypeError, ValueError):
+            pass
+        object.__setattr__(module, _AROUND, self)
+        # A method of the module, so that a deep copy of the module (an EMA copy) runs its own forward.
+        module.__dict__["forward"] = types.MethodType(wrapper, module)
+
+    def add(self, kind: str, before: Callable, after: Callable, grads_refused: bool) -> tuple:
+        if any(entry[0] == kind for entry in self.entries):
+            raise RuntimeError(f"trainmon: a {kind} hook is already on {type(self.module()).__name__} "
+                               "(two monitors on one model)")
+        entry = (kind, before, after, torch._dynamo.disable(before, recursive=True),
+                 torch._dynamo.disable(after, recursive=True))
+        self.entries.append(entry)
+        if grads_refused:  # `trainmon::observe` says, under compile, that these grads are not collected
+            for key in self.keys:
+                _hooks[key] = (*_hooks[key][:4], True)
+        return entry
+
+    def befores(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        for _, before, *_ in self.entries:
+            before(module, args, kwargs)
+
+    def afters(self, module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+        for _, _, after, *_ in self.entries:
+            after(module, args, kwargs, output)
+
+    def drop(self, entry: tuple) -> None:
+        """Removes one group's entry; the module gets its forward back with the last, unless something replaced
+        the wrapper since (it then runs the forward alone)."""
+        if entry in self.entries:
+            self.entries.remove(entry)
+        module = self.module()
+        if self.entries or module is None:
+            return
+        for key in self.keys:
+            _hooks.pop(key, None)
+        module.__dict__.pop(_AROUND, None)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is self.wrapper:
+            if self.replaced is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = self.replaced
+
+
+def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
+    """The forward of a wrapped module: `inner` (a forward bound to it), or its class's `forward` function."""
+
+    def forward(mod, *args, **kwargs):
+        if torch.compiler.is_compiling():  # the call's inputs and output with their grads tapped
+            args, kwargs = _observe_in_graph(mod, "forward.pre", args, kwargs)
+            output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+            return _observe_in_graph(mod, "forward.post", args, kwargs, output, with_output=True)
+        entries = around.entries
+        if entries and stream_capturing():
+            _say_once(CAPTURE_REFUSED)
+            entries = ()
+        # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not.
+        eager = _dynamo_frame_callback() is None
+        for _, before, _, eager_before, _ in entries:
+            changed = (before if eager else eager_before)(mod, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+        for _, _, after, _, eager_after in entries:
+            (after if eager else eager_after)(mod, args, kwargs, output)
+        return output
+
+    # As `traced_or_eager` in `_register`: the compiled module's own wrapper runs eagerly, and its forward is the
+    # frame Dynamo compiles; a wrapper inlined into a traced frame is traced.
+    torch._dynamo.eval_frame.skip_code(forward.__code__)
+    return forward
+
+
+def named_modules(chunk: torch.nn.Module):
+    """`chunk.named_modules()` without torch.compile's wrappers (each would be a second name for the module it
+    wraps, whose hooks already see every call)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for name, module in chunk.named_modules():
+        if not isinstance(module, OptimizedModule):
+            yield compiled_name(name), module

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from pathlib import Path
 
 import torch
 
@@ -29,12 +30,20 @@ def monitored(write_config, steps=3, grad_acc_steps=2, on_step=None, stop=True, 
 
 
 def tensorboard_scalars(logdir) -> dict:
-    """{(tag, step): value} of every scalar in the event files of `logdir`, read by TensorBoard itself."""
+    """{(tag, step): value} of every scalar under `logdir`, read by TensorBoard itself; a scalar of a run in a
+    subdirectory (the view's max/min/median lines) is keyed "run/tag", as TensorBoard's run selector shows it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    logdir = Path(logdir)
+    found = {}
+    for run_dir in sorted({event_file.parent for event_file in logdir.rglob("*tfevents*")}):
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        run = run_dir.relative_to(logdir).as_posix()
+        for tag in events.Tags()["scalars"]:
+            name = tag if run == "." else f"{run}/{tag}"
+            found.update({(name, e.step): e.value for e in events.Scalars(tag)})
+    return found
 
 
 def integrity(path) -> str:

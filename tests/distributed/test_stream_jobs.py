@@ -55,6 +55,9 @@ def test_each_run_wrote_its_path(runs):
 def test_the_commands_answer_the_same_from_stream_and_database(runs, command):
     name, *flags = command
     from_db, from_stream = cli(name, runs["local"], *flags), cli(name, runs["network"], *flags)
+    if name == "nan-analyze":  # the report names the files it read: the same but for which file held the records
+        assert "records.stream" in from_stream and "records.stream" not in from_db
+        from_stream = from_stream.replace("records.stream", "monitor.db")
     assert from_db == from_stream
     assert "rank" in from_db and len(from_db) > 200, from_db
 

@@ -16,6 +16,7 @@ import statistics
 from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from trainmon.engine import stats
+from trainmon.core.defaults import SPIKE_WINDOW
 from trainmon.core.events import PRECURSOR_RULE
 from trainmon.core.records import (ADAM_UPDATE, ATTENTION_HOOK, EXP_AVG_SQ, MOE_LOAD, MOE_ROUTER_LOGIT_HOOK,
                                    PARAM_UPDATED)
@@ -180,7 +181,7 @@ class AnomalySpike(_SeriesRule):
 
     name = "AnomalySpike"
 
-    def __init__(self, threshold: float = 6.0, window: int = 50, warmup: Optional[int] = None,
+    def __init__(self, threshold: float = 6.0, window: int = SPIKE_WINDOW, warmup: Optional[int] = None,
                  min_relative: float = 1.0, noise: float = 1e-6, ops: Optional[Iterable[str]] = ("norm",)):
         super().__init__(ops)
         if warmup is not None and warmup > window:

@@ -8,6 +8,7 @@ import argparse
 import logging
 import re
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from trainmon.commands.arguments import add_ranks, positive_int
@@ -66,9 +67,15 @@ def register(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
+def watch_options(args: argparse.Namespace):
+    """The daemon's settings from the flags: each of WatchOptions' fields is the flag of its name."""
+    from trainmon.watch.run_watcher import WatchOptions
+    chosen = {key.name: getattr(args, key.name) for key in fields(WatchOptions)}
+    return WatchOptions(**{**chosen, "ranks": frozenset(args.ranks or ()), "detail": tuple(args.detail)})
+
+
 def run(args: argparse.Namespace) -> int:
     from trainmon.watch.daemon import Daemon
-    from trainmon.watch.run_watcher import WatchOptions
     log = logging.getLogger("trainmon.watch")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -76,9 +83,5 @@ def run(args: argparse.Namespace) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    options = WatchOptions(logdir=args.logdir, interval=args.interval, once=args.once,
-                           ranks=frozenset(args.ranks or ()),
-                           on_anomaly=args.on_anomaly, exit_on_anomaly=args.exit_on_anomaly,
-                           stall_after=args.stall_after, heatmap_every=args.heatmap_every, op=args.op,
-                           window=args.window, source=args.source, detail=tuple(args.detail))
+    options = watch_options(args)
     return Daemon(Path(args.path), options, until_done=args.until_done, follow_pid=args.follow_pid).run()

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from trainmon.core.layout import DUMP_RANK_DIR
+from trainmon.core.layout import DB_NAME, DUMP_RANK_DIR, DUMPS_DIR, INDEX_FILE, STREAM_NAME, TENSOR_FILE
 from trainmon.read.errors import InputError
-from trainmon.core.layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE
 
 if TYPE_CHECKING:  # torch is imported when a tensor is loaded: finding dumps needs none
     import torch
@@ -195,8 +194,8 @@ def is_dump(path: str | Path) -> bool:
         return False
     if _msprobe_files(path):
         return True
-    has_stats = any(path.glob("monitor.db")) or any(path.glob("*.csv")) or any(path.glob("*/monitor.db")) or \
-        any(path.glob("*/*.csv"))
+    has_stats = any(any(path.glob(pattern)) for pattern in (
+        DB_NAME, STREAM_NAME, "*.csv", f"*/{DB_NAME}", f"*/{STREAM_NAME}", "*/*.csv"))
     return bool(_trainmon_indexes(path)) and not has_stats
 
 

@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
-from trainmon.core.defaults import WATCH, WRITER_POLICIES, WRITER_POLICY, WRITER_QUEUE_SIZE
+from trainmon.core.defaults import (DUMP_MB_PER_STEP, SPIKE_WINDOW, STATS_BATCH_MB, WATCH, WRITER_POLICIES, WRITER_POLICY,
+                                     WRITER_QUEUE_SIZE)
 from trainmon.config.keys import (
     ACCEPTED_ONLY, ALERT_ACTIONS, COLUMN_OPS, MAX_NDIGITS, NOT_HONOURED, RULE_ARGS, RULE_NAMES,
     OUTPUT_FILESYSTEMS, REMOVED, SAT_DTYPES, STAT_OPS,
@@ -105,10 +106,10 @@ class RuleConfig:
         if self.rule_name == "AnomalyPrecursor" and self.args.get("window", 10) < 4:
             raise ConfigError("must be at least 4 (a slope joins the medians of the window's halves)",
                               key="args.window", value=self.args["window"], allowed="an int >= 4", closest=10)
-        if self.rule_name == "AnomalySpike" and self.args.get("warmup", 0) > self.args.get("window", 50):
+        if self.rule_name == "AnomalySpike" and self.args.get("warmup", 0) > self.args.get("window", SPIKE_WINDOW):
             raise ConfigError("must not exceed the window (50 unless given)", key="args.warmup",
                               value=self.args["warmup"], allowed="an int from 1 to the window",
-                              closest=self.args.get("window", 50))
+                              closest=self.args.get("window", SPIKE_WINDOW))
         if self.rule_name == "AnomalyTurbulence" and "threshold" not in self.args:
             raise ConfigError("AnomalyTurbulence needs a threshold (allowed relative deviation from the "
                               "running mean)", key="args", value=self.args, allowed='{"threshold": <number >= 0>}',
@@ -198,7 +199,7 @@ class DumpConfig:
     """Ranks that dump; empty means all."""
     modules: Any = _field(_check_modules, default="all")
     """"all", or module names: each named module and the modules inside it."""
-    max_mb_per_step: int = _field(check_int(1, 1_000_000), default=64)
+    max_mb_per_step: int = _field(check_int(1, 1_000_000), default=DUMP_MB_PER_STEP)
     """Cap per rank and step; tensors beyond it are not stored, and the index lists them."""
     backward: bool = _field(check_bool, default=True)
     """Also the grads of module outputs and inputs, in backward."""
@@ -369,7 +370,7 @@ class MonitorConfig:
     (monitor.db, SQLite in WAL mode) or "network" (records.stream, which other hosts can read live)."""
     dump: DumpConfig | None = _field(check_optional(_section(DumpConfig)), default=None)
     """trainmon: tensor dumps of chosen steps (see DumpConfig); null: none."""
-    stats_batch_mb: int = _field(check_int(0, 1_000_000), default=32)
+    stats_batch_mb: int = _field(check_int(0, 1_000_000), default=STATS_BATCH_MB)
     """trainmon: activations are held until this many MB are pending, then reduced in one batch
     (far cheaper than one reduction per hook); 0 reduces each hook's tensors at once."""
 

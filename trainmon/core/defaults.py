@@ -1,7 +1,9 @@
-"""Settings more than one floor reads, defined once: the writer queue's and the monitor daemon's.
+"""Settings more than one floor reads, defined once: the writer queue's, the monitor daemon's, and the defaults
+that both a config key and the code it configures state.
 
-The config (`writer_*` keys, the `watch` section), the writer thread, `trainmon watch`'s flags and the daemon
-spawned beside a job all take their defaults from here."""
+The config (`writer_*` keys, the `watch` section, `stats_batch_mb`, the spike rule's window, the dump's cap), the
+writer thread, the collector, the anomaly rules, `trainmon watch`'s flags and the daemon spawned beside a job all
+take their defaults from here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +12,10 @@ from dataclasses import dataclass
 WRITER_POLICIES: tuple[str, ...] = ("block", "drop")
 WRITER_POLICY = "block"
 WRITER_QUEUE_SIZE = 64  # step batches queued before the policy applies
+
+STATS_BATCH_MB = 32     # activations held before one batched reduction
+SPIKE_WINDOW = 50       # steps of history the spike rule's baseline spans
+DUMP_MB_PER_STEP = 64   # tensor bytes a rank stores a step, for a dump or the sentinel's capture of a first NaN
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainmon.core import schema
+from trainmon.core.defaults import STATS_BATCH_MB
 from trainmon.core.records import RecordKey, StepBatch
 from trainmon.engine import buffers, paths, stats, stats_fused
 from trainmon.hooks import in_graph
@@ -50,7 +51,7 @@ class StepCollector:
     """
 
     def __init__(self, eps: float, fields: stats.FieldSet, rank: int, pp_stage: int = 0,
-                 batch_bytes: int = 32 << 20, shared_events: bool = False):
+                 batch_bytes: int = STATS_BATCH_MB << 20, shared_events: bool = False):
         self.eps = eps
         # Whether two groups of hooks report the same tensor events (the NaN sentinel beside the activation
         # hooks): only then does call_index_of note each event's index.

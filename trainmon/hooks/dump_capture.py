@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_MAX_BYTES = 64 << 20
+from trainmon.core.defaults import DUMP_MB_PER_STEP
 
 
 @dataclass
@@ -42,7 +42,7 @@ def host_copy(tensor: torch.Tensor, keep: int, non_blocking: bool = True) -> tor
     return host.reshape(tensor.shape) if keep == flat.numel() else host
 
 
-def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+def capture(request: DumpRequest, tensors: list[tuple[str, torch.Tensor]], max_bytes: int = DUMP_MB_PER_STEP << 20) -> None:
     """Copies `tensors` to the host into `request`, each within an equal share of `max_bytes`."""
     share = max_bytes // max(1, len(tensors))
     for name, tensor in tensors:

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +21,19 @@ WATCH_DIR = "watch"  # the default log directory, inside the run (or the root)
 def watch_logdir(run: Path, config) -> Path:
     """Where the daemon of `run` writes, by the `watch` section (`WatchConfig`)."""
     return Path(config.logdir) if config.logdir else run / WATCH_DIR
+
+
+def watch_flags(config) -> list[str]:
+    """The `trainmon watch` flags of a `watch` section: each key is the flag of its name (`stall_after`:
+    `--stall-after`), so a key added to the section reaches the daemon; `enable` and `logdir` are not flags."""
+    flags = []
+    for key in fields(config):
+        value = getattr(config, key.name)
+        if key.name in ("enable", "logdir") or value in ("", [], None):
+            continue
+        flag = "--" + key.name.replace("_", "-")
+        flags += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    return flags
 
 
 def spawn_watch(run: Path, config, parent_pid: Optional[int] = None) -> Optional[subprocess.Popen]:
@@ -34,16 +48,8 @@ def spawn_watch(run: Path, config, parent_pid: Optional[int] = None) -> Optional
         The process, or None when it could not be started (logged; training goes on).
     """
     logdir = watch_logdir(run, config)
-    command = [sys.executable, "-m", "trainmon.cli", "watch", str(run), "--logdir", str(logdir),
-               "--interval", str(config.interval), "--stall-after", str(config.stall_after),
-               "--heatmap-every", str(config.heatmap_every), "--until-done",
-               "--follow-pid", str(parent_pid or os.getpid())]
-    if config.ranks:
-        command += ["--ranks", *map(str, config.ranks)]
-    if config.detail:
-        command += ["--detail", *config.detail]
-    if config.on_anomaly:
-        command += ["--on-anomaly", config.on_anomaly]
+    command = [sys.executable, "-m", "trainmon.cli", "watch", str(run), "--logdir", str(logdir), *watch_flags(config),
+               "--until-done", "--follow-pid", str(parent_pid or os.getpid())]
     try:
         logdir.mkdir(parents=True, exist_ok=True)
         with open(logdir / LOG_FILE, "ab") as log:

@@ -2,7 +2,6 @@
 step by step while a daemon follows them."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -13,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.core.layout import DB_NAME
+from trainmon.config.output import write_json
+from trainmon.core.layout import DB_NAME, RUN_JSON, WRITER_REPORT
 from trainmon.core.records import ACTV, GRAD_REDUCED, RecordKey
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
@@ -43,7 +43,7 @@ class LiveRank:
     def __init__(self, run: Path, rank: int, stream: bool = False):
         self.dir = run / f"rank_{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "run.json").write_text(json.dumps({"rank": rank, "pp_stage": 0}))
+        write_json(self.dir / RUN_JSON, {"rank": rank, "pp_stage": 0})
         self.db = RecordStream(self.dir / STREAM_NAME) if stream else MonitorDb(self.dir / DB_NAME)
         self.db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": OPS,
                           "fields": list(db_schema.FIELDS)})
@@ -59,9 +59,10 @@ class LiveRank:
         self.db.add_step(step, 0, KEYS, values, {"loss": math.nan if nan else 1.0 / (1 + step)})
 
     def finish(self) -> None:
-        """What TrainerMon.stop() does: the writer's report in run.json says the rank has finished."""
+        """What TrainerMon.stop() does: the writer's report in run.json says the rank has finished (the file
+        replaced whole, as TrainerMon replaces it, so the daemon never reads it half written)."""
         self.close()
-        (self.dir / "run.json").write_text(json.dumps({"rank": self.rank, "pp_stage": 0, "writer": {"steps": 1}}))
+        write_json(self.dir / RUN_JSON, {"rank": self.rank, "pp_stage": 0, WRITER_REPORT: {"steps": 1}})
 
     def close(self) -> None:
         self.db.close()

@@ -1,6 +1,7 @@
 """`watch --once` on what is not a readable run says so and exits 2 (the file named, no traceback); a live
 daemon on an empty root waits for runs."""
 import shutil
+import sys
 from pathlib import Path
 import time
 
@@ -150,3 +151,19 @@ def test_once_with_a_rank_the_run_lacks_exits_2(finished_run, tmp_path, capsys, 
     assert main(["watch", str(finished_run), "--once", "--rank", "7", "--logdir", str(tmp_path / "view")]) == 2
     err = capsys.readouterr().err
     assert f"trainmon watch: {finished_run}: has no rank 7" in err and "Traceback" not in err, err
+
+
+def test_messages_go_to_the_stderr_of_each_call(finished_run, tmp_path, monkeypatch):
+    """A program that runs `main(["watch", ...])` twice, its stderr replaced and the old one closed in between (as
+    a test runner does), gets the second call's messages on the new stderr, with no logging error."""
+    import io
+    from trainmon.cli import main
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    assert main(["watch", str(finished_run), "--once", "--logdir", str(tmp_path / "a")]) == 0
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    assert main(["watch", str(finished_run), "--once", "--rank", "7", "--logdir", str(tmp_path / "b")]) == 2
+    assert f"trainmon watch: {finished_run}: has no rank 7" in second.getvalue()
+    assert "Logging error" not in second.getvalue() and "Traceback" not in second.getvalue(), second.getvalue()

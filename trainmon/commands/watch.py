@@ -67,6 +67,19 @@ def register(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each message: a program that runs `main(["watch", ...])` more than once
+    may have replaced it in between (and closed the old one)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def watch_options(args: argparse.Namespace):
     """The daemon's settings from the flags: each of WatchOptions' fields is the flag of its name."""
     from trainmon.watch.run_watcher import WatchOptions
@@ -78,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from trainmon.watch.daemon import Daemon
     log = logging.getLogger("trainmon.watch")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

@@ -29,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainmon.anomaly import nan_analyze
-from trainmon.anomaly.rank_summary import summarize_rank_dir
+from trainmon.analysis import nan_analyze
+from trainmon.analysis.rank_summary import summarize_rank_dir
 from trainmon.commands.anomalies import rank_top
 from trainmon.read.layout import find_run
 from trainmon.read.run import _db_columns

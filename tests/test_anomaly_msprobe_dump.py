@@ -1,4 +1,4 @@
-"""`trainmon nan-analyze` on msprobe dump directories (trainmon.anomaly.msprobe_dump, msprobe_comm).
+"""`trainmon nan-analyze` on msprobe dump directories (trainmon.analysis.msprobe_dump, msprobe_comm).
 
 The dumps under tests/data/msprobe/ are real msprobe output: mindstudio-probe 26.2.0, task "statistics",
 level "mix", torch 2.13.0 on CPU, two 2-process gloo jobs of two steps each, written by
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from trainmon.anomaly.msprobe_comm import CommNamer
-from trainmon.anomaly.msprobe_dump import read_dump
+from trainmon.analysis.msprobe_comm import CommNamer
+from trainmon.analysis.msprobe_dump import read_dump
 from trainmon.cli import main as cli_main
 from trainmon.core.collective_ops import parse_comm_name
 

@@ -8,7 +8,7 @@ Floors, bottom to top; a part may import its own modules and those of lower floo
   hooks: the hooks on a training job and the step collector
   writers: the writer thread and sinks
   read: the one read layer
-  anomaly: rules, the online processor, post-mortem analysis
+  anomaly / analysis: the rules and the online processor / post-mortem analysis of a run's files
   compare, config_check, output_dir / ckpt, watch, tb_plugin, conversions, export: tools over runs
   hook_table / trainer_mon: the wiring / integrations (training loops that attach it), demo (the demo job)
   commands / cli and the package root: the command line and the public names
@@ -34,7 +34,7 @@ FLOORS = (
     {"hooks"},
     {"writers"},
     {"read"},
-    {"anomaly"},
+    {"anomaly", "analysis"},
     {"compare", "config_check", "output_dir"},
     {"ckpt", "watch", "tb_plugin", "conversions", "export"},
     {"hook_table"},

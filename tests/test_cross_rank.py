@@ -1,5 +1,5 @@
-"""Cross-rank attribution from collective records (trainmon.anomaly.cross_rank) on hand-made event lists."""
-from trainmon.anomaly.cross_rank import attribute, format_chain
+"""Cross-rank attribution from collective records (trainmon.analysis.cross_rank) on hand-made event lists."""
+from trainmon.analysis.cross_rank import attribute, format_chain
 from trainmon.core.events import AnomalyEvent
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmon.anomaly.rank_summary import summarize_rank_dir
+from trainmon.analysis.rank_summary import summarize_rank_dir
 from trainmon.read import read_ahead
 from trainmon.read.database import DbRankReader
 from trainmon.read.layout import find_run

@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 
-from trainmon.anomaly.nan_analyze import analyze
+from trainmon.analysis.nan_analyze import analyze
 from trainmon.commands.anomalies import top_anomalies
 from trainmon.read import parallel
 

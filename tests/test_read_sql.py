@@ -12,7 +12,7 @@ import pytest
 from trainmon.core.layout import DB_NAME
 from trainmon.writers.anomaly_table import AnomalyTable
 from trainmon.core.events import AnomalyEvent
-from trainmon.anomaly.rank_summary import summarize, summarize_rank_dir
+from trainmon.analysis.rank_summary import summarize, summarize_rank_dir
 from trainmon.read import find_run, open_run
 from trainmon.read import jsonl
 from trainmon.read.database import DbRankReader

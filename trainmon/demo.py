@@ -282,7 +282,7 @@ def _wait_for(watch, logdir: Path) -> None:
 
 def _show_injection(run_dir: Path, logdir: Optional[Path]) -> None:
     """The daemon's alert (`logdir`: where it wrote; None: it did not run) and nan-analyze's answer."""
-    from trainmon.anomaly.nan_analyze import analyze, describe_place
+    from trainmon.analysis.nan_analyze import analyze, describe_place
     from trainmon.watch.alerts import ALERTS_FILE
     if logdir is not None:
         alerts_path = logdir / ALERTS_FILE

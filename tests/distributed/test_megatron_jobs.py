@@ -7,7 +7,7 @@ import pytest
 
 from launch import torchrun
 from test_csv_output import read_family
-from trainmon.anomaly.cross_rank import attribute
+from trainmon.analysis.cross_rank import attribute
 from trainmon.core.collective_ops import parse_comm_name
 from trainmon.read.evidence import rank_evidence
 from trainmon.read.layout import find_run

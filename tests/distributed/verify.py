@@ -202,7 +202,7 @@ def assert_injection_named(run_dir: str, copies, expected: dict, cc: str, csv_pe
     From CSV rows alone (no call indices) ranks of the same stage are ties: there the injected record may be
     listed among the ties of one of the `csv_peers` ranks.
     """
-    from trainmon.anomaly.nan_analyze import analyze
+    from trainmon.analysis.nan_analyze import analyze
 
     rank_dir = os.path.join(run_dir, f"rank_{expected['rank']}")
     online = [json.loads(line) for line in open(os.path.join(rank_dir, "anomalies.jsonl"))]

@@ -204,7 +204,7 @@ def test_watch_and_plot_write_the_tensorboard_images(finished_run, tmp_path):
 
 def pictures_of_run(run):
     """The actv layer x step picture of a finished run, drawn here (as `trainmon plot` does)."""
-    from trainmon.anomaly.nan_analyze import analyze
+    from trainmon.analysis.nan_analyze import analyze
     from trainmon.read.layout import find_run
     from trainmon.watch.follow import RankFollower
     from trainmon.watch.history import History

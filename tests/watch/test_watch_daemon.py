@@ -35,7 +35,7 @@ def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_
 
 
 def test_alert_matches_nan_analyze_with_the_collectives_path(finished_run, tmp_path):
-    from trainmon.anomaly.nan_analyze import analyze
+    from trainmon.analysis.nan_analyze import analyze
     hook_out = tmp_path / "hook.json"
     done = watch_once(finished_run, "--logdir", tmp_path / "w", "--on-anomaly", f"cat > {hook_out}",
                       "--exit-on-anomaly")

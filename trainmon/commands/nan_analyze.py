@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from trainmon.anomaly import overflow
-from trainmon.anomaly.msprobe_dump import read_dump
-from trainmon.anomaly.nan_analyze import analyze, format_report
+from trainmon.analysis import overflow
+from trainmon.analysis.msprobe_dump import read_dump
+from trainmon.analysis.nan_analyze import analyze, format_report
 from trainmon.commands.arguments import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FOUND, add_json, add_quiet, add_ranks
 from trainmon.commands.notices import warn
 from trainmon.read import Run, coverage

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainmon.anomaly.overflow import analyze, format_report
+    from trainmon.analysis.overflow import analyze, format_report
 
     result = analyze(args.dir, args.steps, args.ranks)  # cli.main reports an InputError
     warn(args, result["missing_warning"])

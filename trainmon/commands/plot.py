@@ -30,7 +30,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainmon.anomaly.nan_analyze import analyze
+    from trainmon.analysis.nan_analyze import analyze
     from trainmon.read.layout import find_run
     from trainmon.watch.follow import RankFollower
     from trainmon.watch.heatmap import pictures

@@ -1,7 +1,7 @@
 """Loss-scale events as training scalars: the scale, and how many optimizer updates overflow skipped.
 
 Loss scaling hides an overflowed step by skipping it; frequent skips are what users see, so trainmon
-records them as a rate instead of leaving them silent. Scalars (names in trainmon.anomaly.overflow):
+records them as a rate instead of leaving them silent. Scalars (names in trainmon.analysis.overflow):
 `loss_scale` (the scale of the latest update), `amp_skipped_steps` and `amp_updates` (running totals).
 
 - torch.amp `GradScaler` (also `torch.cuda.amp`'s): `update()` is wrapped while monitoring; it reads the

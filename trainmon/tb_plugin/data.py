@@ -266,7 +266,7 @@ def _nonfinite(record: dict) -> bool:
 
 def nan_path(run_path: Path) -> dict:
     """nan-analyze's first non-finite tensor and its path, each place with its tree node."""
-    from trainmon.anomaly.nan_analyze import analyze
+    from trainmon.analysis.nan_analyze import analyze
 
     report = analyze(run_path)
     first = report["first"]

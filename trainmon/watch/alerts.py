@@ -1,7 +1,7 @@
 """Live cross-rank attribution: one alert naming the earliest anomalous place across ranks, refined as
 the other ranks report the same step.
 
-Non-finite values are attributed by nan-analyze itself (`anomaly.nan_analyze.analyze`: the ordering key,
+Non-finite values are attributed by nan-analyze itself (`analysis.nan_analyze.analyze`: the ordering key,
 the collectives' path), so an alert's `first` is what `trainmon nan-analyze --json` says on the same
 output. Runs whose anomalies are all spikes or threshold crossings get the earliest anomaly in the
 ordering key. Until every rank that is being followed has committed the alert's step, a later report
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from trainmon.anomaly.cross_rank import format_chain
-from trainmon.anomaly.nan_analyze import analyze, describe_place
+from trainmon.analysis.cross_rank import format_chain
+from trainmon.analysis.nan_analyze import analyze, describe_place
 from trainmon.core.ordering import order_key
 from trainmon.watch.follow import RankFollower
 

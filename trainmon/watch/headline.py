@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from trainmon.anomaly.overflow import LOSS_SCALE
+from trainmon.analysis.overflow import LOSS_SCALE
 from trainmon.watch.aggregate import GRAD_NORM, PARAMS_NORM, Place, StepFigures, label_of, worst
 
 OVERVIEW = "Overview"  # capitalised: TensorBoard sorts tag groups by code point, so it comes first

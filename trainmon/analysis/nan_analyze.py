@@ -24,11 +24,11 @@ import heapq
 from pathlib import Path
 from typing import Collection, Optional
 
-from trainmon.anomaly.cross_rank import attribute, format_chain
+from trainmon.analysis.cross_rank import attribute, format_chain
 from trainmon.core.events import INPUT_BATCH_ORIGIN, AnomalyEvent, came_with_input_batch, finding
-from trainmon.anomaly.msprobe_dump import read_dump
+from trainmon.analysis.msprobe_dump import read_dump
 from trainmon.core.ordering import order_key, stage_place
-from trainmon.anomaly.rank_summary import RankSummary, summarize, summarize_rank_dir
+from trainmon.analysis.rank_summary import RankSummary, summarize, summarize_rank_dir
 from trainmon.core.records import COMM
 from trainmon.read.layout import RunDirs, find_run
 from trainmon.read.parallel import map_ranks

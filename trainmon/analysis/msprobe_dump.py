@@ -33,7 +33,7 @@ from typing import Iterator, NamedTuple, Optional
 
 from trainmon.core.layout import DUMP_RANK_DIR
 from trainmon.core.events import AnomalyEvent
-from trainmon.anomaly.msprobe_comm import CommNamer, gap_notes, is_tensor, known_op
+from trainmon.analysis.msprobe_comm import CommNamer, gap_notes, is_tensor, known_op
 from trainmon.read.errors import InputError
 from trainmon.core.collective_ops import compact_ranks
 from trainmon.core.records import ACTV, ACTV_GRAD, COMM, GRAD_UNREDUCED, PARAM_ORIGIN

@@ -24,6 +24,7 @@ def anomalies(rank_dir):
     return [json.loads(line) for line in open(path)] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_healthy_200_step_run_has_no_anomaly_records(output_dir, write_config):
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

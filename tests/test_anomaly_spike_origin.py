@@ -28,6 +28,7 @@ def norm_of(rank_dir: Path, step: int, name: str) -> float:
     return next(row["norm"] for row in rows if row["name"] == name)
 
 
+@pytest.mark.slow
 def test_a_fivefold_forward_spike_is_named_at_its_forward_output(output_dir, write_config):
     anomalies = spike_suite.train(write_config(**spike_suite.CONFIG), STEPS, spike_step=SPIKE_STEP, factor=5)
     assert {a["step"] for a in anomalies} == {SPIKE_STEP}
@@ -42,6 +43,7 @@ def test_a_fivefold_forward_spike_is_named_at_its_forward_output(output_dir, wri
     assert 4 < first["value"] / norm_of(rank_dir, SPIKE_STEP - 1, named) < 6
 
 
+@pytest.mark.slow
 def test_a_healthy_run_of_the_suite_has_no_alert(output_dir, write_config):
     assert spike_suite.train(write_config(**spike_suite.CONFIG), STEPS) == []
 

@@ -93,6 +93,7 @@ def unmonitored():
     return {mode: monitored_run(None, None, mode)[:3] for mode in MODES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", slow_but(MODES, {"default", "blocks"}))
 @pytest.mark.parametrize("tier", slow_but([*TIERS, "all"], {"all"}))
 def test_compiled_training_runs_to_the_end_with_no_graph_break_from_trainmon(output_dir, write_config, unmonitored,
@@ -132,6 +133,7 @@ def _records(monitor) -> dict:
             for r in frame.itertuples()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", slow_but(["default", "fullgraph", "blocks"], {"blocks"}))
 def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, mode):
     with caplog.at_level(logging.WARNING, logger="trainmon"):
@@ -167,6 +169,7 @@ def hooks_of_their_own(model):
         module.register_forward_hook(lambda module, args, output: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,prepare", [
     *(pytest.param(mode, None, marks=() if mode == "default" else pytest.mark.slow) for mode in MODES),
     pytest.param("blocks", hooks_of_their_own, marks=pytest.mark.slow)],
@@ -192,6 +195,7 @@ def checkpointed_blocks(model):
         model.layers[i] = checkpoint_wrapper(block)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
 def test_activation_checkpointing_inside_a_compiled_region_trains_and_says_what_it_does_not_collect(
         output_dir, write_config, caplog, mode):
@@ -214,6 +218,7 @@ def test_activation_checkpointing_inside_a_compiled_region_trains_and_says_what_
         assert got.norm == pytest.approx(eager_records[key].norm, rel=1e-5, abs=1e-9), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
 def test_compiled_activation_grads_are_those_of_a_full_backward_hook(output_dir, write_config, mode):
     """The grads a compiled graph hands the hooks are the `grad_output` and `grad_input` a full backward hook on the
@@ -264,6 +269,7 @@ def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode, dev
             assert getattr(got, op) == pytest.approx(getattr(want, op), rel=1e-5, abs=1e-6), (key, op)
 
 
+@pytest.mark.slow
 def test_eager_and_compiled_activation_records_match_torch(output_dir, write_config):
     """A compiled run's activation record is the statistic of the tensor the module returned."""
     torch._dynamo.reset()
@@ -296,6 +302,7 @@ def weight_inf_fault(model, module: str, at: tuple[int, int]):
 
 
 # inductor with the sentinel alone and with every tier: its C++ compile is slow here
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,backend,config", [
     pytest.param("default", "inductor", {"sentinel": True}, marks=pytest.mark.slow),
@@ -398,6 +405,7 @@ def no_autograd_cache():
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("session_flag", slow_but([True, False], {True}), ids=["compile-session-flag",
                                                                                "no-compile-session-flag"])
 @pytest.mark.parametrize("tier", slow_but(["sentinel", "activations", "activation_grads"], {"activations"}))
@@ -421,6 +429,7 @@ def test_a_compiled_forward_holds_for_the_backward_what_it_holds_unmonitored(out
     assert torch._functorch.config.ban_recompute_used_far_apart == setting
 
 
+@pytest.mark.slow
 def test_the_partition_setting_is_back_after_each_compile_across_a_dynamo_reset(output_dir, write_config,
                                                                               no_autograd_cache):
     """`torch._dynamo.reset()` (which `_bytes_held_for_backward` calls first) drops the callbacks that run at a
@@ -431,6 +440,7 @@ def test_the_partition_setting_is_back_after_each_compile_across_a_dynamo_reset(
     assert torch._functorch.config.ban_recompute_used_far_apart == setting
 
 
+@pytest.mark.slow
 def test_a_fullgraph_compile_runs_the_capture_query_eagerly(output_dir, write_config, monkeypatch):
     """On CUDA, the compiled module's own hooks ask whether a graph is being captured, under Dynamo's frame
     callback: the query must run as it is, not be compiled (a torch.* call returning a bool is unsupported, so

@@ -38,6 +38,7 @@ def test_the_worker_ends_with_a_command_that_finishes():
     assert done.returncode == 0 and _gone(int(done.stdout.split()[0]))
 
 
+@pytest.mark.slow
 def test_the_worker_ends_with_a_command_that_times_out():
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         run([sys.executable, "-c", SPAWNER, "120"], timeout=3)

@@ -134,6 +134,7 @@ def test_kill_9_mid_frame_leaves_every_whole_batch_and_nothing_else(tmp_path):
     assert stream_format.read_frames(path).tail == 0
 
 
+@pytest.mark.slow
 def test_a_reader_killed_while_it_updates_its_mirror_loses_and_repeats_nothing(tmp_path, monkeypatch):
     path = tmp_path / "rank_0" / "records.stream"
     path.parent.mkdir()

@@ -180,6 +180,7 @@ def test_a_gpu_records_what_the_cpu_records(output_dir, write_config, monkeypatc
         np.testing.assert_allclose(gpu[f"raw_{field}"], cpu[f"raw_{field}"], rtol=1e-3, atol=1e-5, err_msg=field)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", pytest.param("fullgraph", marks=pytest.mark.slow), "blocks"])
 def test_compiled_records_on_the_accelerators_path_are_the_eager_ones(output_dir, write_config, monkeypatch, mode):
     """torch.compile (whole, fullgraph, block by block): the hooks a compiled graph runs fold into the same rows

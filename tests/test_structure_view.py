@@ -94,6 +94,7 @@ def test_records_belong_to_their_module_nodes():
     assert data.node_of_event({"module": "gate", "tensor": "save"}) == ""
 
 
+@pytest.mark.slow
 def test_the_runs_offered_are_those_under_the_logdir_and_those_its_watch_views_show(logdir, tmp_path):
     names = data.run_names(logdir)
     assert names == {name: logdir / name for name in ("clean", "faulty", FOUR_RANKS)}
@@ -228,6 +229,7 @@ def in_view(expression: str) -> str:
             f"const win = frame && frame.contentWindow; return doc && doc.body ? ({expression}) : null; }})()")
 
 
+@pytest.mark.slow
 def test_the_page_in_a_browser_highlights_the_first_nan_and_finds_a_node(tensorboard, browser):
     def view(expression):
         return browser.evaluate(in_view(expression))

@@ -116,6 +116,7 @@ def _checkpointed_layers(model):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_a_ddp_model_is_recorded_once_as_the_model_itself(output_dir, write_config, reference, one_rank_group, wrap):
     torch._dynamo.reset()

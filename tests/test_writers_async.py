@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from writer_helpers import OPS, GatedSink, integrity, monitored
@@ -120,6 +121,7 @@ def full_config(write_config):
                         param_distribution=True, ops=OPS, format=["db", "csv", "tensorboard"])
 
 
+@pytest.mark.slow
 def test_sigterm_loses_no_step(output_dir, write_config):
     child = spawn(full_config(write_config))
     lines = read_until(child, "step ", 6)
@@ -135,6 +137,7 @@ def test_sigterm_loses_no_step(output_dir, write_config):
     assert json.loads((rank_dir / "run.json").read_text())["writer"]["written_steps"] == len(steps)
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_the_jobs_own_handler_after_the_queue_is_written(output_dir, write_config):
     child = spawn(full_config(write_config), "--graceful")
     lines = read_until(child, "step ", 4)
@@ -146,6 +149,7 @@ def test_sigterm_reaches_the_jobs_own_handler_after_the_queue_is_written(output_
     assert db_steps(rank_dir) == finished == list(range(len(finished)))
 
 
+@pytest.mark.slow
 def test_sigkill_leaves_every_committed_step(output_dir, write_config):
     child = spawn(full_config(write_config))
     rank_dir = output_dir / read_until(child, "output")[0].split()[1].split(os.sep)[-2] / "rank_0"
@@ -169,6 +173,7 @@ def test_sigkill_leaves_every_committed_step(output_dir, write_config):
     assert per_step == announced and len(set(per_step.values())) == 1  # complete steps only
 
 
+@pytest.mark.slow
 def test_interpreter_exit_without_stop_writes_everything(output_dir, write_config):
     child = spawn(full_config(write_config), "--steps", "5", "--no-stop")
     out, err = child.communicate(timeout=180)

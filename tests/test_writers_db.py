@@ -218,6 +218,7 @@ def test_corrupt_existing_db_disables_the_sink_and_counts_the_loss(output_dir, w
     assert sorted(set(open_run(rank_dir, source="csv").family(GRAD_REDUCED).step)) == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_full_disk_loses_output_not_training(output_dir, write_config):
     """RLIMIT_FSIZE stops every file at 300 kB: the db and the event file fill up, the job trains on."""
     config = write_config(targets={}, wg_distribution=True, xy_distribution=True, ops=OPS,
@@ -270,6 +271,7 @@ def test_show_reads_the_database(output_dir, write_config, capsys):
     assert lines[0].split() == ["rank", "tag", "step", "norm"] and all(" 1 " in line for line in lines[1:])
 
 
+@pytest.mark.slow
 def test_open_run_reads_every_ranks_database(output_dir, write_config):
     """Two ranks of one job (RANK/WORLD_SIZE from the launcher's environment) write one run."""
     config = write_config(targets={}, wg_distribution=True, ops=OPS, format=["db"], append_output=["job", "job~"])

@@ -153,6 +153,7 @@ def test_the_layer_of_the_module_is_circled_not_a_prefix_of_it():
     assert not _circled(picture, rows.index("layers.10"), 4, 10)
 
 
+@pytest.mark.slow
 def test_tensor_rows_on_request_split_into_parts(big):
     window, _ = big
     drawn = pictures(window, FIRST, families=["actv"], rows="tensor")
@@ -179,6 +180,7 @@ def _images(logdir) -> dict[str, tuple[bytes, int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_watch_and_plot_write_the_tensorboard_images(finished_run, tmp_path):
     logdir = tmp_path / "w"
     done = watch_once(finished_run, "--logdir", logdir)
@@ -218,6 +220,7 @@ def pictures_of_run(run):
     return pictures(window, analyze(run)["first"], families=["actv"])[0]
 
 
+@pytest.mark.slow
 def test_the_daemon_keeps_the_incidents_step_for_the_layer_x_rank_pictures(tmp_path):
     """Read by worker processes (8 ranks, --once), in chunks: the step of the incident keeps every rank's values."""
     from runs import generate

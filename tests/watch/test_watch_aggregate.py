@@ -104,6 +104,7 @@ def test_ranks_that_follow_one_sequence_give_the_figures_of_the_sorted_reduction
     assert AlignedRanks.of(rows[2] * 10 + rows[0], rows[1] - NO_MICRO_STEP, rank, ranks) is not None
 
 
+@pytest.mark.slow
 def test_readers_kept_open_between_spans_stop_at_their_limit(tmp_path):
     """--once's workers keep up to `limit` ranks' databases open from one span to the next, with the figures of
     fresh reads; the daemon following a live run (no limit) holds none open after a read."""
@@ -125,6 +126,7 @@ def _open_databases() -> set[str]:
     return {path for path in links if path.endswith("monitor.db")}
 
 
+@pytest.mark.slow
 def test_a_finished_runs_databases_are_read_ahead_and_a_live_runs_are_not(tmp_path, monkeypatch):
     """--once reads each rank whole, span after span: its database is read ahead once, in one sequential read; the
     daemon following a live run reads a few new steps a poll, and only those pages."""

@@ -24,6 +24,7 @@ def _corrupt_csv(run):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corrupt", [_corrupt_db, _corrupt_csv], ids=["database", "csv"])
 def test_once_on_a_corrupt_rank_exits_2_naming_the_file(finished_run, tmp_path, corrupt):
     run = tmp_path / "run"
@@ -34,6 +35,7 @@ def test_once_on_a_corrupt_rank_exits_2_naming_the_file(finished_run, tmp_path, 
     assert str(path) in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_once_on_a_corrupt_database_exports_the_other_ranks(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

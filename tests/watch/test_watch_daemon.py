@@ -12,6 +12,7 @@ from runs import LiveRank, read_events, terminate, wait_for, watch, watch_once
 from conftest import INF_STEP, STEPS
 
 
+@pytest.mark.slow
 def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_run, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     detail = ("--detail", "layers", "--ranks", 0, 1)  # more tags than the default view, written in the same rounds
@@ -48,6 +49,7 @@ def test_alert_matches_nan_analyze_with_the_collectives_path(finished_run, tmp_p
     assert alert["message"] in done.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_rank_gives_one_message_and_the_others_go_on(finished_run, tmp_path):
     import shutil
     run = tmp_path / "run-b"
@@ -68,6 +70,7 @@ def test_corrupt_rank_gives_one_message_and_the_others_go_on(finished_run, tmp_p
     assert not any(tag.startswith("rank2/") for tag in events)
 
 
+@pytest.mark.slow
 def test_stalled_rank_is_reported_once_and_sigterm_flushes(tmp_path):
     run = tmp_path / "run-c"
     ranks = [LiveRank(run, 0), LiveRank(run, 1)]

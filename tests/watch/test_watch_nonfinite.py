@@ -1,5 +1,7 @@
 """Runs whose weights went NaN while the job kept going: every tensor of the last steps is all NaN, so ops
 such as min have no value in whole chunks of steps. The daemon exports every step, live and with --once."""
+import pytest
+
 from runs import LiveRank, read_events, watch, watch_once
 
 RANKS, STEPS, NAN_STEPS = 8, 220, 200
@@ -9,6 +11,7 @@ def _exported_steps(logdir):
     return [s for s, _ in read_events(logdir)[0]["Overview/loss"]]
 
 
+@pytest.mark.slow
 def test_all_nan_steps_are_exported_live_and_with_once(tmp_path):
     run = tmp_path / "run"
     ranks = [LiveRank(run, r) for r in range(RANKS)]

@@ -2,9 +2,12 @@
 import math
 import shutil
 
+import pytest
+
 from runs import read_events, watch_once
 
 
+@pytest.mark.slow
 def test_root_csv_only_run_and_ranks_flag(finished_run, tmp_path):
     root = tmp_path / "monitor_output"
     shutil.copytree(finished_run, root / "run-a")

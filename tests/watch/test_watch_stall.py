@@ -4,11 +4,14 @@ import signal
 import threading
 import time
 
+import pytest
+
 from runs import LiveRank, watch
 
 INTERVAL, STALL_AFTER = 1.0, 8.0
 
 
+@pytest.mark.slow
 def test_stall_is_reported_once_at_the_last_commit_plus_stall_after(tmp_path):
     run = tmp_path / "run"
     rank = LiveRank(run, 0)

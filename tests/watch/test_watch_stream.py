@@ -4,9 +4,12 @@ import json
 import math
 import time
 
+import pytest
+
 from runs import LiveRank, read_events, terminate, wait_for, watch
 
 
+@pytest.mark.slow
 def test_the_daemon_follows_record_streams_live(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINMON_CACHE_DIR", str(tmp_path / "cache"))
     run = tmp_path / "run-s"

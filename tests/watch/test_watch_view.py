@@ -3,6 +3,8 @@ headline that stays on the incident, every layer chart showing its failure, coll
 and detail only for what the user selects."""
 import math
 
+import pytest
+
 from runs import generate, read_events, read_texts, watch_once
 from trainmon.watch.aggregate import Place, StepFigures
 from trainmon.watch.view import GroupRoles, View, ViewOptions, worst
@@ -18,6 +20,7 @@ def _tags(run, tmp_path, *flags):
     return read_events(tmp_path)[0]
 
 
+@pytest.mark.slow
 def test_the_tag_count_does_not_depend_on_the_number_of_ranks(tmp_path):
     two = _tags(generate(tmp_path / "two", ranks=2, steps=12, inf_step=8, origin=1), tmp_path / "w2")
     four = _tags(generate(tmp_path / "four", ranks=4, steps=12, inf_step=8, origin=3), tmp_path / "w4")
@@ -27,6 +30,7 @@ def test_the_tag_count_does_not_depend_on_the_number_of_ranks(tmp_path):
     assert not any("#" in tag or "rank" in tag.split("/")[0] for tag in four)
 
 
+@pytest.mark.slow
 def test_the_overview_shows_the_fault_where_it_happens(tmp_path):
     logdir = tmp_path / "w"
     events = _tags(generate(tmp_path / "run", ranks=3, steps=12, inf_step=8, origin=1), logdir)
@@ -47,6 +51,7 @@ def test_the_overview_shows_the_fault_where_it_happens(tmp_path):
     assert min(elements) == 8 and elements[8] >= 1
 
 
+@pytest.mark.slow
 def test_detail_and_ranks_are_what_the_user_selects(tmp_path):
     events = _tags(generate(tmp_path / "run", ranks=3, steps=6, inf_step=4, origin=1), tmp_path / "w",
                    "--detail", r"layers\.3", "--ranks", 2)
@@ -56,6 +61,7 @@ def test_detail_and_ranks_are_what_the_user_selects(tmp_path):
     assert {tag.split("/")[0] for tag in events if tag.startswith("rank")} == {"rank2"}
 
 
+@pytest.mark.slow
 def test_one_rank_gets_one_value_not_a_spread(tmp_path):
     events = _tags(generate(tmp_path / "run", ranks=1, steps=4, inf_step=2, origin=0), tmp_path / "w",
                    "--detail", r"layers\.0\.output")
@@ -103,6 +109,7 @@ def test_groups_are_named_by_their_role():
     assert options.layer("actv", "decoder.layers.3.mlp.output", 1) == "1:decoder.layers.3"
 
 
+@pytest.mark.slow
 def test_a_selection_past_the_budget_is_said_once(tmp_path):
     run = generate(tmp_path / "run", ranks=3, steps=4, inf_step=2, origin=1)
     done = watch_once(run, "--logdir", tmp_path / "all", "--heatmap-every", 1000, "--detail", ".")
@@ -111,6 +118,7 @@ def test_a_selection_past_the_budget_is_said_once(tmp_path):
     assert done.returncode == 0 and "narrow --detail" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_each_layer_chart_draws_the_spread_over_ranks(tmp_path):
     """The sibling runs min and median hold each layer's per-rank value (the largest of its tensors) reduced over
     ranks, the run max the max: computed here from the databases."""
@@ -139,6 +147,7 @@ def test_each_layer_chart_draws_the_spread_over_ranks(tmp_path):
     assert all(math.isnan(dict(runs["max"]["actv/norm of layers.3"])[s]) for s in range(6, 10))
 
 
+@pytest.mark.slow
 def test_the_headline_stays_on_the_incident(tmp_path):
     """4 ranks, the Inf entering rank 2's layers.3 at step 6: the text names it once, at its step, later steps'
     first places follow as "then reached", and the rank charted is 2 at every step after."""
@@ -183,6 +192,7 @@ def test_a_model_output_grad_of_exactly_one_is_left_out_of_the_worst_tensors():
     assert scaled["Worst tensor/actv_grad norm"] == 4.0 and scaled["Worst tensor/actv_grad absmax"] == 4.0
 
 
+@pytest.mark.slow
 def test_the_params_norm_is_the_global_norm_of_the_weights(tmp_path):
     """Overview/params_norm, as Megatron's params-norm: the square root of the sum over a rank's parameters of their
     squared norms (param_origin records), the largest across ranks; computed here from the databases."""

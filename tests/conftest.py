@@ -43,3 +43,18 @@ def pytest_collection_modifyitems(items):
         if Path(str(item.fspath)).parent.name in _SLOW:
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order otherwise
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A fresh headless Chromium at 1600 x 1000, the size the view is judged at (tests/cdp.py); the test is skipped,
+    saying why, where none can run."""
+    from cdp import Browser
+
+    executable, why = Browser.find()
+    if executable is None:
+        pytest.skip(why)
+    page = Browser(executable, tmp_path / "profile")
+    page.viewport(1600, 1000)
+    yield page
+    page.close()

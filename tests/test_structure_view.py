@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cdp import Browser
 from tb_server import tensorboard_server
 from training import make_model, run_steps
 from trainmon import TrainerMon
@@ -208,16 +207,6 @@ def test_tensorboard_loads_the_plugin_from_its_entry_point_and_serves_the_view(t
 
 
 # --------------------------------------------------------------------------------------- in a browser
-@pytest.fixture
-def browser(tmp_path):
-    executable, why = Browser.find()
-    if executable is None:
-        pytest.skip(why)
-    page = Browser(executable, tmp_path / "profile")
-    yield page
-    page.close()
-
-
 # The view's frame in TensorBoard's page (inside the shadow roots of TensorBoard's components).
 _FRAME = ("(function find(root) { for (const e of root.querySelectorAll('*')) { if (e.tagName === 'IFRAME') return e;"
           " if (e.shadowRoot) { const r = find(e.shadowRoot); if (r) return r; } } return null; })(document)")
@@ -290,7 +279,6 @@ def test_marks_follow_the_step_and_rank_shown_and_stay_readable_at_1600_px(tenso
     def view(expression):
         return browser.evaluate(in_view(expression))
 
-    browser.viewport(1600, 1000)
     browser.call("Page.navigate", url=f"{tensorboard}/#trainmon")
     browser.wait_for(in_view(f"doc.querySelector('.tm-node.first-nan[data-node=\"{FAULT_MODULE}\"]')"), 120)
     # every column of the records' table in view without a horizontal scroll, even where every figure is as wide as

@@ -61,17 +61,6 @@ def served(demo, tmp_path_factory):
         yield base
 
 
-@pytest.fixture
-def browser(tmp_path):
-    executable, why = Browser.find()
-    if executable is None:
-        pytest.skip(why)
-    page = Browser(executable, tmp_path / "profile")
-    page.viewport(1600, 1000)
-    yield page
-    page.close()
-
-
 def _open(browser: Browser, url: str, ready: str, timeout: float = 120) -> None:
     browser.call("Page.navigate", url=url)
     browser.wait_for(ready, timeout)

@@ -43,6 +43,7 @@ class OptimizerHooks(Hooks):
 
     collects = "the optimizer step"
     required = True
+
     def __init__(self, state: HookState, adapter: TrainingAdapter, params: list[WatchedParam],
                  *, reduced_grads: bool, params_before_after: bool, moments: bool, update_ratio: bool,
                  sign_agreement: bool, end_step: Callable[[], None], before_update: Sequence[Callable] = ()):

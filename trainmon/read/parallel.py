@@ -1,6 +1,7 @@
 """Reading ranks in parallel processes, with a progress bar on stderr."""
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -41,10 +42,12 @@ def map_ranks(function: Callable[[Item], Result], items: Sequence[Item], progres
                 results.append(function(item))
                 bar is not None and bar.update()
             return results
-        # fork: the workers start at once with the reader already imported (no re-import of torch)
+        # fork: the workers start at once with the reader already imported (no re-import of torch). Each worker
+        # freezes what it inherited: its garbage collector must not destroy the parent's objects (a torch process
+        # group's destructor waits for threads a forked child does not have).
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                               else None)
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=gc.freeze) as pool:
             results = []
             for result in pool.map(function, items, chunksize=max(1, len(items) // (workers * 16))):
                 results.append(result)

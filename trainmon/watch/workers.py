@@ -7,6 +7,7 @@ a thread of the worker exits it once its parent has changed.
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
@@ -20,7 +21,10 @@ _PARENT_CHECK_S = 1.0
 
 
 def _die_with_parent(parent: int) -> None:
-    """The workers' initializer."""
+    """The workers' initializer. It first freezes what the worker inherited by fork, so that the worker's garbage
+    collector never destroys the parent's objects: a torch process group's destructor, for one, waits for threads
+    that a forked child does not have, and the worker would hang."""
+    gc.freeze()
     if sys.platform.startswith("linux") and _set_death_signal():
         if os.getppid() != parent:  # the parent died before the request took effect
             os._exit(1)

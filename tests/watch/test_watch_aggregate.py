@@ -111,19 +111,19 @@ def test_readers_kept_open_between_spans_stop_at_their_limit(tmp_path):
     run = generate(tmp_path / "run", ranks=3, steps=6, inf_step=4)
     followers = [RankFollower(d) for d in find_run(run).ranks]
     fresh = read_figures(followers, 0, 5)
-    assert _open_databases() == set()
+    assert _open_databases(run) == set()
     readers = OpenReaders(limit=2)
     for first, last in ((0, 2), (3, 5), (0, 5)):
         kept = read_figures(followers, first, last, readers=readers)
         assert {step: figure.stats for step, figure in kept.items()} == \
             {step: fresh[step].stats for step in range(first, last + 1)}
-        assert _open_databases() == {str(f.rank_dir.db) for f in followers[:2]}
+        assert _open_databases(run) == {str(f.rank_dir.db) for f in followers[:2]}
 
 
-def _open_databases() -> set[str]:
-    """The monitor databases this process has open."""
+def _open_databases(run: Path) -> set[str]:
+    """The monitor databases of `run` this process has open (not those an earlier test left open elsewhere)."""
     links = (os.readlink(link) for link in Path("/proc/self/fd").iterdir() if link.exists())
-    return {path for path in links if path.endswith("monitor.db")}
+    return {path for path in links if path.endswith("monitor.db") and path.startswith(str(run))}
 
 
 @pytest.mark.slow

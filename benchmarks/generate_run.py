@@ -31,6 +31,7 @@ from trainmon.anomaly.rules import build_rules
 from trainmon.config.settings import RuleConfig
 from trainmon.core.collective_ops import collective_name, compact_ranks
 from trainmon.config.output import run_metadata
+from trainmon.core.layout import WRITER_REPORT
 from trainmon.core.records import (ACTV, ACTV_GRAD, ACTIVATION_FAMILIES, COMM, GRAD_REDUCED, GRAD_UNREDUCED,
                                       PARAM_ORIGIN, RecordKey, StepBatch)
 from trainmon.engine import stats
@@ -117,6 +118,9 @@ def write_rank(job: tuple) -> None:
             sinks.write(batch)
     finally:
         sinks.close()
+    # what TrainerMon.stop() adds: the writer's report says the rank finished (a daemon does not wait for it)
+    report = {"written_steps": steps, "dropped_steps": 0, "failed_steps": 0, "disabled_sinks": sinks.report()}
+    (rank_dir / "run.json").write_text(json.dumps({**metadata, WRITER_REPORT: report}))
 
 
 def main() -> None:

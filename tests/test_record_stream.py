@@ -101,12 +101,50 @@ def test_a_writer_and_a_reader_process_cut_at_every_offset_in_lockstep(tmp_path)
     assert reads > 5 * n
 
 
+class _WrittenAtEnd:
+    """A file whose writer, once a read has reached its end, completes the zeros it showed there and appends
+    the next frame (what a network filesystem shows of a frame whose data arrives during the read)."""
+
+    def __init__(self, f, path: Path, at: int, frame: bytes, after: bytes):
+        self.f, self.path, self.at, self.frame, self.after = f, path, at, frame, after
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        if self.frame is not None and 0 <= len(data) < size and self.f.tell() > self.at:
+            with open(self.path, "r+b") as w:
+                w.seek(self.at)
+                w.write(self.frame + self.after)
+            self.frame = None
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_frame_completed_while_the_file_is_read_is_read_whole_not_skipped(tmp_path, monkeypatch):
+    path = tmp_path / "records.stream"
+    meta, first, second = (stream_format.meta_frame(stream_child.META), stream_child.frame_of(0, True),
+                           stream_child.frame_of(1, False))
+    path.write_bytes(meta + bytes(len(first)))  # the first batch shows as zeros
+    monkeypatch.setattr(stream_format, "open", lambda p, mode: _WrittenAtEnd(open(p, mode), path, len(meta), first,
+                                                                          second), raising=False)
+    frames = stream_format.read_frames(path)
+    assert [stream_format.decode(p)[1].step for p in frames.payloads[1:]] == [0, 1] and frames.gaps == []
+    assert frames.end == len(meta + first + second) and frames.tail == 0
+
+
 def test_a_writer_and_a_reader_process_racing_freely(tmp_path):
     path, n = tmp_path / "records.stream", 300
     reader = subprocess.Popen([sys.executable, CHILD, "reader", str(path), str(n)], env=ENV,
                               stdout=subprocess.PIPE, text=True)
     writer = subprocess.run([sys.executable, CHILD, "writer", str(path), str(n)], env=ENV, timeout=120)
-    out, _ = reader.communicate(timeout=120)
+    out, _ = reader.communicate(timeout=240)  # past the reader's own deadline: a batch it missed is named below
     assert writer.returncode == 0 and reader.returncode == 0
     assert json.loads(out) == {"raw": list(range(n)), "mirrored": list(range(n))}
 

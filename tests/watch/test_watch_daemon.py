@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from trainmon.core.layout import WRITER_REPORT
 from runs import LiveRank, read_events, terminate, wait_for, watch, watch_once
 
 from conftest import INF_STEP, STEPS
@@ -35,6 +36,23 @@ def test_kill_9_and_restart_give_the_events_of_an_uninterrupted_daemon(finished_
     assert state["exported"] <= STEPS - 1
 
 
+@pytest.mark.slow
+def test_a_restart_with_nothing_left_to_export_draws_the_heatmaps_the_killed_daemon_did_not(finished_run, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert watch_once(finished_run, "--logdir", whole, "--heatmap-every", 1000).returncode == 0
+    daemon = watch(finished_run, "--logdir", cut, "--interval", 0.2, "--heatmap-every", 1000)
+    state = cut / "watch_state.json"
+    wait_for(lambda: state.exists() and json.loads(state.read_text())["exported"] == STEPS - 1)
+    daemon.send_signal(signal.SIGKILL)  # every step exported, the heatmaps of the last one not drawn yet
+    daemon.communicate(timeout=60)
+    assert watch_once(finished_run, "--logdir", cut, "--heatmap-every", 1000).returncode == 0
+    drawn = {tag: steps for tag, steps in read_events(cut)[1].items() if tag.startswith("heatmaps/")}
+    assert drawn and drawn == {tag: steps for tag, steps in read_events(whole)[1].items()
+                               if tag.startswith("heatmaps/")}
+    assert sorted(p.name for p in (cut / "heatmaps").glob("*.png")) == \
+        sorted(p.name for p in (whole / "heatmaps").glob("*.png"))
+
+
 def test_alert_matches_nan_analyze_with_the_collectives_path(finished_run, tmp_path):
     from trainmon.analysis.nan_analyze import analyze
     hook_out = tmp_path / "hook.json"
@@ -55,9 +73,11 @@ def test_corrupt_rank_gives_one_message_and_the_others_go_on(finished_run, tmp_p
     run = tmp_path / "run-b"
     shutil.copytree(finished_run, run)
     (run / "rank_2" / "monitor.db").write_bytes(b"this is not a database" * 100)
+    for metadata in run.glob("rank_*/run.json"):  # the ranks still running: no writer report in run.json
+        running = {key: value for key, value in json.loads(metadata.read_text()).items() if key != WRITER_REPORT}
+        metadata.write_text(json.dumps(running))
     daemon = watch(run, "--interval", 0.2, "--heatmap-every", 1000, "--ranks", 0, 2)
-    # the run's ranks did not record a stop (no writer report in run.json): their last step counts as
-    # incomplete while the daemon follows them live
+    # their last step counts as incomplete while the daemon follows them live
     wait_for(lambda: (run / "watch" / "watch_state.json").exists() and
              json.loads((run / "watch" / "watch_state.json").read_text())["exported"] == STEPS - 2)
     time.sleep(1.0)  # a few more rounds

@@ -427,6 +427,8 @@ class RunWatcher:
         if draw:
             self._collect_pictures(wait=True)
             if self.exported >= 0 and self.drawn_at != self.exported:
+                if self._refill:  # a restart with nothing left to export: the window is read again for the draw
+                    self._refill_history()
                 self.draw(self.exported, wait=True)
         for pool in (self._painter, self._readers):
             if pool is None:

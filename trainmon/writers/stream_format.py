@@ -104,8 +104,15 @@ def read_frames(path: Path, offset: int = 0, length: Optional[int] = None) -> Fr
         out.first_crc = _first_crc(f)
         f.seek(offset)
         stop = None if length is None else offset + length
-        buf = b""
-        while more := f.read(_READ_CHUNK if stop is None else min(_READ_CHUNK, stop - f.tell())):
+        buf, at_end = b"", False
+        while more := f.read(want := _READ_CHUNK if stop is None else min(_READ_CHUNK, stop - f.tell())):
+            if at_end and buf:
+                # the file grew during this read: the tail read at its end then (a frame being written) may be
+                # whole now, and taken as a gap if read beside the frames written after it: read it again
+                f.seek(out.end)
+                buf, at_end = b"", False
+                continue
+            at_end = len(more) < want
             buf += more
             buf = buf[_split(buf, out):]
         out.tail = len(buf)

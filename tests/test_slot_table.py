@@ -14,7 +14,7 @@ from trainmon import TrainerMon
 from trainmon.core import schema
 from trainmon.core.records import ACTV, record_key
 from trainmon.hooks import collector as collector_module
-from trainmon.engine import folding, stats, stats_fused
+from trainmon.engine import buffers, folding, stats, stats_fused
 from trainmon.hooks.collector import StepCollector
 from trainmon.read import open_run
 
@@ -104,6 +104,57 @@ def test_a_tensor_recorded_again_is_read_once_and_its_row_merged(accelerator_pat
     values = _values(collector.finish_step())
     assert values["a.output"] == values["b.input"]
     assert values["a.output"]["count"] == 100 and values["a.output"]["sumsq"] == pytest.approx(float(x.square().sum()))
+
+
+def _record_of(*tensors) -> dict:
+    """The record of `tensors` read together, by the CPU path."""
+    collector = StepCollector(1e-3, FIELDS, rank=0)
+    joined = torch.cat([t.reshape(-1) for t in tensors])
+    collector.record([_key("all", 0, joined)], [joined])
+    return _values(collector.finish_step())["all"]
+
+
+def test_merged_rows_launch_nothing_during_the_step(accelerator_path, monkeypatch):
+    collector = _collector()
+    chain = [torch.randn(64) for _ in range(4)]
+    collector.record([_key("m0.input", 0, chain[0])], [chain[0]], defer=True)
+    merges = []
+    monkeypatch.setattr(collector._table.folder, "merge_row", lambda *args: merges.append(args))
+    for i in range(3):  # each output is the next module's input
+        collector.record([_key(f"m{i}.output", 2 * i + 1, chain[i + 1])], [chain[i + 1]], defer=True)
+        collector.record([_key(f"m{i + 1}.input", 2 * i + 2, chain[i + 1])], [chain[i + 1]], defer=True)
+    batch = collector.finish_step()
+    assert merges == [] and batch.table_merges.tolist() == [[1, 2], [3, 4], [5, 6]]
+    values = _values(batch)
+    for i in range(3):
+        assert values[f"m{i}.output"] == values[f"m{i + 1}.input"] == _record_of(chain[i + 1])
+
+
+def test_a_merged_row_that_changes_later_in_the_step_is_merged_as_it_was(accelerator_path):
+    """A key recorded again with another tensor after its row was merged into a second key's, and a row merged into
+    that key's: each key holds the records of its own tensors."""
+    collector = _collector()
+    x, y, z = torch.randn(40), torch.randn(40) * 5, torch.randn(40) - 3
+    collector.record([_key("a", 0, x)], [x], defer=True)
+    collector.record([_key("b", 1, x)], [x], defer=True)   # a's row merged into b's
+    collector.record([_key("a", 0, y)], [y], defer=True)   # then a's row takes y
+    collector.record([_key("c", 2, z)], [z], defer=True)
+    collector.record([_key("a", 0, z)], [z], defer=True)   # c's row merged into a's
+    values = _values(collector.finish_step())
+    assert values["b"] == _record_of(x) and values["c"] == _record_of(z)
+    got, want = values["a"], _record_of(x, y, z)
+    assert got.keys() == want.keys() and all(got[f] == pytest.approx(want[f], rel=1e-6) for f in got)  # fp32 sums
+
+
+def test_host_merges_follow_the_merge_rules_in_order():
+    records = torch.randn(5, schema.N_FIELDS, dtype=torch.float64)
+    for merges in ([[0, 3], [1, 3], [2, 4]], [[0, 3], [3, 4], [1, 0]]):  # a target merged twice; a chain
+        rows = records.numpy().copy()
+        schema.merge_rows(rows, np.array(merges))
+        want = records.clone()
+        for source, target in merges:
+            want[target] = buffers.merge_records(want[[target, source]])
+        np.testing.assert_array_equal(rows, want.numpy())
 
 
 def test_keys_keep_their_rows_and_each_step_is_one_copy(accelerator_path, monkeypatch):

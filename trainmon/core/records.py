@@ -6,7 +6,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from trainmon.core.schema import N_FIELDS
+from trainmon.core.schema import N_FIELDS, merge_rows
 
 # Families, in the order msprobe writes them. The value is the CSV file prefix.
 ACTV = "actv"
@@ -156,6 +156,8 @@ class StepBatch:
     # rows of the first len(table_index) keys (None: no table).
     table_index: Optional[np.ndarray] = None
     table_rows: int = 0
+    # (source, target) rows of the table merged here, in order, before `table_index` picks the keys' rows
+    table_merges: Optional[np.ndarray] = None
 
     @property
     def derived(self) -> list:
@@ -179,7 +181,10 @@ class StepBatch:
             m = n + 2 * len(self.flag_keys)
             self.values = flat[start:n].reshape(-1, N_FIELDS)
             if from_table:
-                self.values = np.concatenate([flat[:start].reshape(-1, N_FIELDS)[self.table_index], self.values])
+                table = flat[:start].reshape(-1, N_FIELDS)
+                if self.table_merges is not None:
+                    merge_rows(table, self.table_merges)
+                self.values = np.concatenate([table[self.table_index], self.values])
             if self.unasked:
                 self.values[:, list(self.unasked)] = 0.0
             self.flags = flat[n:m].reshape(len(self.flag_keys), 2)

@@ -66,6 +66,20 @@ SUM_COLUMNS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELD_TABLE) if f.m
 MIN_COLUMNS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELD_TABLE) if f.merge == "min")
 MAX_COLUMNS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELD_TABLE) if f.merge == "max")
 IDENTITY: tuple[float, ...] = tuple(f.identity for f in FIELD_TABLE)
+_BY_RULE = ((list(SUM_COLUMNS), np.add), (list(MIN_COLUMNS), np.minimum), (list(MAX_COLUMNS), np.maximum))
+
+
+def merge_rows(rows: np.ndarray, merges: np.ndarray) -> None:
+    """Folds, in place and in order, row `source` of `rows` [n, N_FIELDS] into row `target` for each (source, target)
+    of `merges` [m, 2], by the merge rules: as one pass where no target is also a source, else one at a time."""
+    sources, targets = merges[:, 0], merges[:, 1]
+    if np.isin(targets, sources).any():
+        for source, target in merges.tolist():
+            for columns, rule in _BY_RULE:
+                rows[target, columns] = rule(rows[target, columns], rows[source, columns])
+        return
+    for columns, rule in _BY_RULE:
+        rule.at(rows, (targets[:, None], columns), rows[sources][:, columns])
 # Computed whatever the ops: the sentinel and the post-mortem need the non-finite counts.
 ALWAYS: frozenset[str] = frozenset(("count", "nans", "infs"))
 

@@ -8,6 +8,11 @@ twice in a step holds the merge of both, and a tensor recorded again under anoth
 next module's input) has its row merged into the other's instead of being read again. At the step's end the host
 gets the whole table in one copy, with the rows of the keys that step touched, in the order they were first
 touched.
+
+Those merges of rows (two of every three records where a module's output is the next one's input) launch nothing:
+they are noted, and the host makes them in order after the step's copy (`StepBatch.wait`). A fold into a row noted as
+the source of a merge has the merges noted so far made on the device first, so that each merge reads its source as
+it was when the merge was noted.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class SlotTable:
         self._steps = 1                             # steps begun, this one included
         self.keys: list[RecordKey] = []             # this step's keys, first touch first
         self.rows: list[int] = []                   # their slots
+        self._merges: list[tuple[int, int]] = []    # (source, target) rows noted this step, for the host to merge
+        self._sources: set[int] = set()             # their source rows
         with torch.inference_mode(False):           # usable in and out of the mode
             self._empty = buffers.host_values(schema.IDENTITY, device, torch.float64).repeat(_FIRST_ROWS, 1)
             self.table = self._empty.clone()
@@ -70,6 +77,8 @@ class SlotTable:
 
     def fold(self, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
         """Folds each tensor's record into its slot's row."""
+        if self._sources and not self._sources.isdisjoint(slots):
+            self._merge_now()
         try:
             self.folder.fold(self.table, slots, tensors)
         except Exception as exc:                    # monitoring never takes training down
@@ -77,12 +86,20 @@ class SlotTable:
             self.folder.fold(self.table, slots, tensors)
 
     def merge_row(self, source: int, target: int) -> None:
-        """Folds row `source` into row `target`: the same tensor, recorded under a second key."""
-        try:
-            self.folder.merge_row(self.table, source, target)
-        except Exception as exc:
-            self._retire(exc)
-            self.folder.merge_row(self.table, source, target)
+        """Row `source` to be folded into row `target` (the same tensor, recorded under a second key): noted, for
+        the host to merge after the step's copy."""
+        self._merges.append((source, target))
+        self._sources.add(source)
+
+    def _merge_now(self) -> None:
+        """The merges noted so far, made on the device now: a fold is about to change a row they read."""
+        merges, self._merges, self._sources = self._merges, [], set()
+        for source, target in merges:
+            try:
+                self.folder.merge_row(self.table, source, target)
+            except Exception as exc:
+                self._retire(exc)
+                self.folder.merge_row(self.table, source, target)
 
     def _retire(self, exc: BaseException) -> None:
         if isinstance(self.folder, folding.TorchFolder):
@@ -95,12 +112,14 @@ class SlotTable:
         """Device bool: whether a row of this step so far counted a NaN or an Inf (untouched rows count none)."""
         return (self.table.select(1, schema.INDEX["nans"]) + self.table.select(1, schema.INDEX["infs"])).gt(0).any()
 
-    def step_rows(self) -> tuple[Optional[torch.Tensor], list[RecordKey], Optional[np.ndarray]]:
-        """(the rows in use, on the device; this step's keys; their rows), or (None, [], None) where the step
-        touched none. `clear` empties the rows once their copy to the host is under way."""
+    def step_rows(self) -> tuple[Optional[torch.Tensor], list[RecordKey], Optional[np.ndarray], Optional[np.ndarray]]:
+        """(the rows in use, on the device; this step's keys; their rows; the (source, target) rows the host merges
+        after the copy, in order, or None), or (None, [], None, None) where the step touched none. `clear` empties the
+        rows once their copy to the host is under way."""
         if not self.keys:
-            return None, [], None
-        return self.table.narrow(0, 0, len(self._slots)), self.keys, np.array(self.rows, dtype=np.int64)
+            return None, [], None, None
+        merges = np.array(self._merges, dtype=np.int64) if self._merges else None
+        return self.table.narrow(0, 0, len(self._slots)), self.keys, np.array(self.rows, dtype=np.int64), merges
 
     def clear(self) -> None:
         """Starts the next step: every row empty again (after the copy of this step's rows, on the same stream)."""
@@ -108,4 +127,5 @@ class SlotTable:
             used = len(self._slots)
             self.table.narrow(0, 0, used).copy_(self._empty.narrow(0, 0, used))
         self.keys, self.rows = [], []
+        self._merges, self._sources = [], set()
         self._steps += 1

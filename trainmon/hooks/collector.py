@@ -374,10 +374,12 @@ class StepCollector:
         """Packs the step into one device buffer, starts its single copy to the host, and resets."""
         self.flush_pending()
         tensor_scalars = [(n, v) for n, v in self._scalars.items() if isinstance(v, torch.Tensor)]
-        table, table_keys, table_index = self._table.step_rows() if self._table is not None else (None, [], None)
+        table, table_keys, table_index, table_merges = self._table.step_rows() if self._table is not None else \
+            (None, [], None, None)
         batch = StepBatch(step=self.step, rank=self.rank, pp_stage=self.pp_stage, keys=table_keys + self._keys,
                           scalars={n: v for n, v in self._scalars.items() if not isinstance(v, torch.Tensor)},
-                          flag_keys=self._flag_keys, unasked=self._unasked, table_index=table_index)
+                          flag_keys=self._flag_keys, unasked=self._unasked, table_index=table_index,
+                          table_merges=table_merges)
         # Layout of the host buffer (StepBatch.wait): the slot table's rows, records, sentinel probes, tensor-valued
         # scalars.
         parts = [] if table is None else [table.reshape(-1)]

@@ -66,6 +66,8 @@ SUM_COLUMNS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELD_TABLE) if f.m
 MIN_COLUMNS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELD_TABLE) if f.merge == "min")
 MAX_COLUMNS: tuple[int, ...] = tuple(i for i, f in enumerate(FIELD_TABLE) if f.merge == "max")
 IDENTITY: tuple[float, ...] = tuple(f.identity for f in FIELD_TABLE)
+# Computed whatever the ops: the sentinel and the post-mortem need the non-finite counts.
+ALWAYS: frozenset[str] = frozenset(("count", "nans", "infs"))
 _BY_RULE = ((list(SUM_COLUMNS), np.add), (list(MIN_COLUMNS), np.minimum), (list(MAX_COLUMNS), np.maximum))
 
 
@@ -79,9 +81,7 @@ def merge_rows(rows: np.ndarray, merges: np.ndarray) -> None:
                 rows[target, columns] = rule(rows[target, columns], rows[source, columns])
         return
     for columns, rule in _BY_RULE:
-        rule.at(rows, (targets[:, None], columns), rows[sources][:, columns])
-# Computed whatever the ops: the sentinel and the post-mortem need the non-finite counts.
-ALWAYS: frozenset[str] = frozenset(("count", "nans", "infs"))
+        rule.at(rows, (targets[:, None], columns), rows[sources[:, None], columns])
 
 
 def unasked_columns(fields) -> tuple[int, ...]:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from trainmon.core.layout import DB_NAME, DUMP_RANK_DIR, DUMPS_DIR, INDEX_FILE, STREAM_NAME, TENSOR_FILE
+from trainmon.core.layout import (DB_NAME, DUMP_RANK_DIR, DUMP_STEP_DIR, DUMPS_DIR, INDEX_FILE, STREAM_NAME,
+                                   TENSOR_FILE)
 from trainmon.read.errors import InputError
 
 if TYPE_CHECKING:  # torch is imported when a tensor is loaded: finding dumps needs none
     import torch
-_STEP = re.compile(r"^step(\d+)$")
 _MS_ENTRY = re.compile(r"^(?P<module>.+)\.(?P<phase>forward|backward)(?:\.(?P<n>\d+))?$")
 
 
@@ -164,7 +164,7 @@ def _msprobe_stacks(path: Path) -> dict:
 def _read_msprobe(dump_json: Path) -> StepDump:
     data = _json(dump_json)
     rank_dir, step_dir = dump_json.parent, dump_json.parent.parent
-    step = _STEP.match(step_dir.name)
+    step = DUMP_STEP_DIR.match(step_dir.name)
     rank = DUMP_RANK_DIR.match(rank_dir.name)
     dump = StepDump(int(rank.group(1) or 0) if rank else 0, int(step.group(1)) if step else 0, rank_dir)
     raw_stacks = _msprobe_stacks(rank_dir / "stack.json")

@@ -107,7 +107,7 @@ class RuleConfig:
             raise ConfigError("must be at least 4 (a slope joins the medians of the window's halves)",
                               key="args.window", value=self.args["window"], allowed="an int >= 4", closest=10)
         if self.rule_name == "AnomalySpike" and self.args.get("warmup", 0) > self.args.get("window", SPIKE_WINDOW):
-            raise ConfigError("must not exceed the window (50 unless given)", key="args.warmup",
+            raise ConfigError(f"must not exceed the window ({SPIKE_WINDOW} unless given)", key="args.warmup",
                               value=self.args["warmup"], allowed="an int from 1 to the window",
                               closest=self.args.get("window", SPIKE_WINDOW))
         if self.rule_name == "AnomalyTurbulence" and "threshold" not in self.args:

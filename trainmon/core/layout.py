@@ -25,6 +25,7 @@ WATCH_STATE_FILE = "watch_state.json"  # trainmon watch's state, in its log dire
 WATCHED_RUN = "run"                    # that file's key naming the run directory the view is of
 ANOMALY_DUMPS_DIR = "anomaly_dumps"    # alert.dump: the first anomalous module's tensors
 DUMPS_DIR, INDEX_FILE, TENSOR_FILE = "dumps", "index.json", "tensors.safetensors"  # the `dump` block
+DUMP_STEP_DIR = re.compile(r"^step(\d+)$")               # a step's directory of dumps (trainmon's and msprobe's)
 
 _RANK_PREFIX = "rank_"
 RANK_DIR = re.compile(r"^rank_(\d+)$|-rank(\d+)-")       # trainmon's and msprobe's monitor rank directories
@@ -37,6 +38,11 @@ FAMILY_FILE = re.compile(  # a family's CSV file: <family>_<first step>-<last st
 def rank_dir_name(rank: int) -> str:
     """The directory of global rank `rank` in a run."""
     return f"{_RANK_PREFIX}{rank}"
+
+
+def dump_step_dir_name(step: int) -> str:
+    """The directory of step `step`'s dumps, under `dumps/` (`DUMP_STEP_DIR`)."""
+    return f"step{step}"
 
 
 def family_file_name(family: str, first: int, last: int) -> str:

@@ -42,8 +42,12 @@ from trainmon.core.schema import FIELDS, N_FIELDS, OPS  # the record's definitio
 from trainmon.engine import paths, stats_cpu, stats_fused, stats_native
 from trainmon.engine.buffers import chunks, host_values, merge_records, workspace
 
-# The fields the packed kernels below compute together; later fields are counts with kernels of their own.
-_PACKED = 8
+# The fields the packed kernels below compute together (count .. max); later fields are counts with kernels of
+# their own.
+_PACKED = schema.INDEX["max"] + 1
+# The packed fields that merge by summing (count .. sumsq): one index_add where a tensor's chunks share a record.
+_PACKED_SUMS = schema.INDEX["sumsq"] + 1
+assert all(f.merge == "sum" for f in schema.FIELD_TABLE[:_PACKED_SUMS])
 _ZEROS, _SUM, _SUMSQ = schema.INDEX["zeros"], schema.INDEX["sum"], schema.INDEX["sumsq"]
 _MIN, _MAX = schema.INDEX["min"], schema.INDEX["max"]
 _SAT = schema.INDEX["sat"]
@@ -377,7 +381,7 @@ def _exact_records(uniq: list[torch.Tensor], dev: torch.device, eps: float, want
         if len(set(owner)) == len(owner):
             rec.index_copy_(0, uid, ch)
             continue
-        rec.narrow(1, 0, 6).index_add_(0, uid, ch.narrow(1, 0, 6))
+        rec.narrow(1, 0, _PACKED_SUMS).index_add_(0, uid, ch.narrow(1, 0, _PACKED_SUMS))
         if w_min:
             rec.select(1, _MIN).scatter_reduce_(0, uid, ch.select(1, _MIN), "amin")
         if w_max:

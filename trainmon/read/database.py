@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from trainmon.core.events import AnomalyEvent
 from trainmon.core.derive import derive_ops
+from trainmon.core.schema import INDEX
 from trainmon.read.db_columns import RAW_PREFIX, Columns, read_columns
 from trainmon.read.db_nonfinite import DbNonfinite, read_nonfinite
 from trainmon.read.errors import InputError
@@ -23,6 +24,8 @@ from trainmon.read.jsonl import whole_lines
 from trainmon.read.stream_mirror import is_mirror
 from trainmon.writers import db_schema
 from trainmon.writers.db_schema import FIELDS
+
+_NANS, _INFS = INDEX["nans"], INDEX["infs"]
 
 _NEEDED_TABLES = ("meta", "tags", "records", "batches")
 
@@ -113,10 +116,12 @@ class DbRankReader:
         row["shape"] = json.loads(row["shape"])
         # NaN and Inf counts that were not recorded (CSV conversions) count as none; see db_schema.
         # (Plain Python: numpy's per-call overhead on one short row was most of the cost of reading a run.)
-        record = [stored[0], 0.0 if stored[1] != stored[1] else stored[1], 0.0 if stored[2] != stored[2] else stored[2],
-                  *stored[3:]]
+        record = list(stored)
+        for field in (_NANS, _INFS):
+            if record[field] != record[field]:
+                record[field] = 0.0
         figures = derive_ops(record, self.ops)
-        if not row["nan_fields"] and not (record[1] > 0 or record[2] > 0):
+        if not row["nan_fields"] and not (record[_NANS] > 0 or record[_INFS] > 0):
             # no field is NaN and no element is NaN or Inf, so a NaN figure comes from fields that were not
             # recorded: it has no value
             figures = {op: None if v is not None and v != v else v for op, v in figures.items()}

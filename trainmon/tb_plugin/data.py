@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainmon.core.records import COMM
 from trainmon.core.layout import (ANOMALIES_FILE, DB_NAME, DUMPS_DIR, MODULE_STRUCT_FILE, RANK_DIR, RUN_JSON,
-                                   STREAM_NAME, WATCH_STATE_FILE, WATCHED_RUN)
+                                   STREAM_NAME, WATCH_STATE_FILE, WATCHED_RUN, dump_step_dir_name)
 from trainmon.read.errors import InputError
 from trainmon.read.layout import RankDir, RunDirs, find_run
 from trainmon.read.rank_records import open_rank
@@ -312,7 +312,7 @@ def _dump_figures(run: RunData, baseline: RunData, rank: int, step: int) -> dict
     """{node: {cosine, max_abs, nonfinite_mismatch}} of the tensors both runs dumped at (rank, step) (cosine and
     max_abs over the elements finite in both); {} where one run has none."""
     directories = [side.rank_dir(rank).path / DUMPS_DIR for side in (baseline, run)]
-    if not all((directory / f"step{step}").is_dir() for directory in directories):
+    if not all((directory / dump_step_dir_name(step)).is_dir() for directory in directories):
         return {}
     from trainmon.compare.dumps import read_dumps  # torch: imported only where there are tensors to compare
     from trainmon.compare.tensors import DEFAULT_COSINE, DEFAULT_MAX_ABS, compare_step

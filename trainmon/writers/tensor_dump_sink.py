@@ -20,6 +20,7 @@ from trainmon.core.schema import OPS
 from trainmon.hooks.tensor_dump import StepCapture
 from trainmon.writers.base import Sink, SinkContext
 from trainmon.core.layout import DUMPS_DIR, INDEX_FILE, TENSOR_FILE  # noqa: F401 (the layout readers find)
+from trainmon.core.layout import dump_step_dir_name
 
 logger = logging.getLogger("trainmon")
 _ALL_FIELDS = stats.fields_for_ops(OPS)
@@ -55,7 +56,7 @@ class TensorDumpSink(Sink):
             ready = [c for c in self._pending if due(c)]
             self._pending = [c for c in self._pending if not due(c)]
         for capture in ready:
-            directory = self._rank_dir / DUMPS_DIR / f"step{capture.step}"
+            directory = self._rank_dir / DUMPS_DIR / dump_step_dir_name(capture.step)
             directory.mkdir(parents=True, exist_ok=True)
             index = self._index(capture.wait())
             save_tensors(directory / TENSOR_FILE, {t.key: t.host for t in capture.tensors if t.host is not None})

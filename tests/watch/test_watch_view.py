@@ -3,11 +3,17 @@ headline that stays on the incident, every layer chart showing its failure, coll
 and detail only for what the user selects."""
 import math
 
+import numpy as np
 import pytest
 
-from runs import generate, read_events, read_texts, watch_once
+from runs import OPS, generate, read_events, read_texts, watch_once
+from trainmon.config.output import write_json
+from trainmon.core.layout import DB_NAME, RUN_JSON
+from trainmon.core.records import PARAM_ORIGIN, RecordKey
 from trainmon.watch.aggregate import Place, StepFigures
 from trainmon.watch.view import GroupRoles, View, ViewOptions, worst
+from trainmon.writers import db_schema
+from trainmon.writers.db_sink import MonitorDb
 
 
 def _scalars(view: View, figure: StepFigures) -> dict:
@@ -167,7 +173,8 @@ def test_the_first_group_holds_the_headline_and_the_worst_tensors_their_own():
     scalars = {name: {0: 1.0} for name in ("loss", "lm loss", "learning_rate", "loss_scale", "amp_updates")}
     figure = StepFigures(3, stats={("actv", "a.0.x", 0, "norm"): (1.0, 1.0, 2.0, 0),
                                    ("param_origin", "a.0.w", 0, "norm"): (3.0, 3.0, 3.0, 0)},
-                         scalars=scalars, norm_sumsq={0: {"param_origin": 16.0, "grad_reduced": 4.0}}, recorded=True,
+                         scalars=scalars, norm_sumsq={0: {"param_origin": 16.0, "grad_reduced": 4.0}},
+                         params_sumsq=16.0, recorded=True,
                          worst=Place("actv", "a.0.x", 0, 0, 0))
     values = _scalars(View(ViewOptions(single_rank=True)), figure)
     assert {tag for tag in values if tag.startswith("Overview/")} == {
@@ -192,19 +199,24 @@ def test_a_model_output_grad_of_exactly_one_is_left_out_of_the_worst_tensors():
     assert scaled["Worst tensor/actv_grad norm"] == 4.0 and scaled["Worst tensor/actv_grad absmax"] == 4.0
 
 
-@pytest.mark.slow
 def test_the_params_norm_is_the_global_norm_of_the_weights(tmp_path):
-    """Overview/params_norm, as Megatron's params-norm: the square root of the sum over a rank's parameters of their
-    squared norms (param_origin records), the largest across ranks; computed here from the databases."""
-    import numpy as np
-    from trainmon import open_run
-    run = generate(tmp_path / "run", ranks=2, steps=5, inf_step=3, origin=1)
-    events = _tags(run, tmp_path / "w")
-    with open_run(run, "db") as monitor_run:
-        frame = monitor_run.records(family="param_origin")
-    got = dict(events["Overview/params_norm"])
-    for step, group in frame.groupby("step"):
-        norms = group.groupby("rank")["norm"].apply(lambda v: np.sqrt((v.astype(float) ** 2).sum()))
-        want = norms.max(skipna=False)
-        assert math.isnan(got[step]) if not math.isfinite(want) else got[step] == float(np.float32(want))
-    assert set(got) == set(frame.step)
+    """Overview/params_norm, as Megatron's params-norm: the square root of the sum over the model's distinct
+    parameters of their squared norms (param_origin records), each once. Ranks 0 and 1 are data-parallel replicas
+    holding layers.0 (norm 3, its pieces merged), rank 2 the next pipeline stage's layers.1 (norm 4): 5 on every
+    rank, not one rank's 3 or 4."""
+    run = tmp_path / "run"
+    held = {0: ["layers.0.weight"], 1: ["layers.0.weight"], 2: ["layers.1.weight"]}
+    sumsq = {"layers.0.weight": 9.0, "layers.1.weight": 16.0}
+    for rank, names in held.items():
+        (run / f"rank_{rank}").mkdir(parents=True)
+        write_json(run / f"rank_{rank}" / RUN_JSON, {"rank": rank, "pp_stage": rank // 2})
+        db = MonitorDb(run / f"rank_{rank}" / DB_NAME)
+        db.set_meta({"schema_version": db_schema.SCHEMA_VERSION, "rank": rank, "ops": OPS,
+                     "fields": list(db_schema.FIELDS)})
+        keys = [RecordKey(PARAM_ORIGIN, name, 0, None, i, (4, 4), "torch.float32") for i, name in enumerate(names)]
+        for step in range(3):
+            fields = [{"count": 16.0, "sumsq": sumsq[name] * (1 + step), "min": -1.0, "max": 1.0} for name in names]
+            db.add_step(step, 0, keys, np.array([[f.get(n, 0.0) for n in db_schema.FIELDS] for f in fields]), {})
+        db.close()
+    got = dict(_tags(run, tmp_path / "w")["Overview/params_norm"])
+    assert got == pytest.approx({step: 5.0 * math.sqrt(1 + step) for step in range(3)})

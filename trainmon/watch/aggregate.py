@@ -145,6 +145,7 @@ class StepFigures:
     per_rank: dict[tuple, float] = field(default_factory=dict)  # (rank, family, name, vpp, micro, op)
     scalars: dict[str, dict[int, float]] = field(default_factory=dict)
     norm_sumsq: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> family -> sum of norm²
+    params_sumsq: Optional[float] = None  # over the run's distinct parameters, each once: see `params_norms`
     nonfinite: bool = False
     rows: Optional[StepRows] = None
     nonfinite_elements: dict[str, tuple[float, float]] = field(default_factory=dict)  # family -> (NaN, Inf) counts
@@ -165,11 +166,19 @@ class StepFigures:
         return self._norms(lambda totals: totals.get(GRAD_REDUCED, totals.get(GRAD_UNREDUCED)))
 
     def params_norms(self) -> dict[int, float]:
-        """The weights' global norm per rank, as Megatron's params-norm: a logged `params_norm`, else the square root
-        of the sum over the rank's parameters of their squared norms (`param_origin` records)."""
+        """The weights' global norm, as Megatron's params-norm: a logged `params_norm` per rank, else, for each rank
+        holding `param_origin` records, the square root of the sum over the model's distinct parameters of their
+        squared norms (`params_sumsq`). A parameter is named alike on every rank that holds it (global layer and
+        expert numbers) and its record is of the whole parameter (its pieces merged over the ranks holding them), so
+        each counts once: a data-parallel replica or a tensor-parallel piece does not add to it again, and every
+        pipeline stage's parameters do."""
         if PARAMS_NORM in self.scalars:
             return dict(self.scalars[PARAMS_NORM])
-        return self._norms(lambda totals: totals.get(PARAM_ORIGIN))
+        total = self.params_sumsq
+        if total is None:
+            return {}
+        norm = math.sqrt(total) if total == total and total >= 0 else total
+        return {rank: norm for rank, totals in self.norm_sumsq.items() if PARAM_ORIGIN in totals}
 
     def _norms(self, total_of) -> dict[int, float]:
         out = {}
@@ -255,6 +264,7 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
             figure.recorded = True
             figure.rows = StepRows(keys, tag[rows], rank[rows], {op: values[op][rows] for op in ops},
                                    {op: present[op][rows] for op in ops})
+    _sum_params(at, parts, width if parts else 1)
     for chunk in chunks:
         for number in chunk.nonfinite_steps:
             at(number).nonfinite = True
@@ -266,6 +276,23 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
             for number, family, name, vpp, micro, op, value in chunk.kept:
                 at(number).per_rank[(chunk.rank, family, name, vpp, micro, op)] = value
     return figures
+
+
+def _sum_params(at, parts: list, width: int) -> None:
+    """Per step, `StepFigures.params_sumsq`: the squared norms of the step's `param_origin` records summed over
+    the distinct parameters, the first rank's record of each (`parts`: (chunk, its tags across ranks))."""
+    held = [(chunk, tags) for chunk, tags in parts if len(chunk.param_rows)]
+    if not held:
+        return
+    step = np.concatenate([chunk.step[chunk.param_rows] for chunk, _ in held])
+    tag = np.concatenate([tags[chunk.param_rows] for chunk, tags in held])
+    sumsq = np.concatenate([chunk.param_sumsq for chunk, _ in held])
+    low = int(step.min())
+    _, first = np.unique((step - low) * width + tag, return_index=True)
+    offsets = step[first] - low
+    totals = np.bincount(offsets, weights=sumsq[first])
+    for offset in np.unique(offsets).tolist():
+        at(low + offset).params_sumsq = float(totals[offset])
 
 
 def _spread_layers(at, keys: list, spread: tuple, offset: np.ndarray, tag: np.ndarray, rank: np.ndarray,

@@ -30,7 +30,8 @@ class RankChunk:
 
     `keys[tag[i]]` is row i's (family, name, vpp_stage), `micro[i]` its micro-step (NO_MICRO_STEP: once per
     step); `values[op]` its figures (`present[op]`: the row has that figure). `norm_sumsq`: step -> family -> sum
-    of the squared norms of the whole-step records of NORM_FAMILIES.
+    of the squared norms of the whole-step records of NORM_FAMILIES. `param_rows`: the rows of the whole-step
+    `param_origin` records, `param_sumsq` their squared norms (for the weights' global norm over ranks).
     `kept`: (step, family, name, vpp, micro_step, op, value) of every figure, for ranks exported one by one.
     """
 
@@ -43,6 +44,8 @@ class RankChunk:
     present: dict = field(default_factory=dict)
     nonfinite_steps: set = field(default_factory=set)
     norm_sumsq: dict = field(default_factory=dict)
+    param_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    param_sumsq: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
     scalars: list = field(default_factory=list)
     kept: list = field(default_factory=list)
     error: Optional[Exception] = None  # the rank could not be read
@@ -136,6 +139,8 @@ def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
     for family in NORM_FAMILIES:
         rows = whole_step & (families == family)
         _add_sumsq(chunk.norm_sumsq, family, data["step"][rows], sumsq[rows])
+    chunk.param_rows = np.flatnonzero(whole_step & (families == PARAM_ORIGIN))
+    chunk.param_sumsq = sumsq[chunk.param_rows]
     if keep:
         for i in range(len(columns)):
             family, name, vpp = chunk.keys[chunk.tag[i]]
@@ -172,6 +177,9 @@ def _from_rows(rank: int, by_step, keep: bool) -> RankChunk:
         rows = np.array([f == family and m is None and s is not None for f, m, s in zip(families, micro, sumsq)],
                         dtype=bool)
         _add_sumsq(chunk.norm_sumsq, family, chunk.step[rows], np.array(sumsq, dtype=np.float64)[rows])
+        if family == PARAM_ORIGIN:
+            chunk.param_rows = np.flatnonzero(rows)
+            chunk.param_sumsq = np.array(sumsq, dtype=np.float64)[rows]
     if keep:
         for i, (step, tag) in enumerate(zip(steps, tags)):
             family, name, vpp = chunk.keys[tag]

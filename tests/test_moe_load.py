@@ -85,3 +85,61 @@ def test_the_tap_reads_nothing_on_the_host(output_dir, write_config):
     with Ops() as after:  # stop() took the hook off
         model(x)
     assert after.counts == plain.counts
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_megatron_routing_padded_to_capacity_counts_the_tokens_not_the_padding(output_dir, write_config, pad):
+    """Megatron-Core's routing with a capacity, its experts' inputs padded to capacity or not: the routing map padded
+    holds every expert's capacity slots, and the load is still the tokens each expert received."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    import types
+
+    config = types.SimpleNamespace(num_moe_experts=EXPERTS, moe_expert_capacity_factor=1.0,
+                                   moe_pad_expert_input_to_capacity=pad)
+
+    class TopKRouter(torch.nn.Module):  # Megatron-Core's routing of `TopKRouter.routing`, single process
+        def __init__(self):
+            super().__init__()
+            self.config, self.topk = config, 2
+            self.weight = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN))
+            self.bias = torch.zeros(EXPERTS)
+            self.bias[0] = 3.0  # expert 0 favoured: its routes are dropped
+
+        def routing(self, logits):
+            probs, routing_map = moe_utils.topk_routing_with_score_function(logits, self.topk, use_pre_softmax=False,
+                                                                            score_function="softmax")
+            return moe_utils.apply_router_token_dropping(probs, routing_map, router_topk=self.topk,
+                                                         capacity_factor=1.0, pad_to_capacity=pad)
+
+        def forward(self, x):
+            return self.routing(x @ self.weight.t() + self.bias)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = TopKRouter()
+
+        def forward(self, x):
+            return self.router(x)
+
+    torch.manual_seed(0)
+    model = Layer()
+    seen = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"])).set_monitor(model,
+                                                                                              optimizer=optimizer)
+    for _ in range(2):
+        probs, routing_map = model(torch.randn(TOKENS, HIDDEN))
+        seen.append((routing_map & (probs != 0)).sum(dim=0).double())
+        (probs.sum() + model.router.weight.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.stop()
+    with open_run(monitor.output_dir.parent) as run:
+        frame = run.records()
+    written = {(r.family, r.name, int(r.step)): r.max for r in frame.itertuples()}
+    for step, load in enumerate(seen):
+        assert [written[("moe_expert_load", f"router.expert_{e}", step)] for e in range(EXPERTS)] == load.tolist()
+        assert written[("moe_load", "router.imbalance", step)] == pytest.approx(float(load.max() / load.mean()))
+        assert written[("moe_load", "router.dropped_tokens", step)] == TOKENS * 2 - float(load.sum()) > 0
+    assert load.max() > load.min()  # unequal loads, which the padding would hide

@@ -10,8 +10,7 @@ layer's figures are recorded as one-element records (`trainmon.core.records.MOE_
 
 - `<router>.imbalance`: the largest expert load over the mean load (1: balanced; 0 when no token was routed);
 - `<router>.idle_experts`: experts that received no token;
-- `<router>.dropped_tokens`: routes dropped by capacity (routed − received; not recorded where Megatron pads the
-  experts' inputs to capacity, whose routing map then holds the padding);
+- `<router>.dropped_tokens`: routes dropped by capacity (routed − received);
 - `<router>.router_entropy`: the mean over tokens of the entropy of the softmax of their router logits;
 - `<router>.expert_<e>`: the tokens expert `e` (global number) received.
 """
@@ -137,19 +136,22 @@ class MoeLoad(Hooks):
 
     def _tap_megatron(self, name: str, router, layer) -> None:
         config = router.config
+        # Padded to capacity, the routing map holds every expert's capacity slots, the padding among them; the
+        # tokens an expert received are then the slots with a probability (padding has none).
         pads = config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity
         tap = RouterTap(name, config.num_moe_experts, getattr(layer, "ep_group", None), router.weight.device,
-                        knows_drops=not pads)
+                        knows_drops=True)
         original = router.routing
 
         def routing(logits, *args, **kwargs):
             probs, routing_map = original(logits, *args, **kwargs)
             if self._collecting():
-                record(logits, routing_map)
+                record(logits, probs, routing_map)
             return probs, routing_map
 
-        def add(logits, routing_map):
-            tap.add(routing_map.sum(dim=0), routing_map.shape[0] * router.topk, logits)
+        def add(logits, probs, routing_map):
+            received = routing_map & (probs.detach() != 0) if pads else routing_map
+            tap.add(received.sum(dim=0), routing_map.shape[0] * router.topk, logits)
 
         record = self.state.guarded(f"moe_load of {name}", add)
         self.taps.append(tap)

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from process_group import interrupt_on_sigterm
+
 torch.set_num_threads(1)
 # Where there is no GPU, Triton's kernels run on the CPU under its interpreter: the accelerators' path is then tested
 # here too. Set before anything imports Triton, which reads it when a kernel is defined.
@@ -31,6 +33,12 @@ def write_config(tmp_path):
         return str(path)
 
     return write
+
+
+def pytest_configure(config):
+    """A SIGTERM to pytest interrupts it as Ctrl-C does: the jobs the tests launched end with it
+    (tests/process_group.py)."""
+    interrupt_on_sigterm()
 
 
 _SLOW = ("distributed", "loops")  # real multi-process jobs and third-party training loops

@@ -11,22 +11,24 @@ the precision of a sum of 4096-element fp32 partials. The "finite" kernel (`_fin
 the five figures of stats_cpu's assume-finite path. The "merge" kernel (`_merged_rows`) reduces one tensor's
 row partials to its record on accelerators, where the engine's ops would launch six kernels for it.
 
-Compile cost never lands on the training thread: the first request for a (kernel, place, dtype) starts its
-compile in a child process (a thread of this one would let tracing's save and restore of the RNG state rewind
-the training loop's random draws), for every `[rows, width]` shape. On CPU: torch.export, then AOTInductor
-into a package (C++). On an accelerator: inductor's standalone artifact (Triton kernels and their Python
-wrapper), one per device index, since its code launches on the device it was compiled for; AOTInductor's C++
-wrapper around the same kernels would need the accelerator's toolkit, which a machine with torch's wheels
-alone lacks. Either lands in inductor's cache directory, where the other ranks of the node wait for it rather
-than compile again, and later runs find and load it without compiling. The child loads and runs it on a
-sample before it is published, so that one which fails or crashes there never reaches a training process;
-its own exit skips the interpreter's teardown, whose crashes (an accelerator runtime's) would say nothing
-about the kernel. One already on disk is loaded at the first request; one compiled after that request serves later runs
-only, and the run's calls take the engine's other kernels: every record of a run comes from the same kernel
-whenever a background thread happens to finish, so its figures agree from step to step and with a rerun. A loaded AOTInductor package costs a few µs of host time per call (a
-`torch.compile`d function costs about 25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads
-its input as contiguous rows, so it is given nothing else. A compile that fails (no C++ compiler, an old
-torch; on an accelerator, no Triton) leaves the other kernels in place for good, with one message.
+Compile cost never lands on the training thread: the first request for a (kernel, place, dtype) starts its compile
+in a child process (a thread of this one would let tracing's save and restore of the RNG state rewind the training
+loop's random draws), for every `[rows, width]` shape. On CPU: torch.export, then AOTInductor into a package (C++).
+On an accelerator: inductor's standalone artifact (Triton kernels and their Python wrapper), one per device index,
+since its code launches on the device it was compiled for; AOTInductor's C++ wrapper around the same kernels would
+need the accelerator's toolkit, which a machine with torch's wheels alone lacks. Either lands in inductor's cache
+directory, where the other ranks of the node wait for it rather than compile again, and later runs find and load it
+without compiling. The child loads and runs it on a sample before it is published, so that one which fails or
+crashes there never reaches a training process; its own exit skips the interpreter's teardown, whose crashes (an
+accelerator runtime's) would say nothing about the kernel. One already on disk is loaded at the first request; one
+compiled after that request serves later runs only, and the run's calls take the engine's other kernels: every
+record of a run comes from the same kernel whenever a background thread happens to finish, so its figures agree from
+step to step and with a rerun that found the same kernel. (A machine's first run, which compiles it, takes the other
+kernels throughout and later runs the compiled one: on bf16 tensors their sums differ in the last bits, about 1e-7
+relative.) A loaded AOTInductor package costs a few µs of host time per call (a `torch.compile`d function costs
+about 25 µs of wrappers; benchmarks/stats_kernels.py --call-cost), and reads its input as contiguous rows, so it is
+given nothing else. A compile that fails (no C++ compiler, an old torch; on an accelerator, no Triton) leaves the
+other kernels in place for good, with one message.
 """
 from __future__ import annotations
 
@@ -363,7 +365,8 @@ def prepare(device: torch.device, dtypes: Sequence[torch.dtype], wait: bool = Fa
     The kernel a run's records come from is chosen at its first request: a package on disk already is loaded
     then, by the main thread (the one that trains); one compiled after a first request that did not wait
     serves later runs only, so that no run switches kernels halfway and every record of a run comes from
-    the same kernel (its figures agree to the last bit from step to step and with a rerun of the run). The
+    the same kernel (its figures agree to the last bit from step to step, and with a rerun of the run that
+    found the same kernel: not the machine's first run against a later one). The
     compile runs in a child process. A load costs about 1 s for a process's first package, mostly torch's
     imports, and 3-4 ms for the next."""
     keys = [(kernel, _place(device), dtype) for dtype in dtypes]

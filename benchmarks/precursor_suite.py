@@ -3,7 +3,8 @@
 The spike suite's transformer (benchmarks/spike_suite.py: 4 blocks, hidden 32, warm-up + cosine, 300 steps), its
 attention computed from q and k by a module of its own (so that the L2 attention features see them), with
 QK-LayerNorm on q and k as in current large models. Each run records the attention features, the weights and Adam's
-update, and logs the loss and the learning rate, with AnomalyPrecursor as its rule:
+update (with `--optimizer sgd`, SGD with momentum 0.9, which has none), and logs the loss and the learning rate,
+with AnomalyPrecursor as its rule:
 
 - healthy: warm-up + cosine, with and without QK-LayerNorm, several seeds: every warning is a false alarm;
 - lr ramp: from `--ramp-start` the learning rate climbs x50 over 100 steps (geometrically) from where the schedule
@@ -15,6 +16,7 @@ For a divergence it reports the first warning (step, signal, module, rate) again
 `tests/test_anomaly_precursor.py` runs its short form.
 
     python benchmarks/precursor_suite.py --seeds 3
+    python benchmarks/precursor_suite.py --seeds 3 --optimizer sgd
 """
 from __future__ import annotations
 
@@ -37,11 +39,18 @@ from trainmon.demo import first_loss_spike, first_nonfinite
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spike_suite import BATCH, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, Mlp, Model  # noqa: E402
 
-STEPS, LR, WARMUP_FRACTION = 300, 3e-3, 0.1
+STEPS, WARMUP_FRACTION = 300, 0.1
 RULES = [{"rule_name": "AnomalyPrecursor"}]  # the early warning alone: what is measured here
 CONFIG = dict(targets={}, param_distribution=True, ur_distribution=True, recording_l2_features=True,
               l2_targets={"attention_hook": [f"layers.{i}.attn.core" for i in range(LAYERS)]},
               sa_order="b,s,h,d", ops=["min", "max", "norm", "nans", "infs"], format=["db"], alert={"rules": RULES})
+# optimizer -> (its make from the parameters, at the peak learning rate; its config: SGD has no Adam update, so
+# its update ratio is not watched)
+OPTIMIZERS = {
+    "adamw": (lambda params: torch.optim.AdamW(params, lr=3e-3), CONFIG),
+    "sgd": (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+            {k: v for k, v in CONFIG.items() if k != "ur_distribution"}),
+}
 
 
 class Core(nn.Module):
@@ -95,12 +104,12 @@ def lr_factor(step: int, steps: int, ramp_start: Optional[int]) -> float:
 
 
 def train(config_path: Optional[str], steps: int = STEPS, seed: int = 0, qk_norm: bool = True,
-          ramp_start: Optional[int] = None) -> dict:
-    """Trains `steps` AdamW steps under trainmon (no monitor without `config_path`). Returns {"losses",
-    "anomalies", "run"}; training stops at the first non-finite loss."""
+          ramp_start: Optional[int] = None, optimizer: str = "adamw") -> dict:
+    """Trains `steps` steps of `optimizer` (OPTIMIZERS) under trainmon (no monitor without `config_path`). Returns
+    {"losses", "anomalies", "run"}; training stops at the first non-finite loss."""
     torch.manual_seed(seed)
     model = model_of(qk_norm)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = OPTIMIZERS[optimizer][0](model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, ramp_start))
     monitor = None
     if config_path is not None:
@@ -132,13 +141,14 @@ def train(config_path: Optional[str], steps: int = STEPS, seed: int = 0, qk_norm
     return out
 
 
-def run(steps: int = STEPS, seed: int = 0, qk_norm: bool = True, ramp_start: Optional[int] = None) -> dict:
-    """`train` under CONFIG, in a fresh output directory."""
+def run(steps: int = STEPS, seed: int = 0, qk_norm: bool = True, ramp_start: Optional[int] = None,
+        optimizer: str = "adamw") -> dict:
+    """`train` under the optimizer's config, in a fresh output directory."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
-        config.write_text(json.dumps(CONFIG))
+        config.write_text(json.dumps(OPTIMIZERS[optimizer][1]))
         os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "monitor_output")
-        return train(str(config), steps, seed, qk_norm, ramp_start)
+        return train(str(config), steps, seed, qk_norm, ramp_start, optimizer)
 
 
 def warnings_of(anomalies: list[dict]) -> list[dict]:
@@ -162,18 +172,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--ramp-start", type=int, default=150)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     args = parser.parse_args()
     torch.set_num_threads(1)
     begun = time.time()
     for seed in range(args.seeds):
         for qk_norm in (True, False):
-            result = run(args.steps, seed, qk_norm)
+            result = run(args.steps, seed, qk_norm, optimizer=args.optimizer)
             print(f"healthy seed {seed} qk_norm {qk_norm}: loss {result['losses'][0]:.3f} -> "
                   f"{result['losses'][-1]:.3f}, warnings {len(warnings_of(result['anomalies']))}", flush=True)
     for seed in range(args.seeds):
         for name, kwargs in (("lr ramp x50", dict(ramp_start=args.ramp_start)),
                              ("lr ramp x50, no qk norm", dict(ramp_start=args.ramp_start, qk_norm=False))):
-            print(f"{name} seed {seed}: {lead(run(args.steps, seed, **kwargs))}", flush=True)
+            print(f"{name} seed {seed}: {lead(run(args.steps, seed, optimizer=args.optimizer, **kwargs))}",
+                  flush=True)
     print(f"{time.time() - begun:.0f} s", flush=True)
 
 

@@ -6,7 +6,8 @@ sets a step's pace once the host is the bottleneck. Each tier trains in its own 
 process's CPU time a step (training thread and writer thread, from the first timed step to the end of
 `monitor.stop()`, which writes what the writer had left), and the training thread's alone (the hooks up to the
 kernels' launches: what sets an accelerator step's pace), each less `none`'s and divided by the rows of a step in
-`monitor.db`. Each tier's figure is the median over `--repeats` processes.
+`monitor.db`; and of the training thread's, the forward pass's share (where the activations are recorded and the
+hooks for their grads registered). Each tier's figure is the median over `--repeats` processes.
 
     python benchmarks/host_cost.py                                  # the CPU path (the native read)
     python benchmarks/host_cost.py --accelerator-path --no-launch   # the accelerators' path up to the launch
@@ -75,16 +76,19 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
             json.dump({"ops": OPS, "format": ["db"], **TIERS[tier]}, f)
         monitor = TrainerMon(path)
         monitor.set_monitor(model, optimizer=optimizer)
-    thread = 0.0
+    thread = forward = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             start = time.process_time()
         begin = time.thread_time()
-        model(x).square().mean().backward()
+        y = model(x)
+        forwarded = time.thread_time()
+        y.square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= warmup:
             thread += time.thread_time() - begin
+            forward += forwarded - begin
     records = 0
     if monitor is not None:
         monitor.stop()  # the writer's work left at the end is the timed steps' too
@@ -93,7 +97,8 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
         db = monitor.output_dir / "monitor.db"
         with sqlite3.connect(db) as conn:
             records = conn.execute("SELECT count(*) FROM records WHERE step = ?", (warmup + steps - 1,)).fetchone()[0]
-    return {"cpu_ms": cpu_ms, "thread_ms": thread * 1e3 / steps, "records": records}
+    return {"cpu_ms": cpu_ms, "thread_ms": thread * 1e3 / steps, "forward_ms": forward * 1e3 / steps,
+            "records": records}
 
 
 def main() -> None:
@@ -134,14 +139,16 @@ def main() -> None:
     print(f"{args.blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}; CPU ms a step, median of "
           f"{args.repeats} processes of {args.steps} steps")
     none_thread = statistics.median(r["thread_ms"] for r in runs["none"])
-    print(f"{'tier':<6} {'records':>8} {'process ms':>11} {'µs/record':>10} {'training thread ms':>19} {'µs/record':>10}")
+    print(f"{'tier':<6} {'records':>8} {'process ms':>11} {'µs/record':>10} {'training thread ms':>19} {'µs/record':>10}"
+          f" {'of it forward ms':>17}")
     for tier in tiers:
         ms = statistics.median(r["cpu_ms"] for r in runs[tier])
         thread_ms = statistics.median(r["thread_ms"] for r in runs[tier])
+        forward_ms = statistics.median(r["forward_ms"] for r in runs[tier])
         records = runs[tier][0]["records"]
         per = f"{(ms - none) * 1e3 / records:10.1f}" if records else f"{'':>10}"
         per_thread = f"{(thread_ms - none_thread) * 1e3 / records:10.1f}" if records else f"{'':>10}"
-        print(f"{tier:<6} {records:8d} {ms:11.2f} {per} {thread_ms:19.2f} {per_thread}")
+        print(f"{tier:<6} {records:8d} {ms:11.2f} {per} {thread_ms:19.2f} {per_thread} {forward_ms:17.2f}")
 
 
 if __name__ == "__main__":

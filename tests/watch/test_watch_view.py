@@ -186,6 +186,22 @@ def test_the_first_group_holds_the_headline_and_the_worst_tensors_their_own():
     assert {tag for tag in values if tag.startswith("scalars/")} == {"scalars/lm loss", "scalars/amp_updates"}
 
 
+def test_megatrons_scalar_names_are_the_headline():
+    """A job that logs Megatron's names (`lm loss`, `grad-norm`, `learning-rate`, `loss-scale`, `params-norm`) has
+    them in Overview, its own norms in place of those computed from the records (which stay in `scalars/`)."""
+    scalars = {name: {0: value} for name, value in (("lm loss", 2.5), ("grad-norm", 7.0), ("learning-rate", 1e-4),
+                                                    ("loss-scale", 4096.0), ("params-norm", 9.0))}
+    figure = StepFigures(3, scalars=scalars, norm_sumsq={0: {"param_origin": 16.0, "grad_reduced": 4.0}},
+                         params_sumsq=16.0, recorded=True)
+    values = _scalars(View(ViewOptions(single_rank=True)), figure)
+    assert {tag: values[tag] for tag in values if tag.startswith("Overview/") and "_elements" not in tag
+            and "nonfinite" not in tag and "stalled" not in tag} == {
+        "Overview/lm loss": 2.5, "Overview/grad-norm": 7.0, "Overview/learning-rate": 1e-4,
+        "Overview/loss-scale": 4096.0, "Overview/params-norm": 9.0}
+    assert {tag: values[tag] for tag in values if tag.startswith("scalars/")} == {
+        "scalars/grad_norm": 2.0, "scalars/params_norm": 4.0}
+
+
 def test_a_model_output_grad_of_exactly_one_is_left_out_of_the_worst_tensors():
     def figure(output_grad: float) -> StepFigures:
         stats = {("actv_grad", "layers.0.output", 0, op): (0.5, 0.5, 0.5, 0) for op in ("norm", "min", "max")}

@@ -24,9 +24,10 @@ FIRST_NONFINITE_TAG = f"{OVERVIEW}/first_nonfinite"
 THEN_REACHED_TAG = f"{FIRST_NONFINITE_TAG}_then_reached"
 FIRST_NONFINITE_RANK_TAG = f"{FIRST_NONFINITE_TAG}_rank"
 STALLED_RANKS_TAG = f"{OVERVIEW}/stalled_ranks"
-# The logged scalars of the headline: of each, the first name the job logs (Megatron's, the Trainer's, ours).
-HEADLINE_SCALARS = (("loss", "lm loss", "lm_loss"), (GRAD_NORM,), ("lr", "learning_rate"), (LOSS_SCALE,),
-                    (PARAMS_NORM,))
+# The scalars of the headline: of each, the first name the job logs (ours, Megatron's, the Trainer's). A norm the
+# job logs comes before the one computed from the records.
+HEADLINE_SCALARS = (("loss", "lm loss", "lm_loss"), ("grad-norm", GRAD_NORM), ("lr", "learning-rate", "learning_rate"),
+                    (LOSS_SCALE, "loss-scale"), ("params-norm", PARAMS_NORM))
 
 
 def headline_names(names) -> list[str]:

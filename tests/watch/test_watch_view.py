@@ -11,7 +11,7 @@ from trainmon.config.output import write_json
 from trainmon.core.layout import DB_NAME, RUN_JSON
 from trainmon.core.records import PARAM_ORIGIN, RecordKey
 from trainmon.watch.aggregate import Place, StepFigures
-from trainmon.watch.view import GroupRoles, View, ViewOptions, worst
+from trainmon.watch.view import NONFINITE_RUN, GroupRoles, View, ViewOptions, worst
 from trainmon.writers import db_schema
 from trainmon.writers.db_sink import MonitorDb
 
@@ -200,6 +200,20 @@ def test_megatrons_scalar_names_are_the_headline():
         "Overview/loss-scale": 4096.0, "Overview/params-norm": 9.0}
     assert {tag: values[tag] for tag in values if tag.startswith("scalars/")} == {
         "scalars/grad_norm": 2.0, "scalars/params_norm": 4.0}
+
+
+def test_a_nan_loss_is_drawn_in_the_loss_chart_as_the_ranks_holding_it():
+    """The loss chart's `nonfinite_elements` line counts the ranks whose loss is NaN or Inf, from the first on (0 at a
+    later step without), where TensorBoard would draw the NaN at the last finite value, as a flat line."""
+    view = View(ViewOptions())
+
+    def siblings(losses: dict) -> dict:
+        figure = StepFigures(0, scalars={"loss": losses}, recorded=True)
+        return dict(view.tags(figure).siblings.get(NONFINITE_RUN, []))
+
+    assert siblings({0: 0.7, 1: 0.6}) == {}
+    assert siblings({0: 0.7, 1: math.nan, 2: math.inf})["Overview/loss"] == 2.0
+    assert siblings({0: 0.7, 1: 0.6, 2: 0.5})["Overview/loss"] == 0.0
 
 
 def test_a_model_output_grad_of_exactly_one_is_left_out_of_the_worst_tensors():

@@ -230,7 +230,8 @@ class View:
         """Per sibling run, its values of the layer charts: per stat of SPREAD_STATS each rank's layer value (the
         largest of its tensors) reduced over ranks (none with one rank); NONFINITE_RUN the layers' NaN and Inf
         elements, in each layer chart from its first NaN/Inf on (0 at a step without: TensorBoard would draw a line
-        across the steps between two failures)."""
+        across the steps between two failures), and in the headline's charts (loss, norms) the ranks where that
+        value is NaN or Inf (TensorBoard draws a NaN at the last finite value, where it reads as a flat line)."""
         op = self.options.op
         out: dict[str, list] = {stat: [] for stat in SPREAD_STATS} if figure.layer_spread else {}
         for (family, layer), (low, median, _, _) in figure.layer_spread.items():
@@ -244,6 +245,11 @@ class View:
             if family not in FEATURE_FAMILIES:
                 tag = layer_tag(family, self.options.layer(family, name, vpp), op)
                 elements[tag] = elements.get(tag, 0.0) + count
+        series = figure.scalar_series()  # the headline's loss and norms: the ranks where they are NaN or Inf
+        for name in headline_names(series):
+            ranks = sum(1 for value in series[name].values() if not math.isfinite(value))
+            if ranks:
+                elements[f"{OVERVIEW}/{name}"] = float(ranks)
         self.nonfinite_charts |= elements.keys()
         if self.nonfinite_charts and figure.recorded:
             out[NONFINITE_RUN] = [(tag, elements.get(tag, 0.0)) for tag in sorted(self.nonfinite_charts)]

@@ -45,10 +45,7 @@ def test_the_load_is_the_gates_own_decision(output_dir, write_config):
             model(torch.randn(TOKENS, HIDDEN, generator=gen)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    monitor.stop()
-    with open_run(monitor.output_dir.parent) as run:
-        frame = run.records()
-    written = {(r.family, r.name, int(r.step)): r.max for r in frame.itertuples()}
+    written = _written(monitor)
     dropped_somewhere = False
     for step in range(STEPS):
         forwards = seen[step * GA:(step + 1) * GA]
@@ -134,12 +131,17 @@ def test_megatron_routing_padded_to_capacity_counts_the_tokens_not_the_padding(o
         (probs.sum() + model.router.weight.sum()).backward()
         optimizer.step()
         optimizer.zero_grad()
-    monitor.stop()
-    with open_run(monitor.output_dir.parent) as run:
-        frame = run.records()
-    written = {(r.family, r.name, int(r.step)): r.max for r in frame.itertuples()}
+    written = _written(monitor)
     for step, load in enumerate(seen):
         assert [written[("moe_expert_load", f"router.expert_{e}", step)] for e in range(EXPERTS)] == load.tolist()
         assert written[("moe_load", "router.imbalance", step)] == pytest.approx(float(load.max() / load.mean()))
         assert written[("moe_load", "router.dropped_tokens", step)] == TOKENS * 2 - float(load.sum()) > 0
     assert load.max() > load.min()  # unequal loads, which the padding would hide
+
+
+def _written(monitor) -> dict:
+    """{(family, name, step): max} of what a stopped monitor's run wrote."""
+    monitor.stop()
+    with open_run(monitor.output_dir.parent) as run:
+        frame = run.records()
+    return {(r.family, r.name, int(r.step)): r.max for r in frame.itertuples()}

@@ -55,6 +55,12 @@ def test_the_overview_shows_the_fault_where_it_happens(tmp_path):
     # and the layer's chart draws its NaN/Inf elements beside the norm, from the incident on only
     elements = dict(read_events(logdir, "nonfinite_elements")[0]["actv/norm of layers.3"])
     assert min(elements) == 8 and elements[8] >= 1
+    # Custom Scalars opens on the same headline: its first category, the only one open
+    categories = _custom_scalars_layout(logdir).category
+    assert categories[0].title == "Overview" and not categories[0].closed
+    assert all(category.closed for category in categories[1:])
+    titles = [chart.title for chart in categories[0].chart]  # this run logs no loss
+    assert titles[:2] == ["grad_norm", "params_norm"] and "NaN and Inf elements" in titles
 
 
 @pytest.mark.slow
@@ -250,3 +256,19 @@ def test_the_params_norm_is_the_global_norm_of_the_weights(tmp_path):
         db.close()
     got = dict(_tags(run, tmp_path / "w")["Overview/params_norm"])
     assert got == pytest.approx({step: 5.0 * math.sqrt(1 + step) for step in range(3)})
+
+
+def _custom_scalars_layout(logdir):
+    """The custom-scalars layout the view's `max` run holds, as TensorBoard reads it."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    found = None
+    for path in sorted((logdir / "max").glob("events.out.tfevents.*")):
+        for record in RawEventFileLoader(str(path)).Load():
+            for value in Event.FromString(record).summary.value:
+                if value.tag == metadata.CONFIG_SUMMARY_TAG:
+                    found = layout_pb2.Layout.FromString(value.tensor.string_val[0])  # the latest one counts
+    assert found is not None, "no custom-scalars layout"
+    return found

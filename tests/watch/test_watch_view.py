@@ -180,7 +180,7 @@ def test_the_first_group_holds_the_headline_and_the_worst_tensors_their_own():
     figure = StepFigures(3, stats={("actv", "a.0.x", 0, "norm"): (1.0, 1.0, 2.0, 0),
                                    ("param_origin", "a.0.w", 0, "norm"): (3.0, 3.0, 3.0, 0)},
                          scalars=scalars, norm_sumsq={0: {"param_origin": 16.0, "grad_reduced": 4.0}},
-                         params_sumsq=16.0, recorded=True,
+                         params_sumsq=16.0, params_ranks=(0,), recorded=True,
                          worst=Place("actv", "a.0.x", 0, 0, 0))
     values = _scalars(View(ViewOptions(single_rank=True)), figure)
     assert {tag for tag in values if tag.startswith("Overview/")} == {
@@ -198,7 +198,7 @@ def test_megatrons_scalar_names_are_the_headline():
     scalars = {name: {0: value} for name, value in (("lm loss", 2.5), ("grad-norm", 7.0), ("learning-rate", 1e-4),
                                                     ("loss-scale", 4096.0), ("params-norm", 9.0))}
     figure = StepFigures(3, scalars=scalars, norm_sumsq={0: {"param_origin": 16.0, "grad_reduced": 4.0}},
-                         params_sumsq=16.0, recorded=True)
+                         params_sumsq=16.0, params_ranks=(0,), recorded=True)
     values = _scalars(View(ViewOptions(single_rank=True)), figure)
     assert {tag: values[tag] for tag in values if tag.startswith("Overview/") and "_elements" not in tag
             and "nonfinite" not in tag and "stalled" not in tag} == {

@@ -55,14 +55,12 @@ class RouterTap:
         experts: the layer's experts (global).
         ep_group: the expert-parallel group its sums are added over (None: this rank's alone).
         device: where the router computes.
-        knows_drops: whether routed − received is the dropped tokens.
     """
 
-    def __init__(self, name: str, experts: int, ep_group, device: torch.device, knows_drops: bool):
+    def __init__(self, name: str, experts: int, ep_group, device: torch.device):
         self.name = name
         self.experts = experts
         self.ep_group = ep_group
-        self.knows_drops = knows_drops
         self.sums = torch.zeros(experts + 3, dtype=torch.float64, device=device)
 
     def add(self, received: torch.Tensor, routed, logits: torch.Tensor) -> None:
@@ -75,8 +73,8 @@ class RouterTap:
         tail[ENTROPY_SUM] += _entropy_sum(logits).to(torch.float64)
         tail[TOKENS] += logits.numel() // logits.shape[-1]
 
-    def figures(self, sums: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
-        """(names, values) of the layer figures from merged sums, on the device."""
+    def figures(self, sums: torch.Tensor) -> torch.Tensor:
+        """The layer figures (LAYER_FIGURES) from merged sums, on the device."""
         load = sums[: self.experts]
         routed, entropy_sum, tokens = sums[self.experts:].unbind()
         received = load.sum()
@@ -84,10 +82,7 @@ class RouterTap:
         zero = torch.zeros((), dtype=sums.dtype, device=sums.device)
         values = [torch.where(mean > 0, load.max() / mean.clamp_min(1e-300), zero), (load == 0).sum().to(sums.dtype),
                   routed - received, torch.where(tokens > 0, entropy_sum / tokens.clamp_min(1), zero)]
-        names = LAYER_FIGURES
-        if not self.knows_drops:
-            names, values = names[:2] + names[3:], values[:2] + values[3:]
-        return names, torch.stack(values)
+        return torch.stack(values)
 
 
 class MoeLoad(Hooks):
@@ -139,8 +134,7 @@ class MoeLoad(Hooks):
         # Padded to capacity, the routing map holds every expert's capacity slots, the padding among them; the
         # tokens an expert received are then the slots with a probability (padding has none).
         pads = config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity
-        tap = RouterTap(name, config.num_moe_experts, getattr(layer, "ep_group", None), router.weight.device,
-                        knows_drops=True)
+        tap = RouterTap(name, config.num_moe_experts, getattr(layer, "ep_group", None), router.weight.device)
         original = router.routing
 
         def routing(logits, *args, **kwargs):
@@ -159,7 +153,7 @@ class MoeLoad(Hooks):
 
     def _tap_deepspeed(self, name: str, gate) -> None:
         weight = gate.wg.weight
-        tap = RouterTap(name, weight.shape[0], getattr(gate, "ep_group", None), weight.device, knows_drops=True)
+        tap = RouterTap(name, weight.shape[0], getattr(gate, "ep_group", None), weight.device)
 
         def hook(module, args, kwargs, output):
             if self._collecting():
@@ -194,8 +188,9 @@ class MoeLoad(Hooks):
     def _record(self, tap: RouterTap, sums: torch.Tensor) -> None:
         collector = self.state.collector
         index = collector.next_call_index()
-        names, values = tap.figures(sums)
-        keys = [record_key(MOE_LOAD, f"{tap.name}.{figure}", 0, None, index, (), values.dtype) for figure in names]
+        values = tap.figures(sums)
+        keys = [record_key(MOE_LOAD, f"{tap.name}.{figure}", 0, None, index, (), values.dtype)
+                for figure in LAYER_FIGURES]
         keys += [record_key(MOE_EXPERT_LOAD, f"{tap.name}.expert_{e}", 0, None, index, (), values.dtype)
                  for e in range(tap.experts)]
         collector.record(keys, list(torch.cat([values, sums[: tap.experts]]).unbind()))

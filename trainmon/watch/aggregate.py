@@ -146,6 +146,7 @@ class StepFigures:
     scalars: dict[str, dict[int, float]] = field(default_factory=dict)
     norm_sumsq: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> family -> sum of norm²
     params_sumsq: Optional[float] = None  # over the run's distinct parameters, each once: see `params_norms`
+    params_ranks: tuple = ()  # the ranks holding `param_origin` records at this step
     nonfinite: bool = False
     rows: Optional[StepRows] = None
     nonfinite_elements: dict[str, tuple[float, float]] = field(default_factory=dict)  # family -> (NaN, Inf) counts
@@ -178,7 +179,7 @@ class StepFigures:
         if total is None:
             return {}
         norm = math.sqrt(total) if total == total and total >= 0 else total
-        return {rank: norm for rank, totals in self.norm_sumsq.items() if PARAM_ORIGIN in totals}
+        return {rank: norm for rank in self.params_ranks}
 
     def _norms(self, total_of) -> dict[int, float]:
         out = {}
@@ -280,7 +281,8 @@ def step_figures(chunks: list, ranks_kept: frozenset = frozenset(), spread: Opti
 
 def _sum_params(at, parts: list, width: int) -> None:
     """Per step, `StepFigures.params_sumsq`: the squared norms of the step's `param_origin` records summed over
-    the distinct parameters, the first rank's record of each (`parts`: (chunk, its tags across ranks))."""
+    the distinct parameters, the first rank's record of each, and `params_ranks`, the ranks holding such records
+    (`parts`: (chunk, its tags across ranks))."""
     held = [(chunk, tags) for chunk, tags in parts if len(chunk.param_rows)]
     if not held:
         return
@@ -293,6 +295,10 @@ def _sum_params(at, parts: list, width: int) -> None:
     totals = np.bincount(offsets, weights=sumsq[first])
     for offset in np.unique(offsets).tolist():
         at(low + offset).params_sumsq = float(totals[offset])
+    for chunk, _ in held:
+        for number in np.unique(chunk.step[chunk.param_rows]).tolist():
+            figure = at(number)
+            figure.params_ranks = (*figure.params_ranks, chunk.rank)
 
 
 def _spread_layers(at, keys: list, spread: tuple, offset: np.ndarray, tag: np.ndarray, rank: np.ndarray,

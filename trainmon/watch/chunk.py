@@ -21,7 +21,7 @@ from trainmon.read.rank_records import open_rank
 from trainmon.read.read_ahead import read_ahead
 from trainmon.writers.db_schema import NO_MICRO_STEP
 
-NORM_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN)  # whose global norms the view shows
+NORM_FAMILIES = (GRAD_REDUCED, GRAD_UNREDUCED)  # whose norms over a rank's tensors the view shows
 
 
 @dataclass
@@ -31,7 +31,8 @@ class RankChunk:
     `keys[tag[i]]` is row i's (family, name, vpp_stage), `micro[i]` its micro-step (NO_MICRO_STEP: once per
     step); `values[op]` its figures (`present[op]`: the row has that figure). `norm_sumsq`: step -> family -> sum
     of the squared norms of the whole-step records of NORM_FAMILIES. `param_rows`: the rows of the whole-step
-    `param_origin` records, `param_sumsq` their squared norms (for the weights' global norm over ranks).
+    `param_origin` records, `param_sumsq` their squared norms (the weights' global norm is summed over the ranks'
+    distinct parameters, `aggregate.step_figures`).
     `kept`: (step, family, name, vpp, micro_step, op, value) of every figure, for ranks exported one by one.
     """
 
@@ -139,8 +140,7 @@ def _from_columns(rank: int, columns, keep: bool) -> RankChunk:
     for family in NORM_FAMILIES:
         rows = whole_step & (families == family)
         _add_sumsq(chunk.norm_sumsq, family, data["step"][rows], sumsq[rows])
-    chunk.param_rows = np.flatnonzero(whole_step & (families == PARAM_ORIGIN))
-    chunk.param_sumsq = sumsq[chunk.param_rows]
+    _keep_params(chunk, whole_step & (families == PARAM_ORIGIN), sumsq)
     if keep:
         for i in range(len(columns)):
             family, name, vpp = chunk.keys[chunk.tag[i]]
@@ -172,20 +172,25 @@ def _from_rows(rank: int, by_step, keep: bool) -> RankChunk:
         if present.any():
             chunk.present[op] = present
             chunk.values[op] = np.array([np.nan if value is None else value for value in column], dtype=np.float64)
-    families = [chunk.keys[t][0] for t in tags]
+    families = np.array([chunk.keys[t][0] for t in tags], dtype=object)
+    whole_step = np.array([m is None and s is not None for m, s in zip(micro, sumsq)], dtype=bool)
+    sumsq = np.array(sumsq, dtype=np.float64)  # None (no norm) as NaN: left out by whole_step
     for family in NORM_FAMILIES:
-        rows = np.array([f == family and m is None and s is not None for f, m, s in zip(families, micro, sumsq)],
-                        dtype=bool)
-        _add_sumsq(chunk.norm_sumsq, family, chunk.step[rows], np.array(sumsq, dtype=np.float64)[rows])
-        if family == PARAM_ORIGIN:
-            chunk.param_rows = np.flatnonzero(rows)
-            chunk.param_sumsq = np.array(sumsq, dtype=np.float64)[rows]
+        rows = whole_step & (families == family)
+        _add_sumsq(chunk.norm_sumsq, family, chunk.step[rows], sumsq[rows])
+    _keep_params(chunk, whole_step & (families == PARAM_ORIGIN), sumsq)
     if keep:
         for i, (step, tag) in enumerate(zip(steps, tags)):
             family, name, vpp = chunk.keys[tag]
             chunk.kept += [(step, family, name, vpp, micro[i], op, chunk.values[op][i]) for op in chunk.values
                            if chunk.present[op][i]]
     return chunk
+
+
+def _keep_params(chunk: RankChunk, rows: np.ndarray, sumsq: np.ndarray) -> None:
+    """Keeps the rows `rows` (the whole-step `param_origin` records) and their squared norms."""
+    chunk.param_rows = np.flatnonzero(rows)
+    chunk.param_sumsq = sumsq[chunk.param_rows]
 
 
 def _add_sumsq(totals: dict, family: str, steps: np.ndarray, sumsq: np.ndarray) -> None:

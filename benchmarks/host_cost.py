@@ -12,6 +12,11 @@ hooks for their grads registered). Each tier's figure is the median over `--repe
     python benchmarks/host_cost.py                                  # the CPU path (the native read)
     python benchmarks/host_cost.py --accelerator-path --no-launch   # the accelerators' path up to the launch
     python benchmarks/host_cost.py --blocks 64 --steps 60 --tiers none,xy,all --repeats 3
+    python benchmarks/host_cost.py --compiled                       # the chain under torch.compile (inductor)
+
+With `--compiled` every tier, `none` included, trains the chain through `torch.compile`: a hooked call's host work
+is then its `trainmon::observe` ops' (the eager hooks run from the compiled graph), next to the same tier's eager
+figure from a run without the flag.
 """
 from __future__ import annotations
 
@@ -49,7 +54,8 @@ class NoLaunch:
         pass
 
 
-def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool) -> dict:
+def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
+          compiled: bool) -> dict:
     """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
     import torch
 
@@ -76,6 +82,8 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
             json.dump({"ops": OPS, "format": ["db"], **TIERS[tier]}, f)
         monitor = TrainerMon(path)
         monitor.set_monitor(model, optimizer=optimizer)
+    if compiled:  # compiled in the warm-up steps
+        model = torch.compile(model)
     thread = forward = 0.0
     for step in range(warmup + steps):
         if step == warmup:
@@ -112,11 +120,12 @@ def main() -> None:
                         help="the accelerators' slot-table path on CPU tensors (stats_fused.cpu_as_accelerator)")
     parser.add_argument("--no-launch", action="store_true",
                         help="with --accelerator-path: fold nothing, to count the host work up to the launches")
+    parser.add_argument("--compiled", action="store_true", help="train the chain through torch.compile (inductor)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path,
-                               args.no_launch)))
+                               args.no_launch, args.compiled)))
         return
     tiers = args.tiers.split(",")
     if "none" not in tiers:
@@ -128,7 +137,8 @@ def main() -> None:
         for tier in tiers if repeat % 2 == 0 else reversed(tiers):
             cmd = [sys.executable, __file__, "--child", tier, "--blocks", str(args.blocks), "--steps",
                    str(args.steps), "--warmup", str(args.warmup)] + \
-                (["--accelerator-path"] if args.accelerator_path else []) + (["--no-launch"] if args.no_launch else [])
+                (["--accelerator-path"] if args.accelerator_path else []) + (["--no-launch"] if args.no_launch else []) + \
+                (["--compiled"] if args.compiled else [])
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if done.returncode != 0:
                 raise SystemExit(f"{tier} failed:\n{done.stderr[-3000:]}")
@@ -136,6 +146,7 @@ def main() -> None:
     none = statistics.median(r["cpu_ms"] for r in runs["none"])
     path = "CPU path" if not args.accelerator_path else \
         "accelerators' path on the CPU" + (", no launch" if args.no_launch else "")
+    path += ", torch.compile" if args.compiled else ""
     print(f"{args.blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}; CPU ms a step, median of "
           f"{args.repeats} processes of {args.steps} steps")
     none_thread = statistics.median(r["thread_ms"] for r in runs["none"])

@@ -458,3 +458,14 @@ def test_a_fullgraph_compile_runs_the_capture_query_eagerly(output_dir, write_co
 def test_tracing_without_dynamo_is_not_inside_a_subgraph():
     """AOTAutograd alone, or a non-strict export, traces the hooks with no Dynamo frame: no higher-order op either."""
     assert in_graph._in_subgraph() is False
+
+
+def test_the_ops_stay_in_program_order_and_out_of_cuda_graphs():
+    """What passes and inductor read from the two ops' registration: ordered effects (never reordered among
+    themselves, never dropped as unused) and `cudagraph_unsafe` (`mode="reduce-overhead"` runs them outside what it
+    captures, where a Python op would run once, at capture)."""
+    from torch._higher_order_ops.effects import EffectType, _get_effect
+
+    for op in (torch.ops.trainmon.observe.default, torch.ops.trainmon.observe_grads.default):
+        assert _get_effect(op) == EffectType.ORDERED
+        assert torch.Tag.cudagraph_unsafe in op.tags

@@ -248,3 +248,22 @@ def test_compiled_records_on_the_accelerators_path_are_the_eager_ones(output_dir
     for key, got in compiled_records.items():
         for op in OPS:
             assert getattr(got, op) == pytest.approx(getattr(eager_records[key], op), rel=1e-4, abs=1e-6), (key, op)
+
+
+def test_a_tensor_lends_its_own_record_only_where_its_row_holds_others_too(accelerator_path):
+    """A key recorded twice in a step holds both records: a tensor read into that row, recorded again under another
+    key, gives that key its own record, not the row's."""
+    collector = _collector()
+    x, y, z = torch.randn(40), torch.randn(40) * 5, torch.randn(40) - 3
+    collector.record([_key("a", 0, x)], [x], defer=True)
+    collector.record([_key("a", 0, y)], [y], defer=True)   # a's row: x and y
+    collector.record([_key("b", 1, x)], [x], defer=True)   # x again: b is x's record alone
+    collector.record([_key("c", 2, z)], [z], defer=True)
+    collector.record([_key("d", 3, x)], [x], defer=True)
+    collector.record([_key("d", 3, z)], [z], defer=True)   # c's row merged into d's: d holds x and z
+    collector.record([_key("e", 4, z)], [z], defer=True)   # z again: e is z's record alone
+    values = _values(collector.finish_step())
+    assert values["b"] == _record_of(x) and values["c"] == values["e"] == _record_of(z)
+    for key, parts in (("a", (x, y)), ("d", (x, z))):
+        got, want = values[key], _record_of(*parts)
+        assert all(got[f] == pytest.approx(want[f], rel=1e-6) for f in got), key

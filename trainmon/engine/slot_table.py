@@ -5,9 +5,9 @@ Each record key gets a row the first time it is seen and keeps it on later steps
 from step to step allocates nothing after its first step. A step starts with every row empty (the schema's
 identity record); a fold merges a tensor's record into its key's row on the device (`folding`), so a key recorded
 twice in a step holds the merge of both, and a tensor recorded again under another key (a module's output is the
-next module's input) has its row merged into the other's instead of being read again. At the step's end the host
-gets the whole table in one copy, with the rows of the keys that step touched, in the order they were first
-touched.
+next module's input) has its row merged into the other's instead of being read again, where that row holds its
+record alone (`holds_one`). At the step's end the host gets the whole table in one copy, with the rows of the keys
+that step touched, in the order they were first touched.
 
 Those merges of rows (two of every three records where a module's output is the next one's input) launch nothing:
 they are noted, and the host makes them in order after the step's copy (`StepBatch.wait`). A fold into a row noted as
@@ -45,6 +45,8 @@ class SlotTable:
         self.rows: list[int] = []                   # their slots
         self._merges: list[tuple[int, int]] = []    # (source, target) rows noted this step, for the host to merge
         self._sources: set[int] = set()             # their source rows
+        self._filled: set[int] = set()              # rows that took a record this step
+        self._mixed: set[int] = set()               # of those, rows that took more than one
         with torch.inference_mode(False):           # usable in and out of the mode
             self._empty = buffers.host_values(schema.IDENTITY, device, torch.float64).repeat(_FIRST_ROWS, 1)
             self.table = self._empty.clone()
@@ -79,6 +81,7 @@ class SlotTable:
         """Folds each tensor's record into its slot's row."""
         if self._sources and not self._sources.isdisjoint(slots):
             self._merge_now()
+        self._note_filled(slots)
         try:
             self.folder.fold(self.table, slots, tensors)
         except Exception as exc:                    # monitoring never takes training down
@@ -90,6 +93,21 @@ class SlotTable:
         the host to merge after the step's copy."""
         self._merges.append((source, target))
         self._sources.add(source)
+        self._note_filled((target,))
+        if source in self._mixed:
+            self._mixed.add(target)
+
+    def _note_filled(self, slots: Sequence[int]) -> None:
+        filled = self._filled
+        for slot in slots:
+            if slot in filled:
+                self._mixed.add(slot)
+            else:
+                filled.add(slot)
+
+    def holds_one(self, slot: int) -> bool:
+        """Whether row `slot` holds one record this step (or none): a tensor read into it may lend it to another key."""
+        return slot not in self._mixed
 
     def _merge_now(self) -> None:
         """The merges noted so far, made on the device now: a fold is about to change a row they read."""
@@ -128,4 +146,5 @@ class SlotTable:
             self.table.narrow(0, 0, used).copy_(self._empty.narrow(0, 0, used))
         self.keys, self.rows = [], []
         self._merges, self._sources = [], set()
+        self._filled, self._mixed = set(), set()
         self._steps += 1

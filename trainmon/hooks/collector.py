@@ -197,7 +197,7 @@ class StepCollector:
 
     def _fold(self, table: SlotTable, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool) -> None:
         """Folds the tensors' records into their keys' rows now; an activation recorded earlier in the step, unchanged
-        since, lends its row instead."""
+        since, lends its row instead, where that row holds its record alone."""
         if not defer:
             table.fold(table.slots(keys), tensors)
             return
@@ -207,7 +207,7 @@ class StepCollector:
             slot = table.slot(key)
             version = tensor._version
             seen = folded.get(id(tensor), tensor)
-            if seen is not None and seen[0] == version:
+            if seen is not None and seen[0] == version and table.holds_one(seen[1]):
                 if seen[1] != slot:
                     table.merge_row(seen[1], slot)
                 continue

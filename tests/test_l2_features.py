@@ -62,12 +62,15 @@ def batches(order: str, seed: int = 1):
         yield torch.randn(shape, generator=gen)
 
 
-def train(monitor_factory, order: str):
-    """STEPS steps of GA micro-batches of Model under a monitor made by `monitor_factory(model, optimizer)`."""
+def train(monitor_factory, order: str, wrap=None):
+    """STEPS steps of GA micro-batches of Model under a monitor made by `monitor_factory(model, optimizer)`; the
+    model trained through `wrap(model)` where given (torch.compile)."""
     torch.manual_seed(0)
     model = Model(order)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     monitor = monitor_factory(model, optimizer)
+    if wrap is not None:
+        model = wrap(model)
     data = batches(order)
     for _ in range(STEPS):
         for _ in range(GA):
@@ -77,11 +80,11 @@ def train(monitor_factory, order: str):
     return monitor
 
 
-def trainmon_features(output_dir, write_config, order: str) -> dict:
+def trainmon_features(output_dir, write_config, order: str, wrap=None, **settings) -> dict:
     """{(hook family, module, feature, step, micro_step or None): value} as trainmon writes them (the db)."""
     config = write_config(recording_l2_features=True, l2_targets=L2_TARGETS, sa_order=order, format=["db"],
-                          ops=["min", "max", "mean"])
-    monitor = train(lambda m, o: TrainerMon(config).set_monitor(m, optimizer=o, grad_acc_steps=GA), order)
+                          ops=["min", "max", "mean"], **settings)
+    monitor = train(lambda m, o: TrainerMon(config).set_monitor(m, optimizer=o, grad_acc_steps=GA), order, wrap)
     monitor.stop()
     with open_run(monitor.output_dir.parent) as run:
         frame = run.records()
@@ -263,19 +266,20 @@ def test_a_module_without_q_and_k_and_a_misspelled_target_are_said_once(output_d
     assert sum("attention_hook is not recorded for out" in m and "q and k" in m for m in said) == 1
 
 
-def test_a_compiled_model_trains_without_a_graph_break_and_says_what_is_not_computed(output_dir, write_config,
-                                                                                     caplog):
-    config = write_config(recording_l2_features=True, l2_targets=L2_TARGETS, format=["csv"], ops=["max"])
-    torch.manual_seed(0)
-    model = Model("s,b,h,d")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a graph break would raise
-    with caplog.at_level("WARNING", logger="trainmon"):
-        monitor = TrainerMon(config).set_monitor(compiled, optimizer=optimizer)
-    x = next(batches("s,b,h,d"))
-    for _ in range(2):
-        compiled(x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    monitor.stop()
-    assert sum("inside torch.compile'd regions are not computed" in r.getMessage() for r in caplog.records) == 1
+def test_a_compiled_model_records_the_eager_features_in_one_graph(output_dir, write_config, tmp_path, monkeypatch):
+    """Inside a torch.compile'd region the graph runs the feature hooks on each call's tensors: the same records as
+    eager, one graph (fullgraph: a graph break would raise), and none compiled again as collecting turns on and off
+    (`step_interval`)."""
+    from torch._dynamo.utils import counters
+
+    eager = trainmon_features(output_dir, write_config, "s,b,h,d", step_interval=2)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "compiled"))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = trainmon_features(output_dir, write_config, "s,b,h,d", step_interval=2,
+                                 wrap=lambda model: torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert {key[3] for key in eager} == {0, 2} and compiled.keys() == eager.keys()
+    assert {key[0] for key in compiled} == set(L2_TARGETS)
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

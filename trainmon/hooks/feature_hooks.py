@@ -19,7 +19,7 @@ import torch
 
 from trainmon.core.records import (ATTENTION_HOOK, LINEAR_HOOK, MOE_ROUTER_LOGIT_HOOK, MOE_ROUTER_WEIGHT_HOOK,
                                    PER_MICRO_FEATURE_FAMILIES, record_key)
-from trainmon.hooks import features
+from trainmon.hooks import features, in_graph
 from trainmon.hooks.forward_passes import in_backward
 from trainmon.hooks.hook_group import Hooks
 from trainmon.hooks.selection import module_places
@@ -123,14 +123,6 @@ L2_HOOKS: dict[str, L2Hook] = {
 }
 
 
-def compiled(modules: list) -> bool:
-    """Whether any of `modules` is, or holds, a torch.compile'd module (whose hooks trainmon's feature hooks skip:
-    they record from Python, which a compiled graph would have to break for)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return any(isinstance(m, OptimizedModule) for module in modules for m in module.modules())
-
-
 def feature_modules(chunks: list, l2_targets: dict[str, list[str]], squash: bool,
                     rename: Callable[[int, str], str]) -> list[tuple[str, str, int, torch.nn.Module]]:
     """(hook name, written name, vpp stage, module) of each module `l2_targets` chooses; an entry that names no
@@ -149,12 +141,15 @@ def feature_modules(chunks: list, l2_targets: dict[str, list[str]], squash: bool
                     matched |= {(hook_name, entry) for entry in hit}
     missed = [f"{hook}: {entry}" for hook, entries in l2_targets.items() for entry in entries
               if (hook, entry) not in matched]
-    if out and compiled(chunks):
-        logger.warning("trainmon: L2 features of modules inside torch.compile'd regions are not computed")
     if missed:
         logger.warning("trainmon: l2_targets names modules the model does not have, or that do not have what the hook "
                        "reads (a linear or router-weight hook needs a 2-D weight); not recorded: %s", "; ".join(missed))
     return out
+
+
+def _unchanged(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The features' `before`: they are computed after the forward."""
+    return None
 
 
 class L2Features(Hooks):
@@ -178,14 +173,16 @@ class L2Features(Hooks):
     def install(self) -> None:
         for target in self.targets:
             hook = self.state.guarded(f"{target.hook.family} of {target.name}", self._hook(target))
-            self._handles.append(target.module.register_forward_hook(hook, with_kwargs=True))
+            # In the wrapper around the module's forward that the activation hooks may already have put there (one
+            # op a call under torch.compile for all of them, whose graph runs the hook on the call's tensors).
+            self._handles.append(in_graph.around_forward(target.module, target.hook.family, _unchanged, hook))
         logger.info("trainmon: L2 features of %d module(s): %s", len(self.targets),
                     ", ".join(sorted({t.hook.family for t in self.targets})) or "none")
 
     def _hook(self, target: FeatureModule):
         def hook(module, args, kwargs, output):
             state = self.state
-            if not (state.collecting and state.training_forward) or torch.compiler.is_compiling() or in_backward():
+            if not (state.collecting and state.training_forward) or in_backward():
                 return None
             self._record(target, args, kwargs, output)
             return None

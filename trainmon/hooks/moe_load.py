@@ -26,7 +26,6 @@ from trainmon.core import feature_table
 from trainmon.core.records import MOE_EXPERT_LOAD, MOE_LOAD, record_key
 from trainmon.engine.accelerator import collective_device
 from trainmon.hooks.collectives import not_monitored
-from trainmon.hooks.feature_hooks import compiled
 from trainmon.hooks.forward_passes import in_backward
 from trainmon.hooks.hook_group import Hooks
 from trainmon.adapters.patching import patch_attribute
@@ -117,7 +116,7 @@ class MoeLoad(Hooks):
         if not self.taps:
             logger.warning("trainmon: moe_load is on but the model has no router trainmon knows (Megatron-Core's "
                            "TopKRouter, DeepSpeed's TopKGate): no MoE load is recorded")
-        if compiled(self.chunks):
+        if _compiled(self.chunks):
             logger.warning("trainmon: routers inside torch.compile'd regions are not counted in moe_load")
         else:
             logger.info("trainmon: MoE load of %d router(s)", len(self.taps))
@@ -126,7 +125,9 @@ class MoeLoad(Hooks):
         """Whether this forward's routing is counted: a collected step's training forward, run eagerly (not
         activation checkpointing's second forward, nor inside a compiled region, which never holds a tap)."""
         state = self.state
-        return state.collecting and state.training_forward and not torch.compiler.is_compiling() and \
+        # Compiling first: under tracing nothing of the state is read (Dynamo would guard on it, and compile again
+        # each time collecting turns on or off).
+        return not torch.compiler.is_compiling() and state.collecting and state.training_forward and \
             not in_backward()
 
     def _tap_megatron(self, name: str, router, layer) -> None:
@@ -227,3 +228,11 @@ def _all_reduce(sums: torch.Tensor, group) -> torch.Tensor:
     with not_monitored():  # trainmon's own collective is not part of the training's communication
         dist.all_reduce(moved, group=group)
     return moved.to(sums.device)
+
+
+def _compiled(modules: list) -> bool:
+    """Whether any of `modules` is, or holds, a torch.compile'd module (whose routers are not tapped: a tap records
+    from Python, which a compiled graph would have to break for)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) for module in modules for m in module.modules())

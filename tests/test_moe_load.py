@@ -64,6 +64,27 @@ def test_the_load_is_the_gates_own_decision(output_dir, write_config):
     assert not any(math.isnan(v) for v in written.values())
 
 
+
+def test_a_gate_inside_a_compiled_region_records_the_eager_load(output_dir, write_config, tmp_path, monkeypatch):
+    def load(wrap):
+        model = gate_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"]))
+        monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=GA)
+        run_model = wrap(model)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(STEPS):
+            for _ in range(GA):
+                run_model(torch.randn(TOKENS, HIDDEN, generator=gen)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return _written(monitor)
+
+    eager = load(lambda model: model)
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "compiled"))
+    compiled = load(lambda model: torch.compile(model, backend="aot_eager"))
+    assert len(eager) == STEPS * (EXPERTS + 4) and compiled == eager
+
 def test_the_tap_reads_nothing_on_the_host(output_dir, write_config):
     model = gate_model()
     x = torch.randn(TOKENS, HIDDEN)
@@ -84,10 +105,8 @@ def test_the_tap_reads_nothing_on_the_host(output_dir, write_config):
     assert after.counts == plain.counts
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_megatron_routing_padded_to_capacity_counts_the_tokens_not_the_padding(output_dir, write_config, pad):
-    """Megatron-Core's routing with a capacity, its experts' inputs padded to capacity or not: the routing map padded
-    holds every expert's capacity slots, and the load is still the tokens each expert received."""
+def megatron_router_layer(pad: bool = False) -> torch.nn.Module:
+    """A layer holding a router that routes as Megatron-Core's `TopKRouter.routing` does, single process."""
     moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
     import types
 
@@ -120,7 +139,14 @@ def test_megatron_routing_padded_to_capacity_counts_the_tokens_not_the_padding(o
             return self.router(x)
 
     torch.manual_seed(0)
-    model = Layer()
+    return Layer()
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_megatron_routing_padded_to_capacity_counts_the_tokens_not_the_padding(output_dir, write_config, pad):
+    """Megatron-Core's routing with a capacity, its experts' inputs padded to capacity or not: the routing map padded
+    holds every expert's capacity slots, and the load is still the tokens each expert received."""
+    model = megatron_router_layer(pad)
     seen = []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"])).set_monitor(model,
@@ -145,3 +171,25 @@ def _written(monitor) -> dict:
     with open_run(monitor.output_dir.parent) as run:
         frame = run.records()
     return {(r.family, r.name, int(r.step)): r.max for r in frame.itertuples()}
+
+
+def test_a_router_inside_a_compiled_region_records_no_load_and_says_so(output_dir, write_config, caplog):
+    """Megatron's routing compiled after trainmon was attached counts no forward: no zeros are written for it (they
+    would read as every expert idle), and one message says why."""
+    model = megatron_router_layer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"])).set_monitor(model,
+                                                                                              optimizer=optimizer)
+    compiled = torch.compile(model, backend="aot_eager")
+    with caplog.at_level("WARNING", logger="trainmon"):
+        for _ in range(2):
+            probs, _ = compiled(torch.randn(TOKENS, HIDDEN))
+            (probs.sum() + model.router.weight.sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.stop()
+    with open_run(monitor.output_dir.parent) as run:
+        records = run.records()
+    assert not records.family.isin(["moe_load", "moe_expert_load"]).any()
+    said = [r.getMessage() for r in caplog.records if "ran no counted training forward" in r.getMessage()]
+    assert len(said) == 1 and "router router" in said[0] and "step 0" in said[0]

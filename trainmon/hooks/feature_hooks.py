@@ -147,11 +147,6 @@ def feature_modules(chunks: list, l2_targets: dict[str, list[str]], squash: bool
     return out
 
 
-def _unchanged(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """The features' `before`: they are computed after the forward."""
-    return None
-
-
 class L2Features(Hooks):
     """Forward hooks computing msprobe's L2 features of the modules `l2_targets` names.
 
@@ -175,7 +170,7 @@ class L2Features(Hooks):
             hook = self.state.guarded(f"{target.hook.family} of {target.name}", self._hook(target))
             # In the wrapper around the module's forward that the activation hooks may already have put there (one
             # op a call under torch.compile for all of them, whose graph runs the hook on the call's tensors).
-            self._handles.append(in_graph.around_forward(target.module, target.hook.family, _unchanged, hook))
+            self._handles.append(in_graph.after_forward(target.module, target.hook.family, hook))
         logger.info("trainmon: L2 features of %d module(s): %s", len(self.targets),
                     ", ".join(sorted({t.hook.family for t in self.targets})) or "none")
 

@@ -503,6 +503,16 @@ def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: 
     return _Handle(lambda: around.drop(entry), grads=grads)
 
 
+def after_forward(module: torch.nn.Module, kind: str, after: Callable) -> _Handle:
+    """Runs `after(module, args, kwargs, output)` after each call of `module`'s forward: `around_forward` with
+    nothing to do before it (one wrapper, and under compile one op a call, for every group on the module)."""
+    return around_forward(module, kind, _nothing_before, after)
+
+
+def _nothing_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    return None
+
+
 _AROUND = "_trainmon_around"  # the attribute that holds a module's `_Around`
 
 

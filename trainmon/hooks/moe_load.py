@@ -1,12 +1,14 @@
 """Mixture-of-experts load per layer (`moe_load`), from each router's own routing decision.
 
-A router's tap sees, at every training forward, the router's logits and the tokens it sent to each expert after
-any capacity drop: Megatron-Core's `TopKRouter` through its `routing` (the routing map it returns), DeepSpeed's
-`TopKGate` through a forward hook (its dispatch mask, and the counts before the drop it returns beside it). It adds,
-on the device, into the step's sums: tokens per expert, routed tokens (tokens × top-k before any drop), the sum of
-the tokens' router entropies and the tokens. At the step's end the sums of every router are added over its
-expert-parallel group in one collective (each EP rank routes its own tokens to every expert of the layer), and each
-layer's figures are recorded as one-element records (`trainmon.core.records.MOE_LOAD`, `MOE_EXPERT_LOAD`):
+A router's tap sees, at every training forward, the router's logits and the tokens it sent to each expert after any
+capacity drop: Megatron-Core's `TopKRouter` through its `routing` (the routing map it returns), DeepSpeed's
+`TopKGate` after its forward (its dispatch mask, and the counts before the drop it returns beside it; inside a
+torch.compile'd region too, where Megatron's `routing` is traced and counts nothing: such a router's load is not
+recorded, and one message says so). It adds, on the device, into the step's sums: tokens per expert, routed tokens
+(tokens × top-k before any drop), the sum of the tokens' router entropies and the tokens. At the step's end the sums
+of every router are added over its expert-parallel group in one collective (each EP rank routes its own tokens to
+every expert of the layer), and each layer's figures are recorded as one-element records
+(`trainmon.core.records.MOE_LOAD`, `MOE_EXPERT_LOAD`):
 
 - `<router>.imbalance`: the largest expert load over the mean load (1: balanced; 0 when no token was routed);
 - `<router>.idle_experts`: experts that received no token;
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from trainmon.core import feature_table
 from trainmon.core.records import MOE_EXPERT_LOAD, MOE_LOAD, record_key
 from trainmon.engine.accelerator import collective_device
+from trainmon.hooks import in_graph
 from trainmon.hooks.collectives import not_monitored
 from trainmon.hooks.forward_passes import in_backward
 from trainmon.hooks.hook_group import Hooks
@@ -61,10 +64,12 @@ class RouterTap:
         self.experts = experts
         self.ep_group = ep_group
         self.sums = torch.zeros(experts + 3, dtype=torch.float64, device=device)
+        self.forwards = 0  # the forwards added this step (counted on the host)
 
     def add(self, received: torch.Tensor, routed, logits: torch.Tensor) -> None:
         """One forward's routing: tokens per expert after the drop, routes before it (a number, or a tensor on the
         router's device), the router's logits."""
+        self.forwards += 1
         sums = self.sums
         sums[: self.experts] += received.detach().to(torch.float64)
         tail = sums[self.experts:]
@@ -103,6 +108,7 @@ class MoeLoad(Hooks):
         self.rename = rename
         self.taps: list[RouterTap] = []
         self._undo: list = []
+        self._untapped: set[str] = set()  # routers said to have run no counted forward
 
     def install(self) -> None:
         for vpp, chunk in enumerate(self.chunks):
@@ -116,14 +122,13 @@ class MoeLoad(Hooks):
         if not self.taps:
             logger.warning("trainmon: moe_load is on but the model has no router trainmon knows (Megatron-Core's "
                            "TopKRouter, DeepSpeed's TopKGate): no MoE load is recorded")
-        if _compiled(self.chunks):
-            logger.warning("trainmon: routers inside torch.compile'd regions are not counted in moe_load")
         else:
             logger.info("trainmon: MoE load of %d router(s)", len(self.taps))
 
     def _collecting(self) -> bool:
-        """Whether this forward's routing is counted: a collected step's training forward, run eagerly (not
-        activation checkpointing's second forward, nor inside a compiled region, which never holds a tap)."""
+        """Whether this forward's routing is counted: a collected step's training forward (not activation
+        checkpointing's second forward). Megatron's `routing`, traced inside a compiled region, counts nothing there;
+        DeepSpeed's gate hook runs from the compiled graph as it would eagerly (`in_graph`)."""
         state = self.state
         # Compiling first: under tracing nothing of the state is read (Dynamo would guard on it, and compile again
         # each time collecting turns on or off).
@@ -170,7 +175,8 @@ class MoeLoad(Hooks):
 
         record = self.state.guarded(f"moe_load of {name}", add)
         self.taps.append(tap)
-        self._undo.append(gate.register_forward_hook(hook, with_kwargs=True).remove)
+        # In the wrapper around the gate's forward: inside a torch.compile'd region the graph runs it too.
+        self._undo.append(in_graph.after_forward(gate, "moe_load", hook).remove)
 
     def step_finished(self, collected: bool) -> None:
         if not collected or not self.taps:
@@ -181,10 +187,21 @@ class MoeLoad(Hooks):
                 merged = _all_reduce(merged, group)
             offset = 0
             for tap in taps:
-                self._record(tap, merged[offset:offset + tap.sums.numel()])
+                if tap.forwards:
+                    self._record(tap, merged[offset:offset + tap.sums.numel()])
+                else:  # its zeros would read as every expert idle
+                    self._say_untapped(tap)
                 offset += tap.sums.numel()
         for tap in self.taps:
             tap.sums.zero_()
+            tap.forwards = 0
+
+    def _say_untapped(self, tap: RouterTap) -> None:
+        if tap.name not in self._untapped:
+            self._untapped.add(tap.name)
+            logger.warning("trainmon: the router %s ran no counted training forward in step %s (Megatron's routing "
+                           "inside a torch.compile'd region is not counted): its MoE load is not recorded", tap.name,
+                           self.state.collector.step)
 
     def _record(self, tap: RouterTap, sums: torch.Tensor) -> None:
         collector = self.state.collector
@@ -228,11 +245,3 @@ def _all_reduce(sums: torch.Tensor, group) -> torch.Tensor:
     with not_monitored():  # trainmon's own collective is not part of the training's communication
         dist.all_reduce(moved, group=group)
     return moved.to(sums.device)
-
-
-def _compiled(modules: list) -> bool:
-    """Whether any of `modules` is, or holds, a torch.compile'd module (whose routers are not tapped: a tap records
-    from Python, which a compiled graph would have to break for)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return any(isinstance(m, OptimizedModule) for module in modules for m in module.modules())

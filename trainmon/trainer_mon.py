@@ -268,9 +268,10 @@ class TrainerMon:
             if self._writes_records(self.config):
                 self._writer.put(batch)
         if self._eval_collector is not None:
-            # Evaluation forwards from now on see the weights this step produced: they carry its number.
+            # Evaluation forwards from now on see the weights this step produced: they carry its number, and are
+            # recorded where it was collected (beside its training records).
             self._eval_collector.step = self.step
-            state.eval_collector = self._eval_collector
+            state.eval_collector = self._eval_collector if collected else None
         self.step += 1
         if self._dynamic is not None:
             new_config = self._dynamic.poll(self.step)

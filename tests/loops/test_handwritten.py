@@ -87,6 +87,16 @@ def test_evaluation_forwards_recorded_on_request(output_dir, write_config):
     assert set(evaluation[evaluation.micro_step == 0].name) >= {"hidden.output", ".output", ".input"}
 
 
+
+def test_evaluation_forwards_are_recorded_at_the_collected_steps(output_dir, write_config):
+    """With a schedule, an evaluation is recorded where the step whose weights it sees was collected, beside that
+    step's training records."""
+    monitor, _ = run(write_config, eval_xy_distribution=True, start_step=3, step_interval=4)
+    evaluation = read_family(monitor.output_dir, "actv_eval")
+    training = read_family(monitor.output_dir, "actv")
+    assert sorted(set(training.step)) == [3, 7]
+    assert sorted(set(evaluation.step)) == [3, 7]  # not the last evaluation's step 9, which was not collected
+
 @pytest.mark.parametrize("config", [dict(), dict(sentinel=True, xy_distribution=False, wg_distribution=False,
                                                  mv_distribution=False, param_distribution=False)],
                          ids=["statistics", "sentinel_only"])

@@ -283,7 +283,8 @@ class MonitorConfig:
     eval_xy_distribution: bool = _field(check_bool, default=False)
     """trainmon: with `xy_distribution`, also record module inputs/outputs of evaluation forwards (under
     `no_grad`/`inference_mode` or with the model in `eval()`) in the `actv_eval` family, at the last optimizer
-    step applied before them, numbered by evaluation pass. Off: evaluation forwards are not recorded."""
+    step applied before them where that step was collected, numbered by evaluation pass. Off: evaluation forwards
+    are not recorded."""
     wg_distribution: bool = _field(check_bool, default=False)
     """Record weight gradients before (`grad_unreduced`) and after (`grad_reduced`) the DP reduction; `grad_reduced`
     is what the update consumes, after loss-scale unscaling and clipping."""

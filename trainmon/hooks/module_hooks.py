@@ -201,12 +201,12 @@ class ActivationHooks(Hooks):
         return names[calls - 1]
 
     def _target(self) -> Optional[StepCollector]:
-        """The collector of the running forward pass: the step's for training, the evaluation one (if any)
-        otherwise, None when nothing is recorded."""
+        """The collector of the running forward pass: the step's for training where that step is collected, the
+        evaluation one otherwise (set where the last step applied was collected), None when nothing is recorded."""
         state = self.state
-        if not state.collecting:
-            return None
-        return state.collector if state.training_forward else state.eval_collector
+        if state.training_forward:
+            return state.collector if state.collecting else None
+        return state.eval_collector
 
     def _make_pre_forward(self, watched: WatchedModule):
         state = self.state

@@ -150,10 +150,14 @@ def test_start_iteration_numbers_steps_from_there(output_dir, write_config):
     assert sorted(set(read_family(monitor.output_dir, "grad_reduced").step)) == [11, 12]
 
 
-def test_module_ranks_excluding_this_rank_records_nothing(output_dir, write_config):
-    monitor, *_ = train(write_config, steps=2, **FULL, module_ranks=[1])
-    monitor.stop()
+def test_module_ranks_excluding_this_rank_records_nothing_and_says_so(output_dir, write_config, caplog):
+    with caplog.at_level("WARNING", logger="trainmon"):
+        monitor, *_ = train(write_config, steps=2, **FULL, module_ranks=[1])
+        monitor.stop()
     assert sorted(os.listdir(monitor.output_dir)) == ["run.json"]
+    said = [r.getMessage() for r in caplog.records if "module_ranks" in r.getMessage()]
+    assert said == ["trainmon: module_ranks [1] does not list rank 0, this job's only process: no statistics are "
+                    "written"]
 
 
 def test_dynamic_on_off_without_touching_the_users_file(output_dir, write_config, monkeypatch):

@@ -191,6 +191,7 @@ class TrainerMon:
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
         warn_about(config)
+        self._say_unlisted(config)
         self._eval_collector = state.eval_collector = None  # armed when a step has been applied (_end_step)
         if config.eval_xy_distribution and config.xy_distribution and writes:
             self._eval_collector = self._new_collector()
@@ -236,6 +237,18 @@ class TrainerMon:
     def _writes_records(self, config: MonitorConfig) -> bool:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
         return not config.module_ranks or self.rank in config.module_ranks
+
+    def _say_unlisted(self, config: MonitorConfig) -> None:
+        """Says once at set-up that `module_ranks` leaves this rank out: a warning where the job is one process
+        (nothing at all is written, most likely a config made for another job), else a line in the log."""
+        if self._writes_records(config):
+            return
+        if self.world_size == 1:
+            logger.warning("trainmon: module_ranks %s does not list rank 0, this job's only process: no statistics "
+                           "are written", config.module_ranks)
+        else:
+            logger.info("trainmon: rank %d is not in module_ranks %s: it writes no statistics", self.rank,
+                        config.module_ranks)
 
     def _merges_across_ranks(self, params: list) -> bool:
         """Sharded tensors merge their records in a collective: every rank of the group must collect."""

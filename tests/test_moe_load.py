@@ -31,21 +31,28 @@ def gate_model():
     return Model()
 
 
-def test_the_load_is_the_gates_own_decision(output_dir, write_config):
-    model = gate_model()
+def train_gate(model, write_config, wrap=None) -> dict:
+    """STEPS steps of GA micro-batches of `model` (trained through `wrap(model)` where given) with moe_load on;
+    what the run wrote (`_written`)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    seen = []  # per forward: tokens per expert after the drop, routes before it, the logits
-    model.gate.register_forward_hook(lambda m, args, out: seen.append(
-        (out[2].sum(dim=(0, 2)).double(), float(out[3].sum()), (args[0] @ m.wg.weight.t()).detach())))
     monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"]))
     monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=GA)
+    run_model = model if wrap is None else wrap(model)
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         for _ in range(GA):
-            model(torch.randn(TOKENS, HIDDEN, generator=gen)).backward()
+            run_model(torch.randn(TOKENS, HIDDEN, generator=gen)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    written = _written(monitor)
+    return _written(monitor)
+
+
+def test_the_load_is_the_gates_own_decision(output_dir, write_config):
+    model = gate_model()
+    seen = []  # per forward: tokens per expert after the drop, routes before it, the logits
+    model.gate.register_forward_hook(lambda m, args, out: seen.append(
+        (out[2].sum(dim=(0, 2)).double(), float(out[3].sum()), (args[0] @ m.wg.weight.t()).detach())))
+    written = train_gate(model, write_config)
     dropped_somewhere = False
     for step in range(STEPS):
         forwards = seen[step * GA:(step + 1) * GA]
@@ -66,23 +73,9 @@ def test_the_load_is_the_gates_own_decision(output_dir, write_config):
 
 
 def test_a_gate_inside_a_compiled_region_records_the_eager_load(output_dir, write_config, tmp_path, monkeypatch):
-    def load(wrap):
-        model = gate_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        monitor = TrainerMon(write_config(moe_load=True, format=["db"], ops=["max"]))
-        monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=GA)
-        run_model = wrap(model)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(STEPS):
-            for _ in range(GA):
-                run_model(torch.randn(TOKENS, HIDDEN, generator=gen)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return _written(monitor)
-
-    eager = load(lambda model: model)
+    eager = train_gate(gate_model(), write_config)
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "compiled"))
-    compiled = load(lambda model: torch.compile(model, backend="aot_eager"))
+    compiled = train_gate(gate_model(), write_config, wrap=lambda model: torch.compile(model, backend="aot_eager"))
     assert len(eager) == STEPS * (EXPERTS + 4) and compiled == eager
 
 def test_the_tap_reads_nothing_on_the_host(output_dir, write_config):

@@ -97,3 +97,35 @@ def test_a_corrupt_dump_index_is_named(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "a" / "step0" / "index.json") in err and "Traceback" not in err
+
+
+def test_a_dump_puts_no_torch_hook_on_the_modules_and_keeps_the_trainings_frames(tmp_path, monkeypatch):
+    """The dump's hooks run in the wrapper around each module's forward that the other groups share: no torch hook,
+    which would put every call of every module on torch's slow path on the steps that dump nothing. The stacks it
+    keeps hold the training's frames, not trainmon's."""
+    def torch_hooks(dump: dict):
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({"format": ["csv"], "strict": True, "xy_distribution": True, **dump}))
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(str(config)).set_monitor(model, optimizer)
+        hooks = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
+        return model, optimizer, monitor, hooks
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "plain"))
+    *_, plain_monitor, plain = torch_hooks({})
+    plain_monitor.stop()
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model, optimizer, monitor, hooks = torch_hooks({"dump": {"steps": [1], "modules": "all"}})
+    assert hooks == plain  # the root's one pre-hook (the forward passes' count), nothing else
+    data = batches()
+    for _ in range(2):
+        tokens, labels = next(data)
+        lm_loss(model, tokens, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    monitor.stop()
+    index = json.loads(next((tmp_path / "out").iterdir()).joinpath("rank_0", "dumps", "step1", "index.json").read_text())
+    stacks = ["".join(frames) for frames in index["stacks"].values()]
+    assert len(stacks) > 10 and all("test_tensor_dump.py" in s for s in stacks)
+    assert not any("trainmon/hooks" in s.replace("\\", "/") for s in stacks)

@@ -509,7 +509,17 @@ def after_forward(module: torch.nn.Module, kind: str, after: Callable) -> _Handl
     return around_forward(module, kind, _nothing_before, after)
 
 
+def before_forward(module: torch.nn.Module, kind: str, before: Callable) -> _Handle:
+    """Runs `before(module, args, kwargs)` before each call of `module`'s forward: `around_forward` with nothing
+    to do after it."""
+    return around_forward(module, kind, before, _nothing_after)
+
+
 def _nothing_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    return None
+
+
+def _nothing_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
     return None
 
 

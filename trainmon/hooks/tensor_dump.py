@@ -74,12 +74,14 @@ class StepCapture:
 
 
 _TORCH_CALL = os.path.join("torch", "nn", "modules", "module.py")
+_HOOKS = os.path.dirname(os.path.abspath(__file__)) + os.sep  # trainmon's hooks: the wrapper, the guard, this file
 
 
 def _call_stack() -> list[str]:
-    """The frames of the current module call, without torch's module-call machinery and the hook's own."""
-    frames = traceback.extract_stack()[:-2]
-    return traceback.format_list([f for f in frames if not f.filename.endswith(_TORCH_CALL)])
+    """The frames of the current module call, without torch's module-call machinery and trainmon's hooks."""
+    frames = traceback.extract_stack()
+    return traceback.format_list([f for f in frames if not (f.filename.endswith(_TORCH_CALL)
+                                                            or f.filename.startswith(_HOOKS))])
 
 
 def _floating(value, prefix: str):
@@ -126,13 +128,16 @@ class TensorDump(Hooks):
     def install(self) -> None:
         if not self.enabled:
             return
+        # In the wrapper around each module's forward that the other groups share: on the steps that dump nothing
+        # a call costs two plain calls, where torch's hooks would put every call on its slow path (and, under
+        # torch.compile, add two ops a call).
         for root in self.roots:
-            self._handles.append(in_graph.forward_pre_hook(root, "tensor_dump_root",
-                                                           self.guard("tensor dump", self._root_pre_hook)))
+            self._handles.append(in_graph.before_forward(root, "tensor_dump_root",
+                                                         self.guard("tensor dump", self._root_pre_hook)))
         for name, module in self.modules:
             item = f"tensor dump of {name or '(root)'}"
-            self._handles.append(in_graph.forward_pre_hook(module, "tensor_dump", self.guard(item, self._pre_hook(name))))
-            self._handles.append(in_graph.forward_hook(module, "tensor_dump", self.guard(item, self._hook(name))))
+            self._handles.append(in_graph.around_forward(module, "tensor_dump", self.guard(item, self._pre_hook(name)),
+                                                         self.guard(item, self._hook(name))))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -169,19 +174,19 @@ class TensorDump(Hooks):
         if capture is not None:
             capture.add(name, phase, role, max(self._micro, 0), tensor.detach())
 
-    def _root_pre_hook(self, module, args) -> None:
+    def _root_pre_hook(self, module, args, kwargs) -> None:
         if module.training and torch.is_grad_enabled() and self._current() is not None:
             self._micro += 1
 
     def _pre_hook(self, name: str):
-        def pre_hook(module, args) -> None:
+        def pre_hook(module, args, kwargs) -> None:
             capture = self._current()
             if capture is not None and name not in capture.stacks:
                 capture.stacks[name] = _call_stack()
         return pre_hook
 
     def _hook(self, name: str):
-        def hook(module, args, output) -> None:
+        def hook(module, args, kwargs, output) -> None:
             capture = self._current()
             if capture is None:
                 return

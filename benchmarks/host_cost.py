@@ -13,6 +13,7 @@ hooks for their grads registered). Each tier's figure is the median over `--repe
     python benchmarks/host_cost.py --accelerator-path --no-launch   # the accelerators' path up to the launch
     python benchmarks/host_cost.py --blocks 64 --steps 60 --tiers none,xy,all --repeats 3
     python benchmarks/host_cost.py --compiled                       # the chain under torch.compile (inductor)
+    python benchmarks/host_cost.py --tiers none,xy --extra '{"dump": {"steps": [100000]}}'   # a key added
 
 With `--compiled` every tier, `none` included, trains the chain through `torch.compile`: a hooked call's host work
 is then its `trainmon::observe` ops' (the eager hooks run from the compiled graph), next to the same tier's eager
@@ -55,7 +56,7 @@ class NoLaunch:
 
 
 def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
-          compiled: bool) -> dict:
+          compiled: bool, extra: dict) -> dict:
     """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
     import torch
 
@@ -79,7 +80,7 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
 
         path = os.path.join(out_dir, "config.json")
         with open(path, "w") as f:
-            json.dump({"ops": OPS, "format": ["db"], **TIERS[tier]}, f)
+            json.dump({"ops": OPS, "format": ["db"], **TIERS[tier], **extra}, f)
         monitor = TrainerMon(path)
         monitor.set_monitor(model, optimizer=optimizer)
     if compiled:  # compiled in the warm-up steps
@@ -121,11 +122,12 @@ def main() -> None:
     parser.add_argument("--no-launch", action="store_true",
                         help="with --accelerator-path: fold nothing, to count the host work up to the launches")
     parser.add_argument("--compiled", action="store_true", help="train the chain through torch.compile (inductor)")
+    parser.add_argument("--extra", default="{}", help="JSON config keys added to every monitored tier's")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path,
-                               args.no_launch, args.compiled)))
+                               args.no_launch, args.compiled, json.loads(args.extra))))
         return
     tiers = args.tiers.split(",")
     if "none" not in tiers:
@@ -138,7 +140,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", tier, "--blocks", str(args.blocks), "--steps",
                    str(args.steps), "--warmup", str(args.warmup)] + \
                 (["--accelerator-path"] if args.accelerator_path else []) + (["--no-launch"] if args.no_launch else []) + \
-                (["--compiled"] if args.compiled else [])
+                (["--compiled"] if args.compiled else []) + ["--extra", args.extra]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if done.returncode != 0:
                 raise SystemExit(f"{tier} failed:\n{done.stderr[-3000:]}")
@@ -147,6 +149,7 @@ def main() -> None:
     path = "CPU path" if not args.accelerator_path else \
         "accelerators' path on the CPU" + (", no launch" if args.no_launch else "")
     path += ", torch.compile" if args.compiled else ""
+    path += f", with {args.extra}" if json.loads(args.extra) else ""
     print(f"{args.blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}; CPU ms a step, median of "
           f"{args.repeats} processes of {args.steps} steps")
     none_thread = statistics.median(r["thread_ms"] for r in runs["none"])

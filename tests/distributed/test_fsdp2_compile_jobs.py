@@ -9,7 +9,6 @@ import math
 import pytest
 
 from launch import torchrun
-from trainmon.hooks import in_graph
 from trainmon.read import open_run
 from verify import assert_injection_named, assert_one_record_per_call, the_run
 
@@ -50,7 +49,7 @@ def records(run_dir: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["wrap", "in_place"])
 def test_trains_to_the_end_with_no_graph_break_or_graph_from_trainmon(job, mode):
-    out, _, log = job(mode)
+    out, _, _ = job(mode)
     for rank in (0, 1):
         figures = json.load(open(out / f"compile.rank{rank}.json"))
         unmonitored, monitored = figures["unmonitored"], figures["monitored"]
@@ -60,7 +59,6 @@ def test_trains_to_the_end_with_no_graph_break_or_graph_from_trainmon(job, mode)
         assert monitored["losses"] == unmonitored["losses"], "monitoring does not change the numerics"
         # torch.compile's wrappers put `_orig_mod` in the model's own parameter names (not in the records: below)
         assert (monitored["orig_mod_params"] > 0) == (mode == "wrap")
-    assert in_graph.GRADS_REFUSED in log
 
 
 @pytest.mark.parametrize("mode", ["wrap", "in_place"])

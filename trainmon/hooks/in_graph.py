@@ -20,7 +20,9 @@ require grad (the inputs before its forward, the output leaves after it) through
 backward runs it where autograd would have run the eager hooks, in the same order. The eager hook asks for them
 at forward time (`graph_call`); the op that ran it returns a scalar tensor carrying that request, which the tap
 saves for the backward, so each backward finds its own call's request, whatever order the micro-batches' backward
-passes run in.
+passes run in. A call's input that an enclosing call tapped already (a block's input, taken by its first layer) is
+tapped again, for the call's own grad, and the hook learns which tap it came through (`GraphCall.origin`): where
+eager hooks key a tensor by its identity, the graph's buffers have none.
 
 CUDA graphs: a Python op under stream capture runs once, at capture, and never at replay. Rather than record
 nothing silently, a hook that runs under capture (traced or eager) records nothing and says so once. Inductor
@@ -44,7 +46,7 @@ from trainmon.hooks.tensor_select import input_places, input_values
 logger = logging.getLogger("trainmon")
 
 _TOKEN = "_trainmon_token"
-# (module token, kind) -> (weak module, eager hook, with_kwargs, with_output, grads_refused)
+# (module token, kind) -> (weak module, eager hook, with_kwargs, with_output)
 _hooks: dict[tuple[int, str], tuple] = {}
 _tokens = itertools.count()
 _said: set[str] = set()  # messages said since the first hook was registered
@@ -55,6 +57,9 @@ _CALL = "_trainmon_call"  # the attribute of `trainmon::observe`'s result that h
 # The attribute of a traced output leaf passed through `_GradTap` (set while tracing): (that call's
 # `trainmon::observe` result, the leaf's place among its tapped tensors).
 _TAPPED_OUTPUT = "_trainmon_tapped_output"
+# The same, of a traced input passed through `_GradTap`: the first call's that tapped the tensor, where calls nested
+# in it tapped it again.
+_TAPPED_INPUT = "_trainmon_tapped_input"
 
 
 def _say_once(message: str) -> None:
@@ -79,18 +84,26 @@ class GraphCall:
     with that inner call's, after the inner hook's, which is the order in which eager grad hooks on one tensor run.
     """
 
-    __slots__ = ("_where", "_wanted")
+    __slots__ = ("_where", "_origins", "_wanted")
 
-    def __init__(self, tapped: list[torch.Tensor], joined: list[tuple[torch.Tensor, "GraphCall", int]]):
+    def __init__(self, tapped: list[torch.Tensor], joined: list[tuple[torch.Tensor, "GraphCall", int]],
+                 origins: list[tuple[torch.Tensor, "GraphCall", int]] = ()):
         # id of each tensor -> (the call whose backward hands back its grad, its place among that call's tapped)
         self._where = {id(t): (self, i) for i, t in enumerate(tapped)}
         for t, call, i in joined:
             self._where[id(t)] = (call, i)
+        # id of each tapped tensor that an enclosing call tapped first -> (that call, the tensor's place there)
+        self._origins = {id(t): (call, i) for t, call, i in origins}
         self._wanted: list[tuple[int, list[tuple[int, int]], Callable]] = []
 
     def takes_grad(self, tensor: torch.Tensor) -> bool:
         """Whether the compiled backward hands back the grad of `tensor` (one the hook was given)."""
         return id(tensor) in self._where
+
+    def origin(self, tensor: torch.Tensor) -> tuple["GraphCall", int]:
+        """The first tap of `tensor` (one that `takes_grad`) in the running forward: (the call, its place there).
+        Two hooks' inputs with one origin are one tensor of the traced program: the graph's buffers are not."""
+        return self._origins.get(id(tensor)) or self._where[id(tensor)]
 
     def on_grads(self, tensors: list[torch.Tensor], callback: Callable[[list], None]) -> None:
         """Calls `callback(grads)` in the compiled backward, `grads[i]` being that of `tensors[i]` (each one that
@@ -152,9 +165,6 @@ CAPTURE_REFUSED = ("a CUDA graph is being captured: hooks that run during captur
 SUBGRAPH_GRADS_REFUSED = ("grads of activations made inside activation checkpointing (or another higher-order op) "
                           "of a torch.compile'd region are not collected (torch recomputes what such a region saves "
                           "for its backward, and would run trainmon's hooks again there); those outside it are")
-GRADS_REFUSED = ("the NaN sentinel's backward probes skip the activations made inside torch.compile'd regions (the "
-                 "compiled backward is one autograd node); its forward probes, and every statistic, actv_grad "
-                 "included, are collected there")
 
 
 # The two ops are defined through `torch.library.Library`, with their Python kernels as the dispatcher's own, not
@@ -164,7 +174,8 @@ GRADS_REFUSED = ("the NaN sentinel's backward probes skip the activations made i
 _LIBRARY = torch.library.Library("trainmon", "FRAGMENT")
 _LIBRARY.define("observe(Tensor token, str kind, bool grad_enabled, Tensor[] inputs, Tensor[] outputs, "
                 "int[] out_positions, int out_total, int[] tapped, int[] joined, Tensor[] joined_calls, "
-                "int[] joined_places, bool untapped) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+                "int[] joined_places, int[] retapped, Tensor[] origin_calls, int[] origin_places, "
+                "bool untapped) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
 _LIBRARY.define("observe_grads(Tensor call, Tensor?[] grads) -> ()", tags=(torch.Tag.cudagraph_unsafe,))
 
 
@@ -182,27 +193,26 @@ def _kernel(name: str, fn: Callable) -> None:
 
 def _observe(token: torch.Tensor, kind: str, grad_enabled: bool, inputs: list[torch.Tensor],
              outputs: list[torch.Tensor], out_positions: list[int], out_total: int, tapped: list[int],
-             joined: list[int], joined_calls: list[torch.Tensor], joined_places: list[int],
-             untapped: bool) -> torch.Tensor:
+             joined: list[int], joined_calls: list[torch.Tensor], joined_places: list[int], retapped: list[int],
+             origin_calls: list[torch.Tensor], origin_places: list[int], untapped: bool) -> torch.Tensor:
     """Runs the eager hook `kind` of the module `token` names on the tensors of one call (see the module doc).
     `tapped`: the positions among the hook's tensors (its outputs where it takes them, else its inputs) of those
     passed through `_GradTap`; `joined`: of those that are an inner call's tapped outputs, with that call's result
-    and their place among its tapped tensors (see `GraphCall`); `untapped`: grads were watched, but the call was
-    traced inside a higher-order op, where it is not tapped (see `_in_subgraph`). Returns the scalar that the tap
-    saves for the backward, carrying the hook's requests for their grads."""
+    and their place among its tapped tensors (see `GraphCall`); `retapped`: of the tapped inputs that an enclosing
+    call tapped first, with that call's result and their place there (`GraphCall.origin`); `untapped`: grads were
+    watched, but the call was traced inside a higher-order op, where it is not tapped (see `_in_subgraph`). Returns
+    the scalar that the tap saves for the backward, carrying the hook's requests for their grads."""
     result = torch.empty((), dtype=torch.int64)
     entry = _hooks.get((int(token), kind))
     if entry is None:
         return result  # removed since the graph was traced
-    module_ref, hook, with_kwargs, with_output, grads_refused = entry
+    module_ref, hook, with_kwargs, with_output = entry
     module = module_ref()
     if module is None:
         return result
     if stream_capturing():
         _say_once(CAPTURE_REFUSED)
         return result
-    if grads_refused and grad_enabled:
-        _say_once(GRADS_REFUSED)
     if untapped:
         _say_once(SUBGRAPH_GRADS_REFUSED)
     args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
@@ -216,7 +226,9 @@ def _observe(token: torch.Tensor, kind: str, grad_enabled: bool, inputs: list[to
         watched = outputs if with_output else inputs
         call = GraphCall([watched[i] for i in tapped],
                          [(watched[i], getattr(inner, _CALL), place)
-                          for i, inner, place in zip(joined, joined_calls, joined_places)])
+                          for i, inner, place in zip(joined, joined_calls, joined_places)],
+                         [(watched[i], getattr(outer, _CALL), place)
+                          for i, outer, place in zip(retapped, origin_calls, origin_places)])
         setattr(result, _CALL, call)
     global _on_graph_buffers, _graph_call
     outer = _graph_call
@@ -236,7 +248,7 @@ def _observe(token: torch.Tensor, kind: str, grad_enabled: bool, inputs: list[to
 
 @torch.library.register_fake("trainmon::observe", lib=_LIBRARY)
 def _(token, kind, grad_enabled, inputs, outputs, out_positions, out_total, tapped, joined, joined_calls,
-      joined_places, untapped) -> torch.Tensor:
+      joined_places, retapped, origin_calls, origin_places, untapped) -> torch.Tensor:
     if inputs or outputs:
         _partition_as_unmonitored()
     return torch.empty((), dtype=torch.int64, device="cpu")
@@ -340,7 +352,7 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     watched = [leaves[i] for i in positions] if with_output else inputs
     grad_enabled = torch.is_grad_enabled()
-    tapped, joined, inner = [], [], []
+    tapped, joined, inner, retapped, outer = [], [], [], [], []
     untapped = bool(_grad_watchers) and grad_enabled and _in_subgraph()
     if _grad_watchers and grad_enabled and not untapped:
         for i, t in enumerate(watched):
@@ -349,9 +361,14 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
                 (tapped if tapped_output is None else joined).append(i)
                 if tapped_output is not None:
                     inner.append(tapped_output)
+                tapped_input = None if with_output else getattr(t, _TAPPED_INPUT, None)
+                if tapped_input is not None:
+                    retapped.append(i)
+                    outer.append(tapped_input)
     call = torch.ops.trainmon.observe(getattr(module, _TOKEN), kind, grad_enabled, [t.detach() for t in inputs],
                                       [leaves[i].detach() for i in positions], positions, len(leaves), tapped,
-                                      joined, [c for c, _ in inner], [place for _, place in inner], untapped)
+                                      joined, [c for c, _ in inner], [place for _, place in inner], retapped,
+                                      [c for c, _ in outer], [place for _, place in outer], untapped)
     if not tapped:
         return output if with_output else (args, kwargs)
     aliases = _GradTap.apply(call, *[watched[i] for i in tapped])
@@ -363,7 +380,8 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
         return tree_unflatten(leaves, spec)
     places = input_places(args, kwargs)
     args, kwargs = list(args), dict(kwargs)
-    for i, alias in zip(tapped, aliases):
+    for place, (i, alias) in enumerate(zip(tapped, aliases)):
+        setattr(alias, _TAPPED_INPUT, getattr(watched[i], _TAPPED_INPUT, None) or (call, place))
         positional, key = places[i]
         (args if positional else kwargs)[key] = alias
     return tuple(args), kwargs
@@ -406,8 +424,7 @@ class _Handle:
             _said.clear()
 
 
-def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool, with_output: bool,
-           grads_refused: bool) -> tuple[int, str]:
+def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool, with_output: bool) -> tuple[int, str]:
     """Enters `hook` as `module`'s trainmon hook `key`, which `trainmon::observe` runs (see the module doc)."""
     token = module.__dict__.get(_TOKEN)
     if token is None:
@@ -416,13 +433,13 @@ def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool,
     entry = (int(token), key)
     if entry in _hooks:
         raise RuntimeError(f"trainmon: a {key} hook is already on {type(module).__name__} (two monitors on one model)")
-    _hooks[entry] = (weakref.ref(module), hook, with_kwargs, with_output, grads_refused)
+    _hooks[entry] = (weakref.ref(module), hook, with_kwargs, with_output)
     return entry
 
 
 def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
-              grads_refused: bool, grads: bool, register: Callable) -> _Handle:
-    key = _entry(module, kind, hook, with_kwargs, with_output, grads_refused)
+              grads: bool, register: Callable) -> _Handle:
+    key = _entry(module, kind, hook, with_kwargs, with_output)
 
     # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call
     # (Dynamo's frame callback is set). Elsewhere the hook is called as it is: the wrapper that turns Dynamo off
@@ -461,24 +478,23 @@ def _forget_compiled(module: torch.nn.Module) -> None:
 
 
 def forward_pre_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
-                     prepend: bool = False, grads_refused: bool = False, grads: bool = False) -> _Handle:
+                     prepend: bool = False, grads: bool = False) -> _Handle:
     """Registers `hook` as `module`'s forward pre-hook, traceable (see the module doc); `kind` names it among
-    trainmon's hooks on that module. `grads_refused`: the hook watches activation grads, which it cannot take from
-    a compiled call (one message says so). `grads`: the hook watches activation grads, and takes them from a
-    compiled call through `graph_call`. Under compile its return value (modified inputs) is not used."""
-    return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads_refused, grads,
+    trainmon's hooks on that module. `grads`: the hook watches activation grads, and takes them from a compiled
+    call through `graph_call`. Under compile its return value (modified inputs) is not used."""
+    return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads,
                      lambda fn: module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend))
 
 
 def forward_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
-                 grads_refused: bool = False, grads: bool = False) -> _Handle:
+                 grads: bool = False) -> _Handle:
     """Registers `hook` as `module`'s forward hook, traceable (see `forward_pre_hook`)."""
-    return _register(module, f"{kind}.post", hook, with_kwargs, True, grads_refused, grads,
+    return _register(module, f"{kind}.post", hook, with_kwargs, True, grads,
                      lambda fn: module.register_forward_hook(fn, with_kwargs=with_kwargs))
 
 
 def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: Callable,
-                   grads_refused: bool = False, grads: bool = False) -> _Handle:
+                   grads: bool = False) -> _Handle:
     """Runs `before(module, args, kwargs)` and `after(module, args, kwargs, output)` around each call of `module`'s
     forward, as a forward pre-hook and a forward hook with kwargs would (`before` may return new (args, kwargs)),
     traceable as they are (see the module doc).
@@ -490,15 +506,15 @@ def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: 
     replace the output after forward) or backward hooks (which wrap the inputs before it) when trainmon is
     attached, the two are registered as hooks instead, so that what those do is seen as before.
 
-    `grads_refused` and `grads` as for `forward_pre_hook`."""
+    `grads` as for `forward_pre_hook`."""
     around = module.__dict__.get(_AROUND)
     if around is None and _hooks_outside_forward(module):
-        pre = forward_pre_hook(module, kind, before, with_kwargs=True, grads_refused=grads_refused, grads=grads)
-        post = forward_hook(module, kind, after, with_kwargs=True, grads_refused=grads_refused, grads=grads)
+        pre = forward_pre_hook(module, kind, before, with_kwargs=True, grads=grads)
+        post = forward_hook(module, kind, after, with_kwargs=True, grads=grads)
         return _Handle(lambda: (pre.remove(), post.remove()))
     if around is None:
         around = _Around(module)
-    entry = around.add(kind, before, after, grads_refused)
+    entry = around.add(kind, before, after)
     _forget_compiled(module)
     return _Handle(lambda: around.drop(entry), grads=grads)
 
@@ -545,8 +561,8 @@ class _Around:
         self.entries: list[tuple] = []
         self.module = weakref.ref(module)
         self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
-        self.keys = (_entry(module, "forward.pre", self.befores, True, False, False),
-                     _entry(module, "forward.post", self.afters, True, True, False))
+        self.keys = (_entry(module, "forward.pre", self.befores, True, False),
+                     _entry(module, "forward.post", self.afters, True, True))
         # The wrapper calls the class's forward function with the module it is bound to; anything else as the
         # module would have called it.
         plain = self.replaced is None and isinstance(type(module).forward, types.FunctionType)
@@ -561,16 +577,13 @@ class _Around:
         # A method of the module, so that a deep copy of the module (an EMA copy) runs its own forward.
         module.__dict__["forward"] = types.MethodType(wrapper, module)
 
-    def add(self, kind: str, before: Callable, after: Callable, grads_refused: bool) -> tuple:
+    def add(self, kind: str, before: Callable, after: Callable) -> tuple:
         if any(entry[0] == kind for entry in self.entries):
             raise RuntimeError(f"trainmon: a {kind} hook is already on {type(self.module()).__name__} "
                                "(two monitors on one model)")
         entry = (kind, before, after, torch._dynamo.disable(before, recursive=True),
                  torch._dynamo.disable(after, recursive=True))
         self.entries.append(entry)
-        if grads_refused:  # `trainmon::observe` says, under compile, that these grads are not collected
-            for key in self.keys:
-                _hooks[key] = (*_hooks[key][:4], True)
         return entry
 
     def befores(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -147,13 +147,15 @@ class _Probes:
 
 class _GradConsumer:
     """Who a tensor's grad is attributed to: the innermost module that took the tensor as input. Registered as
-    a pre-hook on the node that made the tensor (output `output_nr` of it), it hands itself and the grad to
-    `on_grad`: one object per watched tensor, living until backward."""
+    a pre-hook on the node that made the tensor (output `output_nr` of it), or handed the grad by the compiled
+    graph that tapped it (`output_nr` 0), it hands itself and the grad to `on_grad`: one object per watched
+    tensor, living until backward."""
 
     __slots__ = ("tensor", "output_nr", "name", "vpp_stage", "micro", "on_grad")
 
-    def __init__(self, tensor: torch.Tensor, name: str, vpp_stage: int, micro: int, on_grad: Callable):
-        self.tensor, self.output_nr = weakref.ref(tensor), tensor.output_nr
+    def __init__(self, tensor: torch.Tensor, output_nr: int, name: str, vpp_stage: int, micro: int,
+                 on_grad: Callable):
+        self.tensor, self.output_nr = weakref.ref(tensor), output_nr
         self.name, self.vpp_stage, self.micro, self.on_grad = name, vpp_stage, micro, on_grad
 
     def __call__(self, grads: tuple) -> None:
@@ -173,6 +175,8 @@ class NanSentinel(Hooks):
     by a full backward hook is seen too). A chunk's root also probes the grad of its outputs, for what
     reaches the model from the loss. Node pre-hooks are used instead of full backward hooks, which wrap
     every module's inputs and outputs in extra autograd nodes and cost more than the probes themselves.
+    Inside a compiled region the graph hands back the grad of the first call that took the tensor (the
+    outermost; see `in_graph.GraphCall.origin`), named after the innermost.
 
     Args:
         state: the shared hook state (collector, forward micro-step).
@@ -192,6 +196,7 @@ class NanSentinel(Hooks):
         self.probes = _Probes()
         self._handles: list = []
         self._consumers: dict[int, _GradConsumer] = {}
+        self._graph_consumers: dict[tuple, _GradConsumer] = {}  # by the tensor's first tap in a compiled region
         self._probed = TensorMemo()  # id -> version, of the forward tensors probed this step
         self._in_pass: dict[int, int] = {}  # vpp stage -> micro-step, of the grads seen in the running backward pass
         self._callback_queued = False
@@ -211,13 +216,14 @@ class NanSentinel(Hooks):
             item = f"NaN sentinel on {name or '<root>'}"
             self._handles.append(in_graph.around_forward(
                 module, "sentinel", self.state.guarded(item, self._make_pre_forward(name, vpp)),
-                self.state.guarded(item, self._make_forward(name, vpp)), grads_refused=True))
+                self.state.guarded(item, self._make_forward(name, vpp)), grads=True))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._consumers.clear()
+        self._graph_consumers.clear()
         self._probed.clear()
         self.probes.reset()
 
@@ -272,11 +278,20 @@ class NanSentinel(Hooks):
             if root:
                 self._probe_first_sights(inputs, vpp, micro)
             if grad_enabled:
-                for leaf_name, tensor in inputs:
-                    if tensor.grad_fn is not None:  # made in this forward: the hook goes with its graph
-                        self._watch_grad(tensor, leaf_name, vpp, micro)
+                self._watch_grads(inputs, vpp, micro)
 
         return pre_forward_hook
+
+    def _watch_grads(self, leaves: list, vpp: int, micro: int) -> None:
+        """Watches the grads of the (name, tensor) `leaves` made in this forward (the hook goes with its graph), or
+        handed back by the compiled graph running the call."""
+        graph = in_graph.graph_call()
+        for name, tensor in leaves:
+            if graph is not None:
+                if graph.takes_grad(tensor):
+                    self._watch_graph_grad(graph, tensor, name, vpp, micro)
+            elif tensor.grad_fn is not None:
+                self._watch_grad(tensor, name, vpp, micro)
 
     def _watch_grad(self, tensor: torch.Tensor, name: str, vpp: int, micro: int) -> None:
         consumer = self._consumers.get(id(tensor))
@@ -284,9 +299,21 @@ class NanSentinel(Hooks):
             # An inner module took the same tensor (pre-hooks run outside-in): the grad is its grad_input.
             consumer.name, consumer.vpp_stage, consumer.micro = name, vpp, micro
             return
-        consumer = _GradConsumer(tensor, name, vpp, micro, self._grad_hook)
+        consumer = _GradConsumer(tensor, tensor.output_nr, name, vpp, micro, self._grad_hook)
         self._consumers[id(tensor)] = consumer
         tensor.grad_fn.register_prehook(consumer)  # lives as long as the graph
+
+    def _watch_graph_grad(self, graph: in_graph.GraphCall, tensor: torch.Tensor, name: str, vpp: int,
+                          micro: int) -> None:
+        """`_watch_grad` inside a compiled region: the first call that tapped the tensor (the outermost) hands back
+        its grad, the sum of what every module inside that call added to it."""
+        origin = graph.origin(tensor)
+        consumer = self._graph_consumers.get(origin)
+        if consumer is not None:
+            consumer.name, consumer.vpp_stage, consumer.micro = name, vpp, micro
+            return
+        consumer = self._graph_consumers[origin] = _GradConsumer(tensor, 0, name, vpp, micro, self._grad_hook)
+        graph.on_grads([tensor], consumer)
 
     def _on_grad(self, consumer: _GradConsumer, grad: torch.Tensor) -> None:
         self._ensure_end_of_backward()
@@ -309,9 +336,7 @@ class NanSentinel(Hooks):
                 if root:
                     self._dump.check(self.probes, state.collector.step, micro)
             if root and torch.is_grad_enabled():
-                for leaf_name, tensor in leaves:
-                    if tensor.grad_fn is not None:
-                        self._watch_grad(tensor, leaf_name, vpp, micro)
+                self._watch_grads(leaves, vpp, micro)
 
         return forward_hook
 
@@ -346,6 +371,7 @@ class NanSentinel(Hooks):
             self.state.collector.add_flags(self.probes.keys, filled)
         self.probes.reset()
         self._consumers.clear()
+        self._graph_consumers.clear()
         self._probed.clear()
         self._in_pass.clear()
 

@@ -2,6 +2,7 @@
 block-by-block compile train to the end, trainmon adds no graph break and no graph, the records are the
 eager ones, and an Inf in one block is named exactly. `aot_eager` traces as inductor does (Dynamo, then
 AOTAutograd) without its C++ compile time; one end-to-end test uses inductor."""
+import collections
 import contextlib
 import json
 import logging
@@ -496,33 +497,66 @@ class GeluWithNanGrad(torch.nn.Module):
         return _NanGrad.apply(torch.nn.functional.gelu(x), self.armed)
 
 
-@pytest.mark.parametrize("mode", [None, *slow_but(MODES, {"default"})], ids=["eager", *MODES])
-def test_a_nan_made_by_a_backward_inside_a_compiled_region_is_named_by_the_sentinel(output_dir, write_config, capsys,
-                                                                                   mode):
-    """The sentinel alone probes the grads of the modules' inputs inside a compiled region as in eager mode: the NaN
-    that `layers.1.mlp.1`'s backward makes is first at that module's input grad, online and in nan-analyze. The
-    weight grads are probed at the end of the backward in every mode, the root compiled in place included."""
+def _sentinel_run(write_config, mode: str | None, backward: bool):
+    """The anomalies written online, and the run's folder, of a sentinel-only run of two steps (mode None: eager)
+    whose `layers.1.mlp.1` makes NaN in its backward at step 1, micro-step 1 (`backward`), or whose `layers.1.mlp.0`
+    makes +Inf in its forward there."""
     torch._dynamo.reset()
     model = make_model(layers=4)
     faulty = model.layers[1].mlp[1] = GeluWithNanGrad()
+
+    def backward_fault(step, micro):
+        faulty.armed.fill_(float((step, micro) == (1, 1)))
+
+    fault = backward_fault if backward else weight_inf_fault(model, "layers.1.mlp.0", (1, 1))
     run_model = model if mode is None else compiled(model, mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = TrainerMon(write_config(format=["db"], targets={}, sentinel=True,
                                       alert={"rules": [{"rule_name": "AnomalyNan"}]}))
     monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
-
-    def fault(step, micro):
-        faulty.armed.fill_(float((step, micro) == (1, 1)))
-
     train(run_model, optimizer, fault, steps=2)
     monitor.stop()
+    online = [json.loads(line) for line in open(monitor.output_dir / "anomalies.jsonl")]
+    return online, monitor.output_dir.parent
+
+
+def _places(records) -> collections.Counter:
+    """How many anomalies each (step, micro-step, module, phase, tensor) has."""
+    return collections.Counter((r["step"], r["micro_step"], r["module"], r["phase"], r["tensor"]) for r in records)
+
+
+@pytest.mark.parametrize("mode", slow_but(MODES, {"default"}))
+def test_a_nan_made_by_a_backward_inside_a_compiled_region_is_named_by_the_sentinel(output_dir, write_config, capsys,
+                                                                                   mode):
+    """The sentinel alone probes the grads of the modules' inputs inside a compiled region as in eager mode: the NaN
+    that `layers.1.mlp.1`'s backward makes is first at that module's input grad, online and in nan-analyze, and the
+    places it reaches are the eager run's (a block compiled on its own adds its input's grad, taken outside its
+    graph). The weight grads are probed at the end of the backward in every mode, the root compiled in place
+    included."""
+    eager, _ = _sentinel_run(write_config, None, backward=True)
+    online, run_dir = _sentinel_run(write_config, mode, backward=True)
     expected = {"rank": 0, "step": 1, "micro_step": 1, "module": "layers.1.mlp.1", "phase": "backward",
                 "tensor": "grad_input"}
-    online = [json.loads(line) for line in open(monitor.output_dir / "anomalies.jsonl")]
     first = min((r for r in online if r["first"]), key=lambda r: (r["step"], r["call_index"]))
     assert {k: first[k] for k in expected} == expected
-    assert {"module": "embed.weight", "tensor": "grad", "step": 1} in [
-        {k: r[k] for k in ("module", "tensor", "step")} for r in online]
-    assert cli_main(["nan-analyze", str(monitor.output_dir.parent), "--json"]) == 1
+    assert cli_main(["nan-analyze", str(run_dir), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert {k: report["first"][k] for k in expected} == expected
+    assert not _places(eager) - _places(online)
+    assert set(_places(online) - _places(eager)) == (
+        {(1, 1, f"layers.{i}", "backward", "grad_input") for i in (0, 1)} if mode == "blocks" else set())
+    assert (1, 1, "embed.weight", "backward", "grad") in _places(online)
+
+
+@pytest.mark.parametrize("mode", slow_but(MODES, {"in_place"}))
+def test_the_sentinel_probes_each_forward_tensor_of_a_compiled_region_once(output_dir, write_config, mode):
+    """A container returning its last child's output (nn.Sequential, a model returning its head's) is handed another
+    buffer than its child inside a compiled region: the sentinel still probes the tensor once, as in eager mode,
+    so an Inf is reported at the places, and as many times, as in eager mode."""
+    eager, _ = _sentinel_run(write_config, None, backward=False)
+    online, _ = _sentinel_run(write_config, mode, backward=False)
+    forward = [(1, 1, "layers.1.mlp.0", "forward", "output"), (1, 1, "layers.1.mlp.2", "forward", "output")]
+    assert all(_places(eager)[place] == 1 for place in forward)
+    assert not _places(eager) - _places(online)
+    assert set(_places(online) - _places(eager)) == (
+        {(1, 1, f"layers.{i}", "backward", "grad_input") for i in range(4)} if mode == "blocks" else set())

@@ -198,6 +198,7 @@ class NanSentinel(Hooks):
         self._consumers: dict[int, _GradConsumer] = {}
         self._graph_consumers: dict[tuple, _GradConsumer] = {}  # by the tensor's first tap in a compiled region
         self._probed = TensorMemo()  # id -> version, of the forward tensors probed this step
+        self._graph_probed: set[tuple] = set()  # first taps of those probed inside compiled regions
         self._in_pass: dict[int, int] = {}  # vpp stage -> micro-step, of the grads seen in the running backward pass
         self._callback_queued = False
         self._grad_hook = state.guarded("NaN sentinel on activation grads", self._on_grad)
@@ -225,6 +226,7 @@ class NanSentinel(Hooks):
         self._consumers.clear()
         self._graph_consumers.clear()
         self._probed.clear()
+        self._graph_probed.clear()
         self.probes.reset()
 
     # ------------------------------------------------------------------------------------ hooks
@@ -246,14 +248,21 @@ class NanSentinel(Hooks):
                     for name, t in leaves]
             self.probes.add_norms(keys, [local_shard(t) for _, t in leaves])
 
-    def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int) -> None:
+    def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int, root: bool = False) -> None:
         """Probes the forward tensors not already probed unchanged this step: a container returning its last
-        child's output (nn.Sequential, a model returning its head's output) is not read twice."""
-        probed = self._probed
+        child's output (nn.Sequential, a model returning its head's output) is not read twice. A tensor a compiled
+        region made, where the container is handed another buffer, is known by its first tap."""
+        probed, graph = self._probed, in_graph.graph_call()
         for name, tensor in leaves:
-            if probed.get(id(tensor), tensor) == tensor._version:
+            origin = _graph_origin(tensor, graph, root)
+            if origin is not None:
+                if origin in self._graph_probed:
+                    continue
+                self._graph_probed.add(origin)
+            elif probed.get(id(tensor), tensor) == tensor._version:
                 continue
-            probed.put(id(tensor), tensor, tensor._version)
+            else:
+                probed.put(id(tensor), tensor, tensor._version)
             self._probe_one(ACTV, name, tensor, vpp_stage, micro)
 
     def probe_saved(self, family: str, name: str, tensor: torch.Tensor, micro: int, index: int) -> None:
@@ -330,7 +339,7 @@ class NanSentinel(Hooks):
                 return
             micro = state.forward_micro(vpp)
             leaves = floating_leaves(output, None, prefix)
-            self._probe_first_sights(leaves, vpp, micro)
+            self._probe_first_sights(leaves, vpp, micro, root)
             if self._dump is not None:
                 self._dump.saw(name, "output", output)
                 if root:
@@ -373,6 +382,7 @@ class NanSentinel(Hooks):
         self._consumers.clear()
         self._graph_consumers.clear()
         self._probed.clear()
+        self._graph_probed.clear()
         self._in_pass.clear()
 
     @property
@@ -389,6 +399,16 @@ class NanSentinel(Hooks):
         """Device bool: whether a probe of this step so far is non-finite (None when none was taken)."""
         filled = self.probes.filled()
         return None if filled is None else ~torch.isfinite(filled).all()
+
+
+def _graph_origin(tensor: torch.Tensor, graph: Optional[in_graph.GraphCall], root: bool) -> Optional[tuple]:
+    """The first tap of `tensor` where a compiled region made it (`GraphCall.origin`): inside the region (`graph`
+    runs the hook), or as the region's output at a root whose hooks run outside it; None elsewhere."""
+    if graph is not None:
+        return graph.origin(tensor) if graph.takes_grad(tensor) else None
+    grad_fn = tensor.grad_fn if root else None
+    outer = None if grad_fn is None else in_graph.graph_output_call(tensor, grad_fn)
+    return None if outer is None else outer.origin(tensor)
 
 
 def nan_sentinel(state: HookState, chunks: list[torch.nn.Module], squash_name: bool,

@@ -57,8 +57,8 @@ _CALL = "_trainmon_call"  # the attribute of `trainmon::observe`'s result that h
 # The attribute of a traced output leaf passed through `_GradTap` (set while tracing): (that call's
 # `trainmon::observe` result, the leaf's place among its tapped tensors).
 _TAPPED_OUTPUT = "_trainmon_tapped_output"
-# The same, of a traced input passed through `_GradTap`: the first call's that tapped the tensor, where calls nested
-# in it tapped it again.
+# The same for a traced input passed through `_GradTap`, naming the first call that tapped the tensor (the calls
+# nested in that one tap it again).
 _TAPPED_INPUT = "_trainmon_tapped_input"
 
 

@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from training import DEVICES, batches, make_model
 from trainmon import TrainerMon
 from trainmon.cli import main as cli_main
+from trainmon.core.events import SENTINEL_RULE
 from trainmon.demo import lm_loss
 from trainmon.hooks import in_graph
 from trainmon.read import open_run
@@ -497,10 +498,10 @@ class GeluWithNanGrad(torch.nn.Module):
         return _NanGrad.apply(torch.nn.functional.gelu(x), self.armed)
 
 
-def _sentinel_run(write_config, mode: str | None, backward: bool):
-    """The anomalies written online, and the run's folder, of a sentinel-only run of two steps (mode None: eager)
-    whose `layers.1.mlp.1` makes NaN in its backward at step 1, micro-step 1 (`backward`), or whose `layers.1.mlp.0`
-    makes +Inf in its forward there."""
+def _sentinel_run(write_config, mode: str | None, backward: bool, actv_grad: bool = False):
+    """The anomalies written online, and the run's folder, of a sentinel run of two steps (mode None: eager) whose
+    `layers.1.mlp.1` makes NaN in its backward at step 1, micro-step 1 (`backward`), or whose `layers.1.mlp.0` makes
+    +Inf in its forward there. `actv_grad`: activation grads are collected too (in the sentinel's anomalies alone)."""
     torch._dynamo.reset()
     model = make_model(layers=4)
     faulty = model.layers[1].mlp[1] = GeluWithNanGrad()
@@ -511,12 +512,13 @@ def _sentinel_run(write_config, mode: str | None, backward: bool):
     fault = backward_fault if backward else weight_inf_fault(model, "layers.1.mlp.0", (1, 1))
     run_model = model if mode is None else compiled(model, mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    monitor = TrainerMon(write_config(format=["db"], targets={}, sentinel=True,
+    collect = TIERS["activation_grads"] if actv_grad else {}
+    monitor = TrainerMon(write_config(format=["db"], targets={}, sentinel=True, ops=OPS, **collect,
                                       alert={"rules": [{"rule_name": "AnomalyNan"}]}))
     monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
     train(run_model, optimizer, fault, steps=2)
     monitor.stop()
-    online = [json.loads(line) for line in open(monitor.output_dir / "anomalies.jsonl")]
+    online = [r for r in map(json.loads, open(monitor.output_dir / "anomalies.jsonl")) if r["rule"] == SENTINEL_RULE]
     return online, monitor.output_dir.parent
 
 
@@ -548,15 +550,18 @@ def test_a_nan_made_by_a_backward_inside_a_compiled_region_is_named_by_the_senti
     assert (1, 1, "embed.weight", "backward", "grad") in _places(online)
 
 
+@pytest.mark.parametrize("actv_grad", slow_but([False, True], {True}), ids=["sentinel", "sentinel+actv_grad"])
 @pytest.mark.parametrize("mode", slow_but(MODES, {"in_place"}))
-def test_the_sentinel_probes_each_forward_tensor_of_a_compiled_region_once(output_dir, write_config, mode):
-    """A container returning its last child's output (nn.Sequential, a model returning its head's) is handed another
-    buffer than its child inside a compiled region: the sentinel still probes the tensor once, as in eager mode,
-    so an Inf is reported at the places, and as many times, as in eager mode."""
-    eager, _ = _sentinel_run(write_config, None, backward=False)
-    online, _ = _sentinel_run(write_config, mode, backward=False)
-    forward = [(1, 1, "layers.1.mlp.0", "forward", "output"), (1, 1, "layers.1.mlp.2", "forward", "output")]
-    assert all(_places(eager)[place] == 1 for place in forward)
-    assert not _places(eager) - _places(online)
-    assert set(_places(online) - _places(eager)) == (
-        {(1, 1, f"layers.{i}", "backward", "grad_input") for i in range(4)} if mode == "blocks" else set())
+def test_the_sentinel_probes_each_forward_tensor_of_a_compiled_region_once(output_dir, write_config, mode, actv_grad):
+    """A container returning its last child's output (nn.Sequential) is probed once, as in eager mode, inside a
+    compiled region too, so an Inf is reported at the places, and as many times, as in eager mode; so is the
+    model's output where activation grads are on (the root, outside the region, is handed another tensor than the
+    head inside it, known by the head's tap). Without them the sentinel taps no output: the model's output is probed
+    once more."""
+    eager, compiled_run = ([r for r in run if r["phase"] == "forward"]
+                           for run, _ in (_sentinel_run(write_config, m, backward=False, actv_grad=actv_grad)
+                                          for m in (None, mode)))
+    assert all(_places(eager)[(1, 1, name, "forward", "output")] == 1 for name in ("layers.1.mlp.0", "layers.1.mlp.2"))
+    assert not _places(eager) - _places(compiled_run)
+    assert set(_places(compiled_run) - _places(eager)) == (
+        {(1, 1, "", "forward", "output")} if mode != "blocks" and not actv_grad else set())

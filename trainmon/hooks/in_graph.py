@@ -14,8 +14,9 @@ attribute (`_trainmon_token`), a graph input: an int constant would be a guard, 
 block (torchtitan) would compile one graph per block instead of one for all of them.
 
 Grads: a compiled region's backward is one autograd node, so the grad hooks an eager hook puts on a call's
-tensors never run there. Where a hook watches grads (`grads=True`), the traced call passes its tensors that
-require grad (the inputs before its forward, the output leaves after it) through one identity autograd function,
+tensors never run there. Where a hook watches grads (`grads`), the traced call passes its tensors that require
+grad (the inputs before its forward, the output leaves after it, as the hooks ask) through one identity autograd
+function,
 `_GradTap`, whose backward hands their grads to a second ordered op, `trainmon::observe_grads`; the compiled
 backward runs it where autograd would have run the eager hooks, in the same order. The eager hook asks for them
 at forward time (`graph_call`); the op that ran it returns a scalar tensor carrying that request, which the tap
@@ -52,7 +53,11 @@ _tokens = itertools.count()
 _said: set[str] = set()  # messages said since the first hook was registered
 _on_graph_buffers = 0  # depth of eager hooks running inside `trainmon::observe` (see `graph_buffers`)
 _graph_call: Optional["GraphCall"] = None  # the traced call whose hooks are running (see `graph_call`)
-_grad_watchers = 0  # registered hooks that watch grads: while there are some, traced calls tap their tensors
+# Registered hooks that watch the grads of calls' inputs, and of their outputs: while there are some, traced calls
+# tap those tensors. A tap costs a compiled backward more than the hook's work on the grad (the grad leaves the
+# backward's fused kernels for the op): only those the hooks take are tapped.
+INPUT_GRADS, ALL_GRADS = ("inputs",), ("inputs", "outputs")
+_grad_watchers = {"inputs": 0, "outputs": 0}
 _CALL = "_trainmon_call"  # the attribute of `trainmon::observe`'s result that holds its `GraphCall`
 # The attribute of a traced output leaf passed through `_GradTap` (set while tracing): (that call's
 # `trainmon::observe` result, the leaf's place among its tapped tensors).
@@ -353,8 +358,9 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
     watched = [leaves[i] for i in positions] if with_output else inputs
     grad_enabled = torch.is_grad_enabled()
     tapped, joined, inner, retapped, outer = [], [], [], [], []
-    untapped = bool(_grad_watchers) and grad_enabled and _in_subgraph()
-    if _grad_watchers and grad_enabled and not untapped:
+    watchers = _grad_watchers["outputs" if with_output else "inputs"]
+    untapped = bool(watchers) and grad_enabled and _in_subgraph()
+    if watchers and grad_enabled and not untapped:
         for i, t in enumerate(watched):
             if t.requires_grad:
                 tapped_output = getattr(t, _TAPPED_OUTPUT, None) if with_output else None
@@ -403,21 +409,21 @@ def _in_subgraph() -> bool:
 
 
 class _Handle:
-    """Removes hooks registered here: `undo` takes them off the module, and their entries go. `grads`: the hooks
-    watch grads (counted in `_grad_watchers` until removed)."""
+    """Removes hooks registered here: `undo` takes them off the module, and their entries go. `grads`: the grads the
+    hooks watch, `INPUT_GRADS` or `ALL_GRADS` (counted in `_grad_watchers` until removed)."""
 
-    def __init__(self, undo: Callable[[], None], *keys: tuple[int, str], grads: bool = False):
-        global _grad_watchers
+    def __init__(self, undo: Callable[[], None], *keys: tuple[int, str], grads: tuple[str, ...] = ()):
         self._undo, self._keys, self._grads = undo, keys, grads
-        _grad_watchers += grads
+        for where in grads:
+            _grad_watchers[where] += 1
 
     def remove(self) -> None:
-        global _grad_watchers
         if self._undo is None:
             return
         self._undo()
         self._undo = None
-        _grad_watchers -= self._grads
+        for where in self._grads:
+            _grad_watchers[where] -= 1
         for key in self._keys:
             _hooks.pop(key, None)
         if not _hooks:  # the monitor is gone: a later one says it again
@@ -438,7 +444,7 @@ def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool,
 
 
 def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
-              grads: bool, register: Callable) -> _Handle:
+              grads: tuple[str, ...], register: Callable) -> _Handle:
     key = _entry(module, kind, hook, with_kwargs, with_output)
 
     # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call
@@ -478,23 +484,24 @@ def _forget_compiled(module: torch.nn.Module) -> None:
 
 
 def forward_pre_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
-                     prepend: bool = False, grads: bool = False) -> _Handle:
+                     prepend: bool = False, grads: tuple[str, ...] = ()) -> _Handle:
     """Registers `hook` as `module`'s forward pre-hook, traceable (see the module doc); `kind` names it among
-    trainmon's hooks on that module. `grads`: the hook watches activation grads, and takes them from a compiled
-    call through `graph_call`. Under compile its return value (modified inputs) is not used."""
+    trainmon's hooks on that module. `grads`: the activation grads the hook watches, those of calls' inputs
+    (`INPUT_GRADS`) or of their inputs and outputs (`ALL_GRADS`), which it takes from a compiled call through
+    `graph_call`. Under compile its return value (modified inputs) is not used."""
     return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads,
                      lambda fn: module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend))
 
 
 def forward_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
-                 grads: bool = False) -> _Handle:
+                 grads: tuple[str, ...] = ()) -> _Handle:
     """Registers `hook` as `module`'s forward hook, traceable (see `forward_pre_hook`)."""
     return _register(module, f"{kind}.post", hook, with_kwargs, True, grads,
                      lambda fn: module.register_forward_hook(fn, with_kwargs=with_kwargs))
 
 
 def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: Callable,
-                   grads: bool = False) -> _Handle:
+                   grads: tuple[str, ...] = ()) -> _Handle:
     """Runs `before(module, args, kwargs)` and `after(module, args, kwargs, output)` around each call of `module`'s
     forward, as a forward pre-hook and a forward hook with kwargs would (`before` may return new (args, kwargs)),
     traceable as they are (see the module doc).

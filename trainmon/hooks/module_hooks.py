@@ -178,7 +178,8 @@ class ActivationHooks(Hooks):
                 watched.output_grad_hooks.clear()
             self._handles.append(in_graph.around_forward(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
-                self.state.guarded(item, self._make_forward(watched)), grads=self.backward))
+                self.state.guarded(item, self._make_forward(watched)),
+                grads=in_graph.ALL_GRADS if self.backward else ()))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -217,7 +217,7 @@ class NanSentinel(Hooks):
             item = f"NaN sentinel on {name or '<root>'}"
             self._handles.append(in_graph.around_forward(
                 module, "sentinel", self.state.guarded(item, self._make_pre_forward(name, vpp)),
-                self.state.guarded(item, self._make_forward(name, vpp)), grads=True))
+                self.state.guarded(item, self._make_forward(name, vpp)), grads=in_graph.INPUT_GRADS))
 
     def remove(self) -> None:
         for handle in self._handles:

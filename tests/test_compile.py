@@ -501,7 +501,8 @@ class GeluWithNanGrad(torch.nn.Module):
 def _sentinel_run(write_config, mode: str | None, backward: bool, actv_grad: bool = False):
     """The anomalies written online, and the run's folder, of a sentinel run of two steps (mode None: eager) whose
     `layers.1.mlp.1` makes NaN in its backward at step 1, micro-step 1 (`backward`), or whose `layers.1.mlp.0` makes
-    +Inf in its forward there. `actv_grad`: activation grads are collected too (in the sentinel's anomalies alone)."""
+    +Inf in its forward there; the anomalies are the sentinel's alone. `actv_grad`: activation grads are collected
+    too."""
     torch._dynamo.reset()
     model = make_model(layers=4)
     faulty = model.layers[1].mlp[1] = GeluWithNanGrad()

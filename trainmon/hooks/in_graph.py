@@ -16,9 +16,8 @@ block (torchtitan) would compile one graph per block instead of one for all of t
 Grads: a compiled region's backward is one autograd node, so the grad hooks an eager hook puts on a call's
 tensors never run there. Where a hook watches grads (`grads`), the traced call passes its tensors that require
 grad (the inputs before its forward, the output leaves after it, as the hooks ask) through one identity autograd
-function,
-`_GradTap`, whose backward hands their grads to a second ordered op, `trainmon::observe_grads`; the compiled
-backward runs it where autograd would have run the eager hooks, in the same order. The eager hook asks for them
+function, `_GradTap`, whose backward hands their grads to a second ordered op, `trainmon::observe_grads`; the
+compiled backward runs it where autograd would have run the eager hooks, in the same order. The eager hook asks for them
 at forward time (`graph_call`); the op that ran it returns a scalar tensor carrying that request, which the tap
 saves for the backward, so each backward finds its own call's request, whatever order the micro-batches' backward
 passes run in. A call's input that an enclosing call tapped already (a block's input, taken by its first layer) is

@@ -188,6 +188,39 @@ def test_dynamic_on_off_without_touching_the_users_file(output_dir, write_config
     assert json.loads(open(path).read())["dynamic_on"] is False and written  # only we wrote it
 
 
+def test_a_dynamic_config_says_its_set_up_warnings_once_and_what_changed(output_dir, write_config, monkeypatch,
+                                                                         caplog):
+    """Each dynamic change installs the hooks again: what the set-up says is said once, and anew only where the new
+    config says something else."""
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    config = {**FULL, "dynamic_on": True, "module_ranks": [1], "alert": {"dump": True}}
+    path = write_config(**config)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def rewrite(**changed):
+        with open(path, "w") as f:
+            json.dump({**config, **changed}, f)
+        later = time.time_ns() + 10_000_000
+        os.utime(path, ns=(later, later))
+
+    with caplog.at_level("WARNING", logger="trainmon"):
+        monitor = TrainerMon(path)
+        monitor.set_monitor(model, optimizer=optimizer)
+        for changed in ({"dynamic_on": False}, {"dynamic_on": True}, {"module_ranks": [2]}):
+            run_steps(model, optimizer, 2)
+            rewrite(**changed)
+        run_steps(model, optimizer, 2)
+        monitor.stop()
+    said = [r.getMessage() for r in caplog.records if any(key in r.getMessage() for key in ("module_ranks", "alert"))]
+    assert said == [
+        'trainmon: alert.dump saves tensors found by the NaN sentinel; add "sentinel": true to the config to get dumps',
+        "trainmon: module_ranks [1] does not list rank 0, this job's only process: no statistics are written",
+        "trainmon: module_ranks [2] does not list rank 0, this job's only process: no statistics are written"]
+    state = json.loads((monitor.output_dir / "dynamic_state.json").read_text())
+    assert state["applied_at_step"] == 7                     # the last change, written after step 5, was applied
+
+
 def test_targets_select_modules_and_tuple_elements(output_dir, write_config):
     targets = {"layers.0": {"input": "tuple[1]:0", "output": "tensor"}, "head": {}}
     monitor, *_ = train(write_config, steps=1, targets=targets, xy_distribution=True, ops=OPS)

@@ -177,12 +177,13 @@ def build_groups(setup: SetUp) -> list[HookGroup]:
     return list(setup.built.values())
 
 
-def warn_about(config: MonitorConfig) -> None:
-    """Keys that ask for something another key must turn on."""
+def config_warnings(config: MonitorConfig) -> list[str]:
+    """What to say about keys that ask for something another key must turn on."""
+    said = []
     if config.alert.dump and not config.sentinel:
-        logger.warning("trainmon: alert.dump saves tensors found by the NaN sentinel; add \"sentinel\": true "
-                       "to the config to get dumps")
+        said.append("trainmon: alert.dump saves tensors found by the NaN sentinel; add \"sentinel\": true to the "
+                    "config to get dumps")
     if config.alert.action != "warn" and not (config.sentinel or config.xy_distribution or config.wg_distribution):
-        logger.warning("trainmon: alert.action %r acts on NaN/Inf seen before optimizer.step(), but neither the "
-                       "sentinel nor activation/weight-grad statistics are on; add \"sentinel\": true",
-                       config.alert.action)
+        said.append(f"trainmon: alert.action {config.alert.action!r} acts on NaN/Inf seen before optimizer.step(), "
+                    "but neither the sentinel nor activation/weight-grad statistics are on; add \"sentinel\": true")
+    return said

@@ -16,7 +16,7 @@ from trainmon.core.records import (ACTIVATION_FAMILIES, ADAM_RATIO, ADAM_UPDATE,
                                    GRAD_UNREDUCED, MG_DIRECTION, PARAM_ORIGIN, PARAM_UPDATED,
                                    PER_MICRO_FEATURE_FAMILIES, SAVED_FAMILIES, StepBatch)
 from trainmon.core.derive import derive_rows
-from trainmon.hook_table import SetUp, build_groups, unreduced_mode, warn_about
+from trainmon.hook_table import SetUp, build_groups, config_warnings, unreduced_mode
 from trainmon.engine import stats
 from trainmon.adapters import ADAPTER_PER_MICRO_BATCH, PER_MICRO_BATCH, TrainingAdapter, select_adapter
 from trainmon.adapters.base import group_coordinates
@@ -85,6 +85,7 @@ class TrainerMon:
         self._sigterm: Optional[SigtermDrain] = None
         self.watch_process = None  # `trainmon watch`, when the `watch` key has global rank 0 start it
         self._config_capture = None
+        self._said_at_set_up: set[str] = set()  # messages said when the hooks were installed (`_say_at_set_up`)
 
     # ----------------------------------------------------------------------------------- set-up
     def set_monitor(self, model, optimizer, grad_acc_steps: int = 1, tp_group=None, dp_group=None,
@@ -152,6 +153,7 @@ class TrainerMon:
         self._writer = self._start_writer()
         if dynamic_enabled():
             self._dynamic = DynamicConfigWatcher(self.config_path, str(self.output_dir / DYNAMIC_STATE_FILE))
+        self._said_at_set_up.clear()
         self._install(self.config)
         atexit.register(self._close_at_exit)
         self._sigterm = SigtermDrain(drain=self._writer.drain, close=self._close_at_exit)
@@ -190,8 +192,7 @@ class TrainerMon:
                                             self._merges_across_ranks(params))
         if self._dynamic is not None and not config.dynamic_on:
             self._schedule.rank_enabled = False
-        warn_about(config)
-        self._say_unlisted(config)
+        self._say_at_set_up(config)
         self._eval_collector = state.eval_collector = None  # armed when a step has been applied (_end_step)
         if config.eval_xy_distribution and config.xy_distribution and writes:
             self._eval_collector = self._new_collector()
@@ -238,17 +239,22 @@ class TrainerMon:
         """Whether this rank writes statistics (`module_ranks` lists it, or is empty)."""
         return not config.module_ranks or self.rank in config.module_ranks
 
-    def _say_unlisted(self, config: MonitorConfig) -> None:
-        """Says once at set-up that `module_ranks` leaves this rank out: a warning where the job is one process
-        (nothing at all is written, most likely a config made for another job), else a line in the log."""
-        if self._writes_records(config):
-            return
-        if self.world_size == 1:
-            logger.warning("trainmon: module_ranks %s does not list rank 0, this job's only process: no statistics "
-                           "are written", config.module_ranks)
-        else:
-            logger.info("trainmon: rank %d is not in module_ranks %s: it writes no statistics", self.rank,
-                        config.module_ranks)
+    def _say_at_set_up(self, config: MonitorConfig) -> None:
+        """Says which keys ask for something another key must turn on, and that `module_ranks` leaves this rank out: a
+        warning where the job is one process (nothing at all is written, most likely a config made for another
+        job), else a line in the log. Once each: a dynamic config installs the hooks again, and says only what
+        changed."""
+        said = [(logging.WARNING, message) for message in config_warnings(config)]
+        if not self._writes_records(config) and self.world_size == 1:
+            said.append((logging.WARNING, f"trainmon: module_ranks {config.module_ranks} does not list rank 0, this "
+                                          "job's only process: no statistics are written"))
+        elif not self._writes_records(config):
+            said.append((logging.INFO, f"trainmon: rank {self.rank} is not in module_ranks {config.module_ranks}: it "
+                                       "writes no statistics"))
+        for level, message in said:
+            if message not in self._said_at_set_up:
+                self._said_at_set_up.add(message)
+                logger.log(level, "%s", message)
 
     def _merges_across_ranks(self, params: list) -> bool:
         """Sharded tensors merge their records in a collective: every rank of the group must collect."""

@@ -1,7 +1,9 @@
-"""The device-agnostic path: the step's host copy on any accelerator, and the device of the record collective
-for every backend torch knows. No accelerator is needed: a stand-in device plays one."""
+"""The device-agnostic path: the step's host copy on any accelerator, the device of the record collective
+for every backend torch knows, and graph capture asked of the accelerator in use. No accelerator is needed: a
+stand-in device plays one."""
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from trainmon.engine import stats
-from trainmon.engine.accelerator import collective_device, collective_device_type
+from trainmon.engine.accelerator import collective_device, collective_device_type, stream_capturing
 from trainmon.hooks.collector import StepCollector
 from trainmon.core.records import RecordKey
 
@@ -176,3 +178,35 @@ def test_collective_device_reads_the_groups_backend_and_device_types(monkeypatch
     monkeypatch.setattr(dist, "get_backend", lambda group: group.backend)
     assert collective_device(Group("nccl", [torch.device("cuda")])) == torch.device("cuda")
     assert collective_device(Group("gloo", [torch.device("cuda"), torch.device("cpu")])) == torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------- graph capture
+class _CapturingAccelerator:
+    """A stand-in for an accelerator's torch module (`torch.npu`), whose stream capture the test turns on."""
+
+    def __init__(self, initialized: bool = True):
+        self.initialized, self.capturing = initialized, False
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+
+def test_graph_capture_is_asked_of_the_accelerator_in_use(monkeypatch):
+    """An NPU's capture stops the hooks as CUDA's does: the query goes to the current accelerator's module, and
+    not to CUDA's, which on an NPU machine is not the one capturing."""
+    npu = _CapturingAccelerator()
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: types.SimpleNamespace(type="npu"))
+    assert stream_capturing() is False
+    npu.capturing = True
+    assert stream_capturing() is True
+    npu.initialized = False                         # a device not initialised captures nothing
+    assert stream_capturing() is False
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    assert stream_capturing() is False              # no accelerator: CUDA's module is not asked either

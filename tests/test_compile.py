@@ -447,6 +447,10 @@ def test_a_fullgraph_compile_runs_the_capture_query_eagerly(output_dir, write_co
     callback: the query must run as it is, not be compiled (a torch.* call returning a bool is unsupported, so
     a `fullgraph=True` compile failed). Here a query that Dynamo cannot trace stands in for CUDA's."""
     asked = []
+    # CUDA as the accelerator in use for trainmon's query (and for Dynamo, whose default it is); none for the
+    # optimizer's capture check, which would ask for the stream of the device this machine has not
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: None if check_available else torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         torch.compiler.disable(lambda: asked.append(True) and False))

@@ -50,3 +50,23 @@ def collective_device(group) -> torch.device:
     """The device that collectives on `group` need; an accelerator without an index, which tensors
     made on it resolve to its current device (the one the framework set for this rank)."""
     return torch.device(collective_device_type(dist.get_backend(group), getattr(group, "_device_types", None)))
+
+
+def stream_capturing() -> bool:
+    """Whether the current stream of the accelerator in use is being captured into a graph (CUDA graphs, an NPU's
+    graph capture): what is launched then runs at each replay, not now. torch has no device-generic query; the
+    accelerator's own module answers (`torch.cuda`, `torch.npu`, ...): the current accelerator's from torch 2.6,
+    else CUDA's and the device plugin's. One that is not initialised captures nothing. One function, no helper:
+    hooks ask it under a compiled module's call, where Dynamo would compile any frame it called (see
+    `hooks.in_graph`)."""
+    if hasattr(torch, "accelerator"):
+        accelerator = torch.accelerator.current_accelerator()
+        backends = () if accelerator is None else (getattr(torch, accelerator.type, None),)
+    else:
+        backends = (torch.cuda, getattr(torch, torch._C._get_privateuse1_backend_name(), None))
+    for backend in backends:
+        initialized = getattr(backend, "is_initialized", None)
+        capturing = getattr(backend, "is_current_stream_capturing", None)
+        if initialized is not None and capturing is not None and initialized() and capturing():
+            return True
+    return False

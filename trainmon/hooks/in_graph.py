@@ -24,9 +24,9 @@ passes run in. A call's input that an enclosing call tapped already (a block's i
 tapped again, for the call's own grad, and the hook learns which tap it came through (`GraphCall.origin`): where
 eager hooks key a tensor by its identity, the graph's buffers have none.
 
-CUDA graphs: a Python op under stream capture runs once, at capture, and never at replay. Rather than record
-nothing silently, a hook that runs under capture (traced or eager) records nothing and says so once. Inductor
-is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it captures.
+CUDA graphs (and an NPU's graph capture): a Python op under stream capture runs once, at capture, and never at
+replay. Rather than record nothing silently, a hook that runs under capture (traced or eager) records nothing and
+says so once. Inductor is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it captures.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainmon.adapters.naming import compiled_name
+from trainmon.engine.accelerator import stream_capturing
 from trainmon.hooks.tensor_select import input_places, input_values
 
 logger = logging.getLogger("trainmon")
@@ -153,18 +154,13 @@ def graph_call() -> Optional[GraphCall]:
 _dynamo_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: "unknown")
 
 
-def stream_capturing() -> bool:
-    """Whether the current stream is being captured into a CUDA graph (its kernels run at replay, not now).
-    torch has no device-generic query for this; an accelerator that is not initialised captures nothing."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
-# Called by the eager hooks of a compiled module, where Dynamo would compile it as a frame of its own: the CUDA
-# query is not traceable, and a `fullgraph=True` compile would fail on it.
+# `stream_capturing` is called by the eager hooks of a compiled module, where Dynamo would compile it as a frame of
+# its own: the accelerator's query is not traceable, and a `fullgraph=True` compile would fail on it.
 torch._dynamo.eval_frame.skip_code(stream_capturing.__code__)
 
 
-CAPTURE_REFUSED = ("a CUDA graph is being captured: hooks that run during capture would run only then, never at "
+CAPTURE_REFUSED = ("a graph is being captured on the accelerator's stream (CUDA graphs, an NPU's graph capture): "
+                   "hooks that run during capture would run only then, never at "
                    "replay, so nothing of the captured region is recorded (activations, activation grads and "
                    "the NaN sentinel's probes there); weight grads and optimizer state outside it still are")
 SUBGRAPH_GRADS_REFUSED = ("grads of activations made inside activation checkpointing (or another higher-order op) "

@@ -555,6 +555,16 @@ def test_a_nan_made_by_a_backward_inside_a_compiled_region_is_named_by_the_senti
     assert (1, 1, "embed.weight", "backward", "grad") in _places(online)
 
 
+def test_activation_grads_leave_the_sentinels_places_as_they_are(output_dir, write_config):
+    """Activation grads tap each module's input, handing every module its own alias of a tensor: the sentinel still
+    probes a tensor's grad once, named after the innermost module that took it, so a NaN made by a backward reaches
+    the places it reaches without them (not also each container's input)."""
+    alone, _ = _sentinel_run(write_config, None, backward=True)
+    with_actv_grad, _ = _sentinel_run(write_config, None, backward=True, actv_grad=True)
+    assert _places(with_actv_grad) == _places(alone)
+    assert (1, 1, "layers.1.mlp.1", "backward", "grad_input") in _places(alone)
+
+
 @pytest.mark.parametrize("actv_grad", slow_but([False, True], {True}), ids=["sentinel", "sentinel+actv_grad"])
 @pytest.mark.parametrize("mode", slow_but(MODES, {"in_place"}))
 def test_the_sentinel_probes_each_forward_tensor_of_a_compiled_region_once(output_dir, write_config, mode, actv_grad):

@@ -26,7 +26,8 @@ eager hooks key a tensor by its identity, the graph's buffers have none.
 
 CUDA graphs (and an NPU's graph capture): a Python op under stream capture runs once, at capture, and never at
 replay. Rather than record nothing silently, a hook that runs under capture (traced or eager) records nothing and
-says so once. Inductor is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it captures.
+says so once. Inductor is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it
+captures.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from trainmon.hooks.forward_passes import in_backward
 from trainmon.hooks.grad_watch import NO_CONSUMER, NodeGrads, OutputGrad, sole_consumer
 from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, record_key
 from trainmon.hooks.state import HookState
-from trainmon.hooks.tensor_select import floating_leaves, input_places, input_values, values_at
+from trainmon.hooks.tensor_select import TAP_ROOT, floating_leaves, input_places, input_values, values_at
 
 logger = logging.getLogger("trainmon")
 
@@ -148,13 +148,6 @@ def _tapped_inputs(inputs: list, selector, requires_grad=None) -> tuple[list[int
     return tapped, tuple(suffixes[id(inputs[i])] for i in tapped)
 
 
-# The attribute of an input tap's alias that holds the tensor it stands for (through nested taps):
-# `getattr(t, _ROOT, t)` is that tensor, or `t` itself. An input's activation record is then that of the
-# tensor itself, often already taken as another module's output, instead of a second pass over the same
-# data. Read inline (not through a function) as every call does it for every input.
-_ROOT = "_trainmon_root"
-
-
 class ActivationHooks(Hooks):
     """Registers forward hooks (and, for activation grads, forward pre-hooks) on the watched modules."""
 
@@ -250,7 +243,7 @@ class ActivationHooks(Hooks):
         aliases = _apply_tap(call, [inputs[i] for i in tapped])
         args, kwargs = list(args), dict(kwargs)
         for i, alias in zip(tapped, aliases):
-            setattr(alias, _ROOT, getattr(inputs[i], _ROOT, inputs[i]))
+            setattr(alias, TAP_ROOT, getattr(inputs[i], TAP_ROOT, inputs[i]))
             positional, key = places[i]
             (args if positional else kwargs)[key] = alias
         return tuple(args), kwargs
@@ -301,7 +294,7 @@ class ActivationHooks(Hooks):
             if self.forward:
                 inputs = input_values(args, kwargs)
                 for i, t in enumerate(inputs):
-                    inputs[i] = getattr(t, _ROOT, t)
+                    inputs[i] = getattr(t, TAP_ROOT, t)
                 self._record_activations(collector, ACTV if training else ACTV_EVAL, watched, names.input, micro,
                                          call.input_index, inputs, output_leaves)
 
@@ -431,7 +424,7 @@ class ActivationHooks(Hooks):
         for leaf_name, t in output_leaves:
             index = collector.call_index_of(family, leaf_name, vpp, micro, t)
             keys.append(record_key(family, leaf_name, vpp, micro, index, t.shape, t.dtype))
-            tensors.append(getattr(t, _ROOT, t))  # an input returned as it came: the input's record serves
+            tensors.append(getattr(t, TAP_ROOT, t))  # an input returned as it came: the input's record serves
         collector.record(keys, tensors, defer=True)
 
 

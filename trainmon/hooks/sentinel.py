@@ -35,7 +35,7 @@ from trainmon.hooks.selection import module_places
 from trainmon.hooks.state import HookState
 from trainmon.engine.buffers import host_values
 from trainmon.hooks.tensor_memo import TensorMemo
-from trainmon.hooks.tensor_select import floating_leaves, input_values
+from trainmon.hooks.tensor_select import TAP_ROOT, floating_leaves, input_values
 
 NORM_PROBED = frozenset((GRAD_UNREDUCED, PARAM_UPDATED))  # families probed by an L2 norm: no Inf sign
 _WIDE = (torch.float32, torch.float64)  # summed in their own dtype; narrower ones in fp32
@@ -303,13 +303,15 @@ class NanSentinel(Hooks):
                 self._watch_grad(tensor, name, vpp, micro)
 
     def _watch_grad(self, tensor: torch.Tensor, name: str, vpp: int, micro: int) -> None:
-        consumer = self._consumers.get(id(tensor))
-        if consumer is not None and consumer.tensor() is tensor:
+        # Known by the tensor an activation-grad tap's alias stands for: each module it reaches gets its own alias.
+        root = getattr(tensor, TAP_ROOT, tensor)
+        consumer = self._consumers.get(id(root))
+        if consumer is not None and consumer.tensor() is root:
             # An inner module took the same tensor (pre-hooks run outside-in): the grad is its grad_input.
             consumer.name, consumer.vpp_stage, consumer.micro = name, vpp, micro
             return
-        consumer = _GradConsumer(tensor, tensor.output_nr, name, vpp, micro, self._grad_hook)
-        self._consumers[id(tensor)] = consumer
+        consumer = _GradConsumer(root, tensor.output_nr, name, vpp, micro, self._grad_hook)
+        self._consumers[id(root)] = consumer
         tensor.grad_fn.register_prehook(consumer)  # lives as long as the graph
 
     def _watch_graph_grad(self, graph: in_graph.GraphCall, tensor: torch.Tensor, name: str, vpp: int,

@@ -6,6 +6,13 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
+# The attribute of an activation-grad input tap's alias (each module the tensor reaches gets its own) that holds the
+# tensor it stands for (through nested taps): `getattr(t, TAP_ROOT, t)` is that tensor, or `t` itself. An input's
+# activation record is then that of the tensor itself, often already taken as another module's output, instead of
+# a second pass over the same data; the NaN sentinel knows the tensor by it. Read inline (not through a function)
+# as every call does it for every input.
+TAP_ROOT = "_trainmon_root"
+
 
 def floating_leaves(obj: Any, selector=None, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """Returns (name, tensor) for the floating-point tensors in `obj`.

@@ -19,6 +19,7 @@ from trainmon.cli import main as cli_main
 from trainmon.core.events import SENTINEL_RULE
 from trainmon.demo import lm_loss
 from trainmon.hooks import in_graph
+from trainmon.hooks.module_hooks import ActivationHooks
 from trainmon.read import open_run
 
 OPS = ["min", "max", "norm", "nans", "infs"]
@@ -152,6 +153,43 @@ def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, m
         want = eager_records[key]
         for op in OPS:
             assert getattr(got, op) == pytest.approx(getattr(want, op), rel=1e-4, abs=1e-6), (key, op)
+
+
+@pytest.mark.parametrize("mode", slow_but(MODES, {"default"}))
+def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(output_dir, write_config, monkeypatch,
+                                                                             mode):
+    """`step_interval`: on a step that is not collected a compiled graph's ops return before the activation hooks
+    run (the op's dispatch is then all it costs); the hooks outside the graph run as in eager mode, and the collected
+    steps record what eager mode records."""
+    ran = collections.Counter()  # activation pre-hooks run, by step
+    make_pre_forward = ActivationHooks._make_pre_forward
+
+    def counted(hooks, watched):
+        hook = make_pre_forward(hooks, watched)
+
+        def pre_hook(module, args, kwargs):
+            ran[hooks.state.collector.step] += 1
+            return hook(module, args, kwargs)
+
+        return pre_hook
+
+    monkeypatch.setattr(ActivationHooks, "_make_pre_forward", counted)
+    config = {**{k: v for k, v in ALL.items() if k != "sentinel"}, "step_interval": 2}  # the sentinel runs every step
+    *_, eager = monitored_run(write_config, config, None)
+    in_eager = dict(ran)
+    ran.clear()
+    *_, comp = monitored_run(write_config, config, mode)
+    eager_records, compiled_records = _records(eager), _records(comp)
+    assert {key[2] for key in compiled_records} == {0, 2}
+    assert set(compiled_records) == set(eager_records)
+    for key, got in compiled_records.items():
+        for op in OPS:
+            assert getattr(got, op) == pytest.approx(getattr(eager_records[key], op), rel=1e-4, abs=1e-6), (key, op)
+    assert ran[0] == in_eager[0] and ran[2] == in_eager[2]          # collected: every hook ran
+    if mode == "blocks":                                            # the modules around the blocks
+        assert 0 < ran[1] < in_eager[1] / 2
+    else:                                                           # the root's, run eagerly, once a micro-step
+        assert ran[1] == GA < in_eager[1]
 
 
 def _activation_order(monitor) -> list:

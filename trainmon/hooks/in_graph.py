@@ -36,7 +36,7 @@ import itertools
 import logging
 import types
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -48,7 +48,8 @@ from trainmon.hooks.tensor_select import input_places, input_values
 logger = logging.getLogger("trainmon")
 
 _TOKEN = "_trainmon_token"
-# (module token, kind's number) -> (weak module, eager hook, with_kwargs, with_output)
+# (module token, kind's number) -> (weak module, eager hook, with_kwargs, with_output, active): `active()` False (None:
+# always True) where the hook has nothing to do, so `trainmon::observe` returns before any work
 _hooks: dict[tuple[int, int], tuple] = {}
 _kinds: dict[str, int] = {}  # each hook kind's number, the one `trainmon::observe` is given
 _tokens = itertools.count()
@@ -236,12 +237,14 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
     after the joined ones') and their place there (`GraphCall.origin`); `untapped`: grads were watched, but the
     call was traced inside a higher-order op, where it is not tapped (see `_in_subgraph`). Returns the scalar that
     the tap saves for the backward, carrying the hook's requests for their grads."""
-    (kind, grad_enabled, untapped, out_positions, out_total, tapped, joined, joined_places, retapped,
-     origin_places) = _Layout.unpack(layout)
-    entry = _hooks.get((int(token), kind))
+    entry = _hooks.get((int(token), layout[0]))
     if entry is None:
         return _NO_CALL  # removed since the graph was traced
-    module_ref, hook, with_kwargs, with_output = entry
+    module_ref, hook, with_kwargs, with_output, active = entry
+    if active is not None and not active():  # a step that is not collected: the op's cost is its dispatch alone
+        return _NO_CALL
+    (_, grad_enabled, untapped, out_positions, out_total, tapped, joined, joined_places, retapped,
+     origin_places) = _Layout.unpack(layout)
     module = module_ref()
     if module is None:
         return _NO_CALL
@@ -462,9 +465,10 @@ class _Handle:
             _said.clear()
 
 
-def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool,
-           with_output: bool) -> tuple[int, int]:
-    """Enters `hook` as `module`'s trainmon hook `key`, which `trainmon::observe` runs (see the module doc)."""
+def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool, with_output: bool,
+           active: Optional[Callable[[], bool]] = None) -> tuple[int, int]:
+    """Enters `hook` as `module`'s trainmon hook `key`, which `trainmon::observe` runs (see the module doc) where
+    `active()` (None: always) says it has something to do."""
     token = module.__dict__.get(_TOKEN)
     if token is None:
         token = torch.tensor(next(_tokens))
@@ -472,13 +476,13 @@ def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool,
     entry = (int(token), _kinds.setdefault(key, len(_kinds)))
     if entry in _hooks:
         raise RuntimeError(f"trainmon: a {key} hook is already on {type(module).__name__} (two monitors on one model)")
-    _hooks[entry] = (weakref.ref(module), hook, with_kwargs, with_output)
+    _hooks[entry] = (weakref.ref(module), hook, with_kwargs, with_output, active)
     return entry
 
 
 def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool, with_output: bool,
-              grads: tuple[str, ...], register: Callable) -> _Handle:
-    key = _entry(module, kind, hook, with_kwargs, with_output)
+              grads: tuple[str, ...], active: Optional[Callable[[], bool]], register: Callable) -> _Handle:
+    key = _entry(module, kind, hook, with_kwargs, with_output, active)
 
     # Dynamo would compile the frames an eager hook calls, when the hook runs under a compiled module's call
     # (Dynamo's frame callback is set). Elsewhere the hook is called as it is: the wrapper that turns Dynamo off
@@ -517,24 +521,27 @@ def _forget_compiled(module: torch.nn.Module) -> None:
 
 
 def forward_pre_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
-                     prepend: bool = False, grads: tuple[str, ...] = ()) -> _Handle:
+                     prepend: bool = False, grads: tuple[str, ...] = (),
+                     active: Optional[Callable[[], bool]] = None) -> _Handle:
     """Registers `hook` as `module`'s forward pre-hook, traceable (see the module doc); `kind` names it among
     trainmon's hooks on that module. `grads`: the activation grads the hook watches, those of calls' inputs
     (`INPUT_GRADS`) or of their inputs and outputs (`ALL_GRADS`), which it takes from a compiled call through
-    `graph_call`. Under compile its return value (modified inputs) is not used."""
-    return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads,
+    `graph_call`. `active()`: whether the hook has something to do in the running forward pass (None: always);
+    where it has not, a compiled graph's op for it returns at once, hook not run. Under compile its return value
+    (modified inputs) is not used."""
+    return _register(module, f"{kind}.pre", hook, with_kwargs, False, grads, active,
                      lambda fn: module.register_forward_pre_hook(fn, with_kwargs=with_kwargs, prepend=prepend))
 
 
 def forward_hook(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: bool = False,
-                 grads: tuple[str, ...] = ()) -> _Handle:
+                 grads: tuple[str, ...] = (), active: Optional[Callable[[], bool]] = None) -> _Handle:
     """Registers `hook` as `module`'s forward hook, traceable (see `forward_pre_hook`)."""
-    return _register(module, f"{kind}.post", hook, with_kwargs, True, grads,
+    return _register(module, f"{kind}.post", hook, with_kwargs, True, grads, active,
                      lambda fn: module.register_forward_hook(fn, with_kwargs=with_kwargs))
 
 
 def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: Callable,
-                   grads: tuple[str, ...] = ()) -> _Handle:
+                   grads: tuple[str, ...] = (), active: Optional[Callable[[], bool]] = None) -> _Handle:
     """Runs `before(module, args, kwargs)` and `after(module, args, kwargs, output)` around each call of `module`'s
     forward, as a forward pre-hook and a forward hook with kwargs would (`before` may return new (args, kwargs)),
     traceable as they are (see the module doc).
@@ -546,15 +553,15 @@ def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: 
     replace the output after forward) or backward hooks (which wrap the inputs before it) when trainmon is
     attached, the two are registered as hooks instead, so that what those do is seen as before.
 
-    `grads` as for `forward_pre_hook`."""
+    `grads` and `active` as for `forward_pre_hook`: before and after share one `active` answer a call."""
     around = module.__dict__.get(_AROUND)
     if around is None and _hooks_outside_forward(module):
-        pre = forward_pre_hook(module, kind, before, with_kwargs=True, grads=grads)
-        post = forward_hook(module, kind, after, with_kwargs=True, grads=grads)
+        pre = forward_pre_hook(module, kind, before, with_kwargs=True, grads=grads, active=active)
+        post = forward_hook(module, kind, after, with_kwargs=True, grads=grads, active=active)
         return _Handle(lambda: (pre.remove(), post.remove()))
     if around is None:
         around = _Around(module)
-    entry = around.add(kind, before, after)
+    entry = around.add(kind, before, after, active)
     _forget_compiled(module)
     return _Handle(lambda: around.drop(entry), grads=grads)
 
@@ -589,20 +596,31 @@ def _hooks_outside_forward(module: torch.nn.Module) -> bool:
                 or hooks._global_forward_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
 
 
+class _Entry(NamedTuple):
+    """One group's hooks on a module's forward, which `_Around` runs."""
+
+    kind: str
+    before: Callable
+    after: Callable
+    eager_before: Callable  # `before` and `after` with Dynamo off
+    eager_after: Callable
+    active: Optional[Callable[[], bool]]  # see `forward_pre_hook`
+
+
 class _Around:
-    """The wrapper `around_forward` puts in place of one module's forward, and the groups' entries it runs:
-    (kind, before, after, before and after with Dynamo off).
+    """The wrapper `around_forward` puts in place of one module's forward, and the groups' entries it runs
+    (`_Entry`).
 
     Under tracing the wrapper reads none of this (Dynamo would guard on it, and a model compiled block by block
     would compile once per block): it puts one `trainmon::observe` op before the forward and one after, whose
     eager hooks (`befores`, `afters`) run the entries."""
 
     def __init__(self, module: torch.nn.Module):
-        self.entries: list[tuple] = []
+        self.entries: list[_Entry] = []
         self.module = weakref.ref(module)
         self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
-        self.keys = (_entry(module, "forward.pre", self.befores, True, False),
-                     _entry(module, "forward.post", self.afters, True, True))
+        self.keys = (_entry(module, "forward.pre", self.befores, True, False, self.active),
+                     _entry(module, "forward.post", self.afters, True, True, self.active))
         # The wrapper calls the class's forward function with the module it is bound to; anything else as the
         # module would have called it.
         plain = self.replaced is None and isinstance(type(module).forward, types.FunctionType)
@@ -617,24 +635,31 @@ class _Around:
         # A method of the module, so that a deep copy of the module (an EMA copy) runs its own forward.
         module.__dict__["forward"] = types.MethodType(wrapper, module)
 
-    def add(self, kind: str, before: Callable, after: Callable) -> tuple:
-        if any(entry[0] == kind for entry in self.entries):
+    def add(self, kind: str, before: Callable, after: Callable, active: Optional[Callable[[], bool]]) -> _Entry:
+        if any(entry.kind == kind for entry in self.entries):
             raise RuntimeError(f"trainmon: a {kind} hook is already on {type(self.module()).__name__} "
                                "(two monitors on one model)")
-        entry = (kind, before, after, torch._dynamo.disable(before, recursive=True),
-                 torch._dynamo.disable(after, recursive=True))
+        entry = _Entry(kind, before, after, torch._dynamo.disable(before, recursive=True),
+                       torch._dynamo.disable(after, recursive=True), active)
         self.entries.append(entry)
         return entry
 
+    def active(self) -> bool:
+        """Whether some group has something to do in the running forward pass (see `forward_pre_hook`)."""
+        for entry in self.entries:
+            if entry.active is None or entry.active():
+                return True
+        return False
+
     def befores(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        for _, before, *_ in self.entries:
-            before(module, args, kwargs)
+        for entry in self.entries:
+            entry.before(module, args, kwargs)
 
     def afters(self, module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
-        for _, _, after, *_ in self.entries:
-            after(module, args, kwargs, output)
+        for entry in self.entries:
+            entry.after(module, args, kwargs, output)
 
-    def drop(self, entry: tuple) -> None:
+    def drop(self, entry: _Entry) -> None:
         """Removes one group's entry; the module gets its forward back with the last, unless something replaced
         the wrapper since (it then runs the forward alone)."""
         if entry in self.entries:
@@ -666,12 +691,12 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
             entries = ()
         # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not.
         eager = _dynamo_frame_callback() is None
-        for _, before, _, eager_before, _ in entries:
+        for _, before, _, eager_before, _, _ in entries:
             changed = (before if eager else eager_before)(mod, args, kwargs)
             if changed is not None:
                 args, kwargs = changed
         output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
-        for _, _, after, _, eager_after in entries:
+        for _, _, after, _, eager_after, _ in entries:
             (after if eager else eager_after)(mod, args, kwargs, output)
         return output
 

@@ -172,7 +172,7 @@ class ActivationHooks(Hooks):
             self._handles.append(in_graph.around_forward(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
                 self.state.guarded(item, self._make_forward(watched)),
-                grads=in_graph.ALL_GRADS if self.backward else ()))
+                grads=in_graph.ALL_GRADS if self.backward else (), active=self._recording))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -201,6 +201,10 @@ class ActivationHooks(Hooks):
         if state.training_forward:
             return state.collector if state.collecting else None
         return state.eval_collector
+
+    def _recording(self) -> bool:
+        """Whether the running forward pass is recorded: where it is not, a compiled graph skips these hooks."""
+        return self._target() is not None
 
     def _make_pre_forward(self, watched: WatchedModule):
         state = self.state

@@ -170,14 +170,17 @@ class L2Features(Hooks):
             hook = self.state.guarded(f"{target.hook.family} of {target.name}", self._hook(target))
             # In the wrapper around the module's forward that the activation hooks may already have put there (one
             # op a call under torch.compile for all of them, whose graph runs the hook on the call's tensors).
-            self._handles.append(in_graph.after_forward(target.module, target.hook.family, hook))
+            self._handles.append(in_graph.after_forward(target.module, target.hook.family, hook, self._recording))
         logger.info("trainmon: L2 features of %d module(s): %s", len(self.targets),
                     ", ".join(sorted({t.hook.family for t in self.targets})) or "none")
 
+    def _recording(self) -> bool:
+        """Whether the running forward pass is recorded (a collected step's training forward)."""
+        return self.state.collecting and self.state.training_forward
+
     def _hook(self, target: FeatureModule):
         def hook(module, args, kwargs, output):
-            state = self.state
-            if not (state.collecting and state.training_forward) or in_backward():
+            if not self._recording() or in_backward():
                 return None
             self._record(target, args, kwargs, output)
             return None

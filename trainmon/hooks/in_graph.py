@@ -566,16 +566,18 @@ def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: 
     return _Handle(lambda: around.drop(entry), grads=grads)
 
 
-def after_forward(module: torch.nn.Module, kind: str, after: Callable) -> _Handle:
+def after_forward(module: torch.nn.Module, kind: str, after: Callable,
+                  active: Optional[Callable[[], bool]] = None) -> _Handle:
     """Runs `after(module, args, kwargs, output)` after each call of `module`'s forward: `around_forward` with
     nothing to do before it (one wrapper, and under compile one op a call, for every group on the module)."""
-    return around_forward(module, kind, _nothing_before, after)
+    return around_forward(module, kind, _nothing_before, after, active=active)
 
 
-def before_forward(module: torch.nn.Module, kind: str, before: Callable) -> _Handle:
+def before_forward(module: torch.nn.Module, kind: str, before: Callable,
+                   active: Optional[Callable[[], bool]] = None) -> _Handle:
     """Runs `before(module, args, kwargs)` before each call of `module`'s forward: `around_forward` with nothing
     to do after it."""
-    return around_forward(module, kind, before, _nothing_after)
+    return around_forward(module, kind, before, _nothing_after, active=active)
 
 
 def _nothing_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -176,7 +176,7 @@ class MoeLoad(Hooks):
         record = self.state.guarded(f"moe_load of {name}", add)
         self.taps.append(tap)
         # In the wrapper around the gate's forward: inside a torch.compile'd region the graph runs it too.
-        self._undo.append(in_graph.after_forward(gate, "moe_load", hook).remove)
+        self._undo.append(in_graph.after_forward(gate, "moe_load", hook, self._collecting).remove)
 
     def step_finished(self, collected: bool) -> None:
         if not collected or not self.taps:

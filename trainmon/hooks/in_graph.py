@@ -693,13 +693,13 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
             entries = ()
         # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not.
         eager = _dynamo_frame_callback() is None
-        for _, before, _, eager_before, _, _ in entries:
-            changed = (before if eager else eager_before)(mod, args, kwargs)
+        for entry in entries:
+            changed = (entry.before if eager else entry.eager_before)(mod, args, kwargs)
             if changed is not None:
                 args, kwargs = changed
         output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
-        for _, _, after, _, eager_after, _ in entries:
-            (after if eager else eager_after)(mod, args, kwargs, output)
+        for entry in entries:
+            (entry.after if eager else entry.eager_after)(mod, args, kwargs, output)
         return output
 
     # As `traced_or_eager` in `_register`: the compiled module's own wrapper runs eagerly, and its forward is the

@@ -4,6 +4,7 @@ eager ones, and an Inf in one block is named exactly. `aot_eager` traces as indu
 AOTAutograd) without its C++ compile time; one end-to-end test uses inductor."""
 import collections
 import contextlib
+import gc
 import json
 import logging
 import re
@@ -190,6 +191,37 @@ def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(o
         assert 0 < ran[1] < in_eager[1] / 2
     else:                                                           # the root's, run eagerly, once a micro-step
         assert ran[1] == GA < in_eager[1]
+
+
+@pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
+def test_what_a_compiled_step_holds_for_its_backward_is_freed_without_the_cycle_collector(output_dir, write_config,
+                                                                                         mode):
+    """What the hooks of a compiled region keep for the backward (the grads each call asks for, and whom for) is freed
+    by reference counting once nothing needs it: in a reference cycle it would wait for Python's garbage collector,
+    whose collections then run more often and scan more (a pause of hundreds of ms in a large process)."""
+    torch._dynamo.reset()
+    model = make_model(layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_model = compiled(model, mode)
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **ALL))
+    monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+    train(run_model, optimizer, steps=2)  # compiled, and every hook's first-call work done
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds stays in `gc.garbage`, to be named
+    try:
+        train(run_model, optimizer, steps=2)
+        gc.collect()
+        # trainmon's own objects only: torch's caches may let go of an earlier test's compiled graphs meanwhile
+        garbage = collections.Counter(type(o).__qualname__ for o in gc.garbage
+                                      if type(o).__module__.startswith("trainmon."))
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    monitor.stop()
+    assert len(_records(monitor)) > 0
+    assert not garbage
 
 
 def _activation_order(monitor) -> list:

@@ -92,33 +92,39 @@ class GraphCall:
     with that inner call's, after the inner hook's, which is the order in which eager grad hooks on one tensor run.
     """
 
-    __slots__ = ("_where", "_origins", "_wanted")
+    __slots__ = ("_tapped", "_joined", "_origins", "_wanted")
 
     def __init__(self, tapped: list[torch.Tensor], joined: list[tuple[torch.Tensor, "GraphCall", int]],
                  origins: list[tuple[torch.Tensor, "GraphCall", int]] = ()):
-        # id of each tensor -> (the call whose backward hands back its grad, its place among that call's tapped)
-        self._where = {id(t): (self, i) for i, t in enumerate(tapped)}
-        for t, call, i in joined:
-            self._where[id(t)] = (call, i)
+        # id of each tensor it tapped -> its place among them. No entry holds the call itself: a call in a cycle would
+        # outlive its graph, for Python's garbage collector to find, with what it holds (hundreds of objects a step)
+        self._tapped = {id(t): i for i, t in enumerate(tapped)}
+        # id of each tensor an inner call tapped -> (that call, whose backward hands back its grad, its place there)
+        self._joined = {id(t): (call, i) for t, call, i in joined}
         # id of each tapped tensor that an enclosing call tapped first -> (that call, the tensor's place there)
         self._origins = {id(t): (call, i) for t, call, i in origins}
         self._wanted: list[tuple[int, list[tuple[int, int]], Callable]] = []
 
     def takes_grad(self, tensor: torch.Tensor) -> bool:
         """Whether the compiled backward hands back the grad of `tensor` (one the hook was given)."""
-        return id(tensor) in self._where
+        return id(tensor) in self._joined or id(tensor) in self._tapped
+
+    def _where(self, tensor: torch.Tensor) -> tuple["GraphCall", int]:
+        """(the call whose backward hands back the grad of `tensor`, its place among that call's tapped)."""
+        joined = self._joined.get(id(tensor))
+        return (self, self._tapped[id(tensor)]) if joined is None else joined
 
     def origin(self, tensor: torch.Tensor) -> tuple["GraphCall", int]:
         """The first tap of `tensor` (one that `takes_grad`) in the running forward: (the call, its place there).
         Two hooks' inputs with one origin are one tensor of the traced program: the graph's buffers are not."""
-        return self._origins.get(id(tensor)) or self._where[id(tensor)]
+        return self._origins.get(id(tensor)) or self._where(tensor)
 
     def on_grads(self, tensors: list[torch.Tensor], callback: Callable[[list], None]) -> None:
         """Calls `callback(grads)` in the compiled backward, `grads[i]` being that of `tensors[i]` (each one that
         `takes_grad`), None where no grad reached it; once per call that hands some of them back."""
         by_call: dict = {}
         for k, t in enumerate(tensors):
-            call, i = self._where[id(t)]
+            call, i = self._where(t)
             by_call.setdefault(call, []).append((k, i))
         for call, places in by_call.items():
             call._wanted.append((len(tensors), places, callback))

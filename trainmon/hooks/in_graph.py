@@ -103,7 +103,7 @@ class GraphCall:
         self._joined = {id(t): (call, i) for t, call, i in joined}
         # id of each tapped tensor that an enclosing call tapped first -> (that call, the tensor's place there)
         self._origins = {id(t): (call, i) for t, call, i in origins}
-        self._wanted: list[tuple[int, list[tuple[int, int]], Callable]] = []
+        self._wanted: list[tuple[int, tuple[int, ...], Callable]] = []  # (count, places, callback), `deliver`
 
     def takes_grad(self, tensor: torch.Tensor) -> bool:
         """Whether the compiled backward hands back the grad of `tensor` (one the hook was given)."""
@@ -122,18 +122,24 @@ class GraphCall:
     def on_grads(self, tensors: list[torch.Tensor], callback: Callable[[list], None]) -> None:
         """Calls `callback(grads)` in the compiled backward, `grads[i]` being that of `tensors[i]` (each one that
         `takes_grad`), None where no grad reached it; once per call that hands some of them back."""
+        if len(tensors) == 1:  # most requests: no container but the request's own lives until the backward
+            call, i = self._where(tensors[0])
+            call._wanted.append((1, (0, i), callback))
+            return
         by_call: dict = {}
         for k, t in enumerate(tensors):
             call, i = self._where(t)
-            by_call.setdefault(call, []).append((k, i))
+            by_call.setdefault(call, []).extend((k, i))
         for call, places in by_call.items():
-            call._wanted.append((len(tensors), places, callback))
+            call._wanted.append((len(tensors), tuple(places), callback))
 
     def deliver(self, grads: list) -> None:
+        """Hands each request its grads: its `places` pair each requested tensor's position with its grad's in
+        `grads`, flat (k0, i0, k1, i1, ...)."""
         for count, places, callback in self._wanted:
             wanted = [None] * count
-            for k, i in places:
-                wanted[k] = grads[i]
+            for j in range(0, len(places), 2):
+                wanted[places[j]] = grads[places[j + 1]]
             callback(wanted)
 
 

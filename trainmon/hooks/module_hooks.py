@@ -32,7 +32,7 @@ import collections
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -79,6 +79,7 @@ class WatchedModule:
     # where -> the hook on an output's grad_fn, or on the node that takes the input: made once, as every step's
     # calls repeat them (hooks that live until backward would otherwise be garbage for Python's collector)
     output_grad_hooks: dict = field(default_factory=dict)
+    graph_grad_recorders: dict = field(default_factory=dict)  # (micro, leaf names) -> `_leaf_grads_recorder`'s
     # Whether the module's input grad is read at the one node that takes its input, untapped: None until its
     # first tapped call shows whether its graph has that shape.
     untapped: Optional[bool] = None
@@ -101,6 +102,11 @@ class _Call:
     names: Optional[CallNames] = None
     source: Optional[tuple] = None  # (grad_fn, output_nr, tensor, version) of its input, where it is not tapped
 
+    def __call__(self, grads) -> None:
+        """Hands the grads of its tapped inputs (and of outputs that are those inputs) to its recorder: the call is
+        its own callback, one object less a call for Python's garbage collector to count until the backward."""
+        self.watched.grad_recorders[0](self, grads)
+
 
 class _InputTap(torch.autograd.Function):
     """Identity on a module call's inputs; its backward hands their grads to the call's input grad recorder."""
@@ -115,8 +121,7 @@ class _InputTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        call = ctx.call
-        call.watched.grad_recorders[0](call, grads)
+        ctx.call(grads)
         return (None,) + grads
 
 
@@ -169,6 +174,7 @@ class ActivationHooks(Hooks):
                                           self.state.guarded(item, self._record_output_grad),
                                           self.state.guarded(item, self._record_node_grads))
                 watched.output_grad_hooks.clear()
+                watched.graph_grad_recorders.clear()
             self._handles.append(in_graph.around_forward(
                 watched.module, "activations", self.state.guarded(item, self._make_pre_forward(watched)),
                 self.state.guarded(item, self._make_forward(watched)),
@@ -182,6 +188,7 @@ class ActivationHooks(Hooks):
             watched.open_calls.clear()
             watched.unrecomputed.clear()
             watched.output_grad_hooks.clear()
+            watched.graph_grad_recorders.clear()
 
     @staticmethod
     def _call_names(watched: WatchedModule, forward_pass: tuple) -> CallNames:
@@ -259,7 +266,7 @@ class ActivationHooks(Hooks):
         inputs = input_values(args, kwargs)
         tapped, call.suffixes = _tapped_inputs(inputs, call.watched.input_grad_sel, graph.takes_grad)
         if tapped:
-            graph.on_grads([inputs[i] for i in tapped], functools.partial(call.watched.grad_recorders[0], call))
+            graph.on_grads([inputs[i] for i in tapped], call)
 
     def _make_forward(self, watched: WatchedModule):
         state = self.state
@@ -310,8 +317,7 @@ class ActivationHooks(Hooks):
         """Asks the compiled graph running a call for the grads of its output leaves, for the output-grad recorder."""
         leaves = [(leaf_name, t) for leaf_name, t in output_leaves if graph.takes_grad(t)]
         if leaves:
-            graph.on_grads([t for _, t in leaves], functools.partial(_record_leaf_grads, watched.grad_recorders[1],
-                                                                     watched, micro, [name for name, _ in leaves]))
+            graph.on_grads([t for _, t in leaves], _leaf_grads_recorder(watched, micro, tuple([n for n, _ in leaves])))
 
     def _hook_recomputed(self, watched: WatchedModule, call: _Call, output) -> None:
         """Grad hooks on a call run again by activation checkpointing, named as when it first ran.
@@ -369,8 +375,7 @@ class ActivationHooks(Hooks):
             if grad_fn is not None:  # made in this forward: the hook goes with its graph
                 graph = in_graph.graph_output_call(tensor, grad_fn)
                 if graph is not None:  # its grad comes with a tapped call's inside a compiled region
-                    graph.on_grads([tensor], functools.partial(_record_leaf_grads, watched.grad_recorders[1], watched,
-                                                               micro, [leaf_name]))
+                    graph.on_grads([tensor], _leaf_grads_recorder(watched, micro, (leaf_name,)))
                     continue
                 where = (micro, leaf_name, tensor.output_nr)
                 hook = hooks.get(where)
@@ -432,7 +437,18 @@ class ActivationHooks(Hooks):
         collector.record(keys, tensors, defer=True)
 
 
-def _record_leaf_grads(record_output_grad, watched: WatchedModule, micro: int, leaf_names: list, grads: list) -> None:
+def _leaf_grads_recorder(watched: WatchedModule, micro: int, leaf_names: tuple) -> Callable[[list], None]:
+    """What records the grads a compiled graph hands back of a call's output leaves `leaf_names`: made once per
+    module, micro-step and leaves, as `output_grad_hooks` are."""
+    where = (micro, leaf_names)
+    recorder = watched.graph_grad_recorders.get(where)
+    if recorder is None:
+        recorder = watched.graph_grad_recorders[where] = functools.partial(
+            _record_leaf_grads, watched.grad_recorders[1], watched, micro, leaf_names)
+    return recorder
+
+
+def _record_leaf_grads(record_output_grad, watched: WatchedModule, micro: int, leaf_names: tuple, grads: list) -> None:
     """Records, with `record_output_grad`, the grads that arrived of a call's output leaves `leaf_names`."""
     for leaf_name, grad in zip(leaf_names, grads):
         if grad is not None:

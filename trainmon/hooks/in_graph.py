@@ -280,7 +280,7 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
                           for i, inner, place in zip(joined, calls, joined_places)],
                          [(watched[i], getattr(outer, _CALL), place)
                           for i, outer, place in zip(retapped, origin_calls, origin_places)])
-        result = torch.empty((), dtype=torch.int64)
+        result = _NO_CALL.detach()  # a tensor object of its own, to carry the call: a quarter of a new one's cost
         setattr(result, _CALL, call)
     global _on_graph_buffers, _graph_call
     outer = _graph_call

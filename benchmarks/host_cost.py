@@ -7,7 +7,10 @@ process's CPU time a step (training thread and writer thread, from the first tim
 `monitor.stop()`, which writes what the writer had left), and the training thread's alone (the hooks up to the
 kernels' launches: what sets an accelerator step's pace), each less `none`'s and divided by the rows of a step in
 `monitor.db`; and of the training thread's, the forward pass's share (where the activations are recorded and the
-hooks for their grads registered). Each tier's figure is the median over `--repeats` processes.
+hooks for their grads registered). Each tier's figure is the median over `--repeats` processes. Python's garbage
+collector is timed apart (`gc.callbacks`): its CPU ms a step in those steps, on either thread, and how many full
+collections it made there, with the longest (a full collection scans the whole heap: a pause of the training
+thread that grows with the process, where a tier keeps many objects alive from step to step).
 
     python benchmarks/host_cost.py                                  # the CPU path (the native read)
     python benchmarks/host_cost.py --accelerator-path --no-launch   # the accelerators' path up to the launch
@@ -22,6 +25,7 @@ figure from a run without the flag.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sqlite3
@@ -85,10 +89,26 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
         monitor.set_monitor(model, optimizer=optimizer)
     if compiled:  # compiled in the warm-up steps
         model = torch.compile(model)
+    collecting = {"ms": 0.0, "full": 0, "longest": 0.0, "on": False, "began": 0.0}
+
+    def on_collection(phase: str, info: dict) -> None:  # collections run one at a time, on the allocating thread
+        if not collecting["on"]:
+            return
+        if phase == "start":
+            collecting["began"] = time.thread_time()
+            return
+        ms = (time.thread_time() - collecting["began"]) * 1e3
+        collecting["ms"] += ms
+        if info["generation"] == 2:
+            collecting["full"] += 1
+            collecting["longest"] = max(collecting["longest"], ms)
+
+    gc.callbacks.append(on_collection)
     thread = forward = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             start = time.process_time()
+            collecting["on"] = True
         begin = time.thread_time()
         y = model(x)
         forwarded = time.thread_time()
@@ -102,12 +122,14 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
     if monitor is not None:
         monitor.stop()  # the writer's work left at the end is the timed steps' too
     cpu_ms = (time.process_time() - start) * 1e3 / steps
+    collecting["on"] = False
     if monitor is not None:
         db = monitor.output_dir / "monitor.db"
         with sqlite3.connect(db) as conn:
             records = conn.execute("SELECT count(*) FROM records WHERE step = ?", (warmup + steps - 1,)).fetchone()[0]
     return {"cpu_ms": cpu_ms, "thread_ms": thread * 1e3 / steps, "forward_ms": forward * 1e3 / steps,
-            "records": records}
+            "records": records, "gc_ms": collecting["ms"] / steps, "gc_full": collecting["full"],
+            "gc_longest_ms": collecting["longest"]}
 
 
 def main() -> None:
@@ -154,7 +176,7 @@ def main() -> None:
           f"{args.repeats} processes of {args.steps} steps")
     none_thread = statistics.median(r["thread_ms"] for r in runs["none"])
     print(f"{'tier':<6} {'records':>8} {'process ms':>11} {'µs/record':>10} {'training thread ms':>19} {'µs/record':>10}"
-          f" {'of it forward ms':>17}")
+          f" {'of it forward ms':>17} {'gc ms':>6} {'full collections (longest ms)':>30}")
     for tier in tiers:
         ms = statistics.median(r["cpu_ms"] for r in runs[tier])
         thread_ms = statistics.median(r["thread_ms"] for r in runs[tier])
@@ -162,7 +184,12 @@ def main() -> None:
         records = runs[tier][0]["records"]
         per = f"{(ms - none) * 1e3 / records:10.1f}" if records else f"{'':>10}"
         per_thread = f"{(thread_ms - none_thread) * 1e3 / records:10.1f}" if records else f"{'':>10}"
-        print(f"{tier:<6} {records:8d} {ms:11.2f} {per} {thread_ms:19.2f} {per_thread} {forward_ms:17.2f}")
+        gc_ms = statistics.median(r["gc_ms"] for r in runs[tier])
+        full = "/".join(str(r["gc_full"]) for r in runs[tier])
+        longest = max(r["gc_longest_ms"] for r in runs[tier])
+        full += f" ({longest:.0f})" if longest else ""
+        print(f"{tier:<6} {records:8d} {ms:11.2f} {per} {thread_ms:19.2f} {per_thread} {forward_ms:17.2f} {gc_ms:6.2f}"
+              f" {full:>30}")
 
 
 if __name__ == "__main__":

@@ -193,16 +193,16 @@ def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(o
         assert ran[1] == GA < in_eager[1]
 
 
-@pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
-def test_what_a_compiled_step_holds_for_its_backward_is_freed_without_the_cycle_collector(output_dir, write_config,
-                                                                                         mode):
-    """What the hooks of a compiled region keep for the backward (the grads each call asks for, and whom for) is freed
-    by reference counting once nothing needs it: in a reference cycle it would wait for Python's garbage collector,
-    whose collections then run more often and scan more (a pause of hundreds of ms in a large process)."""
+@pytest.mark.parametrize("mode", slow_but(["eager", "default", "blocks"], {"eager", "default"}))
+def test_what_a_step_holds_for_its_backward_is_freed_without_the_cycle_collector(output_dir, write_config, mode):
+    """What the hooks keep for the backward (the grads each call asks for, and whom for; inside a compiled region,
+    what its graph hands back) is freed by reference counting once nothing needs it: in a reference cycle it would
+    wait for Python's garbage collector, whose collections then run more often and scan more (a pause of hundreds of
+    ms in a large process)."""
     torch._dynamo.reset()
     model = make_model(layers=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    run_model = compiled(model, mode)
+    run_model = model if mode == "eager" else compiled(model, mode)
     monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **ALL))
     monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
     train(run_model, optimizer, steps=2)  # compiled, and every hook's first-call work done

@@ -122,10 +122,6 @@ class GraphCall:
     def on_grads(self, tensors: list[torch.Tensor], callback: Callable[[list], None]) -> None:
         """Calls `callback(grads)` in the compiled backward, `grads[i]` being that of `tensors[i]` (each one that
         `takes_grad`), None where no grad reached it; once per call that hands some of them back."""
-        if len(tensors) == 1:  # most requests: no container but the request's own lives until the backward
-            call, i = self._where(tensors[0])
-            call._wanted.append((1, (0, i), callback))
-            return
         by_call: dict = {}
         for k, t in enumerate(tensors):
             call, i = self._where(t)

@@ -235,6 +235,12 @@ def _kernel(name: str, fn: Callable) -> None:
 _NO_CALL = torch.empty((), dtype=torch.int64)  # `trainmon::observe`'s result where no grad of the call is tapped
 
 
+def _no_call(calls: list[torch.Tensor]) -> torch.Tensor:
+    """The result of a call that carries no request. A custom op's result may alias none of its inputs (torch
+    checks it at a compiled function's first run, an error where `CI` is set), and `calls` may hold `_NO_CALL`."""
+    return torch.empty((), dtype=torch.int64) if calls else _NO_CALL
+
+
 def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
              calls: list[torch.Tensor], layout: list[int]) -> torch.Tensor:
     """Runs the eager hook (`layout`'s kind) of the module `token` names on the tensors of one call (see the module
@@ -247,18 +253,18 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
     the tap saves for the backward, carrying the hook's requests for their grads."""
     entry = _hooks.get((int(token), layout[0]))
     if entry is None:
-        return _NO_CALL  # removed since the graph was traced
+        return _no_call(calls)  # removed since the graph was traced
     module_ref, hook, with_kwargs, with_output, active = entry
     if active is not None and not active():  # a step that is not collected: the op's cost is its dispatch alone
-        return _NO_CALL
+        return _no_call(calls)
     (_, grad_enabled, untapped, out_positions, out_total, tapped, joined, joined_places, retapped,
      origin_places) = _Layout.unpack(layout)
     module = module_ref()
     if module is None:
-        return _NO_CALL
+        return _no_call(calls)
     if stream_capturing():
         _say_once(CAPTURE_REFUSED)
-        return _NO_CALL
+        return _no_call(calls)
     if untapped:
         _say_once(SUBGRAPH_GRADS_REFUSED)
     args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
@@ -267,7 +273,7 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
         for position, tensor in zip(out_positions, outputs):
             leaves[position] = tensor
         args += (leaves[0] if out_total == 1 else leaves,)
-    call, result = None, _NO_CALL
+    call = None
     if tapped or joined:
         watched = outputs if with_output else inputs
         origin_calls = calls[len(joined):]
@@ -276,8 +282,10 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
                           for i, inner, place in zip(joined, calls, joined_places)],
                          [(watched[i], getattr(outer, _CALL), place)
                           for i, outer, place in zip(retapped, origin_calls, origin_places)])
-        result = _NO_CALL.detach()  # a tensor object of its own, to carry the call: a quarter of a new one's cost
+        result = torch.empty((), dtype=torch.int64)  # a new tensor: another call may take this one as input
         setattr(result, _CALL, call)
+    else:
+        result = _no_call(calls)
     global _on_graph_buffers, _graph_call
     outer = _graph_call
     _on_graph_buffers += 1

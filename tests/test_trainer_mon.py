@@ -13,9 +13,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_csv_output import FULL, OPS, read_family
-from training import make_model, run_steps
+from training import batches, make_model, run_steps
 from op_log import Ops
 from trainmon import TrainerMon
+from trainmon.demo import lm_loss
+from trainmon.read import open_run
 
 pd = pytest.importorskip("pandas")  # the reader the CSV files are checked with (the `db` extra)
 
@@ -360,6 +362,62 @@ def test_a_failing_hook_is_logged_once_and_training_goes_on(output_dir, write_co
     names = set(read_family(monitor.output_dir, "actv").name)
     assert "layers.0.mlp.output" in names and "layers.1.mlp.0.output" in names
     assert "layers.1.mlp.output" not in names and "layers.1.mlp.input" not in names
+
+
+def _records_of_a_loop_that_skips_a_failed_forward(write_config, monkeypatch, fail: bool) -> tuple[dict, list]:
+    """Records of 4 steps of 2 micro-steps, by (family, name, step, micro-step, call index), and whether the input of
+    the failed call is still alive after them (before the monitor stops); with `fail`, the first forward of step 1
+    raises an out-of-memory error in the first Linear of `layers.1.mlp`, which the loop catches, and it goes on."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(write_config(**{**FULL, "format": ["db"], "sentinel": True}))
+    monitor.set_monitor(model, optimizer=optimizer, grad_acc_steps=2)
+    armed, failed_inputs, linear = [False], [], torch.nn.functional.linear
+
+    def out_of_memory(x, weight, bias=None):
+        if armed[0] and weight is model.layers[1].mlp[0].weight:
+            armed[0] = False
+            failed_inputs.append(weakref.ref(x))
+            raise torch.OutOfMemoryError("injected")
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", out_of_memory)
+    data = batches()
+    for step in range(4):
+        for micro in range(2):
+            tokens, labels = next(data)
+            if fail and (step, micro) == (1, 0):
+                armed[0] = True
+                with pytest.raises(torch.OutOfMemoryError):
+                    lm_loss(model, tokens, labels)
+            (lm_loss(model, tokens, labels) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    kept = [ref() is not None for ref in failed_inputs]
+    monitor.stop()
+    with open_run(monitor.output_dir, source="db") as run:
+        frame = run.records()
+    records = {(r.family, r.name, r.step, None if r.micro_step != r.micro_step else int(r.micro_step), r.call_index):
+               (r.min, r.max, r.norm) for r in frame.itertuples()}
+    return records, kept
+
+
+def test_a_forward_that_raises_midway_leaves_the_steps_after_it_as_they_were(output_dir, write_config, monkeypatch):
+    """A loop that skips a batch whose forward raised (an out-of-memory error, caught) goes on monitored: the modules
+    that ran before the error are one more micro-step of that step, the forward run again is the next, and every
+    other step's records (keys, call indices, values) are those of the loop without the error. Nothing of the failed
+    forward is kept: its tensors are the memory the loop needs back."""
+    clean, _ = _records_of_a_loop_that_skips_a_failed_forward(write_config, monkeypatch, fail=False)
+    failed, kept = _records_of_a_loop_that_skips_a_failed_forward(write_config, monkeypatch, fail=True)
+    assert kept == [False]
+    assert {k: v for k, v in failed.items() if k[2] != 1} == {k: v for k, v in clean.items() if k[2] != 1}
+    actv = {run: {(k[1], k[3]): v for k, v in records.items() if k[0] == "actv" and k[2] == 1}
+            for run, records in (("clean", clean), ("failed", failed))}
+    before_error = {name for name, micro in actv["failed"] if micro == 0}
+    assert "layers.0.mlp.output" in before_error and "layers.1.mlp.0.input" not in before_error
+    assert "head.output" not in before_error
+    assert {(name, micro - 1): v for (name, micro), v in actv["failed"].items() if micro > 0} == actv["clean"]
 
 
 def test_append_output_continues_an_existing_run(output_dir, write_config):

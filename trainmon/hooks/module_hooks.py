@@ -73,8 +73,10 @@ class WatchedModule:
     # checkpointing runs them again inside backward.
     unrecomputed: collections.deque = field(default_factory=collections.deque)
     call_names: list = field(default_factory=list)  # CallNames of its first, second, ... call in a forward pass
-    # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded.
+    # Calls whose forward has started and not returned (a stack: calls may nest); None where not recorded. All of
+    # one forward pass of the model, `open_pass` (`HookState.forward_passes`).
     open_calls: list = field(default_factory=list)
+    open_pass: int = -1
     grad_recorders: tuple = ()  # (the tap's grads, an output's grad, a node's grads) callbacks, guarded
     # where -> the hook on an output's grad_fn, or on the node that takes the input: made once, as every step's
     # calls repeat them (hooks that live until backward would otherwise be garbage for Python's collector)
@@ -217,7 +219,12 @@ class ActivationHooks(Hooks):
         state = self.state
 
         def pre_hook(module, args, kwargs):
-            # One entry per call, popped by its forward hook: None where this call is not recorded.
+            # One entry per call, popped by its forward hook: None where this call is not recorded. Those left by
+            # an earlier forward pass are of calls that raised (an out-of-memory error the loop caught and went
+            # on): dropped, with the input and the graph behind it that they hold.
+            if watched.open_pass != state.forward_passes:
+                watched.open_calls.clear()
+                watched.open_pass = state.forward_passes
             collector = self._target()
             if collector is None:
                 watched.open_calls.append(None)

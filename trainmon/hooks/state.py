@@ -54,6 +54,7 @@ class HookState:
         self._forward_micro: dict[int, int] = {}
         self._eval_pass: dict[int, int] = {}
         self.backward_micro = 0  # index of the running backward pass
+        self.forward_passes = 0  # forward passes of the model's chunks started so far
         self._failed: set[str] = set()
 
     def start_step(self, step: int, collecting: bool) -> None:
@@ -68,6 +69,7 @@ class HookState:
         """A forward pass of chunk `vpp_stage` starts (its root's forward pre-hook): a training micro-step
         or an evaluation forward."""
         self.training_forward = training
+        self.forward_passes += 1
         counts = self._forward_micro if training else self._eval_pass
         counts[vpp_stage] = counts.get(vpp_stage, -1) + 1
 

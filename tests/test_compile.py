@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._functorch import config as functorch_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from training import DEVICES, batches, make_model
@@ -347,6 +348,7 @@ def test_an_inductor_graph_whose_first_run_collects_nothing_records_the_steps_af
     """Inductor's runtime checks a graph's first run for custom ops whose result aliases an input (an error where
     `CI` is set, and in these tests; a warning elsewhere). With `start_step` 1 that run collects nothing: each op
     returns no request, and the ops that take an inner call's result take one that carries none."""
+    assert functorch_config.error_on_custom_op_aliasing  # set by conftest.py: else an alias would only warn
     config = {**{k: v for k, v in ALL.items() if k != "sentinel"}, "start_step": 1}
     *_, eager = monitored_run(write_config, config, None)
     *_, comp = monitored_run(write_config, config, mode, backend="inductor")

@@ -208,16 +208,28 @@ class _Layout:
     @staticmethod
     def unpack(layout: list[int]) -> tuple:
         """(kind, grad_enabled, untapped, out_positions, out_total, tapped, joined, joined_places, retapped,
-        origin_places)."""
+        origin_places): unpacked once per traced call site, whose every run passes the same list."""
+        key = tuple(layout)
+        unpacked = _unpacked.get(key)
+        if unpacked is None:
+            unpacked = _unpacked[key] = _Layout._unpack(layout)
+        return unpacked
+
+    @staticmethod
+    def _unpack(layout: list[int]) -> tuple:
         kind, flags, out_total, n_positions, n_tapped, n_joined, n_retapped = layout[:_Layout.HEAD]
         tapped_at = _Layout.HEAD + n_positions
         joined_at = tapped_at + n_tapped
         places_at = joined_at + n_joined
         retapped_at = places_at + n_joined
         origins_at = retapped_at + n_retapped
-        return (kind, bool(flags & 1), bool(flags & 2), layout[_Layout.HEAD:tapped_at], out_total,
-                layout[tapped_at:joined_at], layout[joined_at:places_at], layout[places_at:retapped_at],
-                layout[retapped_at:origins_at], layout[origins_at:])
+        return (kind, bool(flags & 1), bool(flags & 2), tuple(layout[_Layout.HEAD:tapped_at]), out_total,
+                tuple(layout[tapped_at:joined_at]), tuple(layout[joined_at:places_at]),
+                tuple(layout[places_at:retapped_at]), tuple(layout[retapped_at:origins_at]),
+                tuple(layout[origins_at:]))
+
+
+_unpacked: dict[tuple, tuple] = {}  # `_Layout.unpack`'s answers, by layout: one per traced call site
 
 
 def _kernel(name: str, fn: Callable) -> None:
@@ -232,13 +244,15 @@ def _kernel(name: str, fn: Callable) -> None:
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
 
 
-_NO_CALL = torch.empty((), dtype=torch.int64)  # `trainmon::observe`'s result where no grad of the call is tapped
+# `trainmon::observe`'s result where no grad of the call is tapped. A new result is made like it: `empty_like` costs
+# about half of `empty` (0.8 against 1.5 µs).
+_NO_CALL = torch.empty((), dtype=torch.int64)
 
 
 def _no_call(calls: list[torch.Tensor]) -> torch.Tensor:
     """The result of a call that carries no request. A custom op's result may alias none of its inputs (torch
     checks it at a compiled function's first run, an error where `CI` is set), and `calls` may hold `_NO_CALL`."""
-    return torch.empty((), dtype=torch.int64) if calls else _NO_CALL
+    return torch.empty_like(_NO_CALL) if calls else _NO_CALL
 
 
 def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -282,7 +296,7 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
                           for i, inner, place in zip(joined, calls, joined_places)],
                          [(watched[i], getattr(outer, _CALL), place)
                           for i, outer, place in zip(retapped, origin_calls, origin_places)])
-        result = torch.empty((), dtype=torch.int64)  # a new tensor: another call may take this one as input
+        result = torch.empty_like(_NO_CALL)  # a new tensor: another call may take this one as input
         setattr(result, _CALL, call)
     else:
         result = _no_call(calls)

@@ -21,6 +21,13 @@ thread that grows with the process, where a tier keeps many objects alive from s
 With `--compiled` every tier, `none` included, trains the chain through `torch.compile`: a hooked call's host work
 is then its `trainmon::observe` ops' (the eager hooks run from the compiled graph), next to the same tier's eager
 figure from a run without the flag.
+
+With `--alternate` each process trains the chain both ways, eagerly and through `torch.compile`, ten steps of one
+then ten of the other: the two modes' figures come from the same minutes of the same process, where figures of
+separate processes differ by a fifth on a shared machine. It prints the training thread's median step and forward
+pass per mode, µs a record against `none` in the same mode, and compiled over eager.
+
+    python benchmarks/host_cost.py --alternate --accelerator-path --no-launch --blocks 16 --tiers none,xy,all
 """
 from __future__ import annotations
 
@@ -59,9 +66,8 @@ class NoLaunch:
         pass
 
 
-def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
-          compiled: bool, extra: dict) -> dict:
-    """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
+def _setup(tier: str, blocks: int, accelerator_path: bool, no_launch: bool, extra: dict) -> tuple:
+    """(the chain, its optimizer, its batch, `tier`'s monitor on it or None) in this process."""
     import torch
 
     torch.set_num_threads(1)
@@ -87,6 +93,23 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
             json.dump({"ops": OPS, "format": ["db"], **TIERS[tier], **extra}, f)
         monitor = TrainerMon(path)
         monitor.set_monitor(model, optimizer=optimizer)
+    return model, optimizer, x, monitor
+
+
+def _records(monitor, step: int) -> int:
+    """The rows `monitor` wrote for `step` (0 without a monitor), once it has stopped."""
+    if monitor is None:
+        return 0
+    with sqlite3.connect(monitor.output_dir / "monitor.db") as conn:
+        return conn.execute("SELECT count(*) FROM records WHERE step = ?", (step,)).fetchone()[0]
+
+
+def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
+          compiled: bool, extra: dict) -> dict:
+    """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
+    import torch
+
+    model, optimizer, x, monitor = _setup(tier, blocks, accelerator_path, no_launch, extra)
     if compiled:  # compiled in the warm-up steps
         model = torch.compile(model)
     collecting = {"ms": 0.0, "full": 0, "longest": 0.0, "on": False, "began": 0.0}
@@ -118,18 +141,78 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
         if step >= warmup:
             thread += time.thread_time() - begin
             forward += forwarded - begin
-    records = 0
     if monitor is not None:
         monitor.stop()  # the writer's work left at the end is the timed steps' too
     cpu_ms = (time.process_time() - start) * 1e3 / steps
     collecting["on"] = False
-    if monitor is not None:
-        db = monitor.output_dir / "monitor.db"
-        with sqlite3.connect(db) as conn:
-            records = conn.execute("SELECT count(*) FROM records WHERE step = ?", (warmup + steps - 1,)).fetchone()[0]
+    records = _records(monitor, warmup + steps - 1)
     return {"cpu_ms": cpu_ms, "thread_ms": thread * 1e3 / steps, "forward_ms": forward * 1e3 / steps,
             "records": records, "gc_ms": collecting["ms"] / steps, "gc_full": collecting["full"],
             "gc_longest_ms": collecting["longest"]}
+
+
+
+ALTERNATION = 10  # steps of one mode before the other's
+
+
+def alternate_child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
+                    extra: dict) -> dict:
+    """Trains the chain with `tier`'s monitor in this process, eagerly and compiled in turn (`ALTERNATION` steps
+    each), `steps` timed steps of each mode after `warmup` of each: the training thread's median ms a step and a
+    forward pass, per mode, and the records a step."""
+    import torch
+
+    model, optimizer, x, monitor = _setup(tier, blocks, accelerator_path, no_launch, extra)
+    modes = {"eager": model, "compiled": torch.compile(model)}  # compiled in its warm-up steps
+    times: dict = {mode: ([], []) for mode in modes}
+    step = 0
+    for mode, run in modes.items():
+        for _ in range(warmup):
+            run(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+    for turn in range(2 * -(-steps // ALTERNATION)):
+        mode = "eager" if turn % 2 == 0 else "compiled"
+        run = modes[mode]
+        for _ in range(ALTERNATION):
+            begin = time.thread_time()
+            y = run(x)
+            forwarded = time.thread_time()
+            y.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times[mode][0].append((time.thread_time() - begin) * 1e3)
+            times[mode][1].append((forwarded - begin) * 1e3)
+            step += 1
+    if monitor is not None:
+        monitor.stop()
+    result = {mode: {"thread_ms": statistics.median(thread), "forward_ms": statistics.median(forward)}
+              for mode, (thread, forward) in times.items()}
+    return {**result, "records": _records(monitor, step - 1)}
+
+
+def report_alternated(runs: dict, tiers: list[str], blocks: int, path: str, repeats: int, steps: int) -> None:
+    """The table of `--alternate`: per tier, each mode's median over the processes, and compiled over eager."""
+    print(f"{blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}, eager and torch.compile alternated in each "
+          f"process; training thread's median ms a step, median of {repeats} processes of {steps} steps a mode")
+    print(f"{'tier':<6} {'records':>8} {'eager ms':>9} {'µs/record':>10} {'forward ms':>11} {'compiled ms':>12} "
+          f"{'µs/record':>10} {'forward ms':>11} {'compiled/eager':>15}")
+
+    def median(tier: str, mode: str, figure: str) -> float:
+        return statistics.median(r[mode][figure] for r in runs[tier])
+
+    for tier in tiers:
+        records = runs[tier][0]["records"]
+        row, per = f"{tier:<6} {records:8d}", {}
+        for mode in ("eager", "compiled"):
+            ms = median(tier, mode, "thread_ms")
+            if records:
+                per[mode] = (ms - median("none", mode, "thread_ms")) * 1e3 / records
+            row += f" {ms:{9 if mode == 'eager' else 12}.2f} " + (f"{per[mode]:10.1f}" if records else f"{'':>10}")
+            row += f" {median(tier, mode, 'forward_ms'):11.2f}"
+        ratio = f"{per['compiled'] / per['eager']:15.2f}" if records and per["eager"] > 0 else f"{'':>15}"
+        print(row + f" {ratio}")
 
 
 def main() -> None:
@@ -144,12 +227,21 @@ def main() -> None:
     parser.add_argument("--no-launch", action="store_true",
                         help="with --accelerator-path: fold nothing, to count the host work up to the launches")
     parser.add_argument("--compiled", action="store_true", help="train the chain through torch.compile (inductor)")
+    parser.add_argument("--alternate", action="store_true",
+                        help="train it eagerly and compiled in turn in each process (see above)")
     parser.add_argument("--extra", default="{}", help="JSON config keys added to every monitored tier's")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.alternate and args.compiled:
+        parser.error("--alternate trains the chain both ways already: no --compiled with it")
     if args.child:
-        print(json.dumps(child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path,
-                               args.no_launch, args.compiled, json.loads(args.extra))))
+        if args.alternate:
+            result = alternate_child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path,
+                                     args.no_launch, json.loads(args.extra))
+        else:
+            result = child(args.child, args.blocks, args.steps, args.warmup, args.accelerator_path, args.no_launch,
+                           args.compiled, json.loads(args.extra))
+        print(json.dumps(result))
         return
     tiers = args.tiers.split(",")
     if "none" not in tiers:
@@ -162,16 +254,20 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", tier, "--blocks", str(args.blocks), "--steps",
                    str(args.steps), "--warmup", str(args.warmup)] + \
                 (["--accelerator-path"] if args.accelerator_path else []) + (["--no-launch"] if args.no_launch else []) + \
-                (["--compiled"] if args.compiled else []) + ["--extra", args.extra]
+                (["--compiled"] if args.compiled else []) + (["--alternate"] if args.alternate else []) + \
+                ["--extra", args.extra]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if done.returncode != 0:
                 raise SystemExit(f"{tier} failed:\n{done.stderr[-3000:]}")
             runs[tier].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    none = statistics.median(r["cpu_ms"] for r in runs["none"])
     path = "CPU path" if not args.accelerator_path else \
         "accelerators' path on the CPU" + (", no launch" if args.no_launch else "")
     path += ", torch.compile" if args.compiled else ""
     path += f", with {args.extra}" if json.loads(args.extra) else ""
+    if args.alternate:
+        report_alternated(runs, tiers, args.blocks, path, args.repeats, args.steps)
+        return
+    none = statistics.median(r["cpu_ms"] for r in runs["none"])
     print(f"{args.blocks} blocks of Linear(16, 16) + GELU, batch 2, {path}; CPU ms a step, median of "
           f"{args.repeats} processes of {args.steps} steps")
     none_thread = statistics.median(r["thread_ms"] for r in runs["none"])

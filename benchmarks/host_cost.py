@@ -104,6 +104,18 @@ def _records(monitor, step: int) -> int:
         return conn.execute("SELECT count(*) FROM records WHERE step = ?", (step,)).fetchone()[0]
 
 
+def _step(run, x, optimizer) -> tuple[float, float]:
+    """Trains one step of `run` (the chain, or the chain compiled); the training thread's seconds for it, and of them
+    the forward pass's (where the activations are recorded and the hooks for their grads registered)."""
+    begin = time.thread_time()
+    y = run(x)
+    forwarded = time.thread_time()
+    y.square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.thread_time() - begin, forwarded - begin
+
+
 def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
           compiled: bool, extra: dict) -> dict:
     """Trains the chain with `tier`'s monitor in this process; CPU ms a step and records a step."""
@@ -132,15 +144,10 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
         if step == warmup:
             start = time.process_time()
             collecting["on"] = True
-        begin = time.thread_time()
-        y = model(x)
-        forwarded = time.thread_time()
-        y.square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        thread_s, forward_s = _step(model, x, optimizer)
         if step >= warmup:
-            thread += time.thread_time() - begin
-            forward += forwarded - begin
+            thread += thread_s
+            forward += forward_s
     if monitor is not None:
         monitor.stop()  # the writer's work left at the end is the timed steps' too
     cpu_ms = (time.process_time() - start) * 1e3 / steps
@@ -149,7 +156,6 @@ def child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: boo
     return {"cpu_ms": cpu_ms, "thread_ms": thread * 1e3 / steps, "forward_ms": forward * 1e3 / steps,
             "records": records, "gc_ms": collecting["ms"] / steps, "gc_full": collecting["full"],
             "gc_longest_ms": collecting["longest"]}
-
 
 
 ALTERNATION = 10  # steps of one mode before the other's
@@ -166,24 +172,16 @@ def alternate_child(tier: str, blocks: int, steps: int, warmup: int, accelerator
     modes = {"eager": model, "compiled": torch.compile(model)}  # compiled in its warm-up steps
     times: dict = {mode: ([], []) for mode in modes}
     step = 0
-    for mode, run in modes.items():
+    for run in modes.values():
         for _ in range(warmup):
-            run(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _step(run, x, optimizer)
             step += 1
     for turn in range(2 * -(-steps // ALTERNATION)):
         mode = "eager" if turn % 2 == 0 else "compiled"
-        run = modes[mode]
         for _ in range(ALTERNATION):
-            begin = time.thread_time()
-            y = run(x)
-            forwarded = time.thread_time()
-            y.square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times[mode][0].append((time.thread_time() - begin) * 1e3)
-            times[mode][1].append((forwarded - begin) * 1e3)
+            thread_s, forward_s = _step(modes[mode], x, optimizer)
+            times[mode][0].append(thread_s * 1e3)
+            times[mode][1].append(forward_s * 1e3)
             step += 1
     if monitor is not None:
         monitor.stop()

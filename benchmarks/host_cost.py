@@ -164,8 +164,8 @@ ALTERNATION = 10  # steps of one mode before the other's
 def alternate_child(tier: str, blocks: int, steps: int, warmup: int, accelerator_path: bool, no_launch: bool,
                     extra: dict) -> dict:
     """Trains the chain with `tier`'s monitor in this process, eagerly and compiled in turn (`ALTERNATION` steps
-    each), `steps` timed steps of each mode after `warmup` of each: the training thread's median ms a step and a
-    forward pass, per mode, and the records a step."""
+    each), `steps` timed steps of each mode (rounded up to a multiple of `ALTERNATION`) after `warmup` of each: the
+    training thread's median ms a step and a forward pass, per mode, and the records a step."""
     import torch
 
     model, optimizer, x, monitor = _setup(tier, blocks, accelerator_path, no_launch, extra)

@@ -11,7 +11,9 @@ import re
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._functorch import config as functorch_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -323,6 +325,65 @@ def test_compiled_activation_grads_are_those_of_a_full_backward_hook(output_dir,
             (grad.norm().item(), grad.min().item(), grad.max().item()), rel=1e-5, abs=1e-9), name
 
 
+class _Leaves(torch.nn.Module):
+    """Leaves (all but `mlp`): one taking the graph's input, three inside another hooked module, two taking one
+    tensor, one taking a tensor made between two calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        self.side = torch.nn.Linear(16, 16)
+        self.gate = torch.nn.Linear(16, 16)
+        self.second = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.second(torch.tanh(self.mlp(h)) + self.side(h) * self.gate(h))
+
+
+def test_a_leaf_call_is_one_op_where_an_earlier_tap_carries_its_inputs_and_records_what_eager_records(
+        output_dir, write_config):
+    """A module that holds no hooked module runs its befores and its afters in one op after its forward; its
+    inputs' taps save a scalar made for them before it. Its records, its input's grad included (the grad its own
+    backward computed, not the sum over the tensor's consumers: `side` and `gate` take one tensor), are the eager
+    ones."""
+    ops = []
+
+    def forward_graph(gm, example_inputs):
+        ops.append(sum(node.target is torch.ops.higher_order.with_effects
+                       and node.args[1] is torch.ops.trainmon.observe.default for node in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_graph,  # inductor's partition, which merges common subexpressions
+                           bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    runs = []
+    for compile_it in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Leaves()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, xy_distribution=True, all_xy=True))
+        run_model = torch.compile(model, backend=backend) if compile_it else model
+        monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+        for step in range(2):
+            for micro in range(GA):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro), requires_grad=True)
+                run_model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.stop()
+        runs.append(_records(monitor))
+    assert ops == [9]  # two for mlp, one for each leaf (sixteen with two a call)
+    eager, comp = runs
+    assert set(comp) == set(eager)
+    assert {("actv_grad", f"{name}.input", 1, 1) for name in ("mlp.0", "mlp.1", "mlp.2", "side", "gate")} <= set(comp)
+    for key, got in comp.items():
+        for op in OPS:
+            assert getattr(got, op) == pytest.approx(getattr(eager[key], op), rel=1e-5, abs=1e-7), (key, op)
+
+
 @pytest.mark.slow  # inductor's C++ compile
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["default", "fullgraph", "blocks"])
@@ -459,6 +520,27 @@ def test_stop_removes_the_hooks_and_their_tokens_entries(output_dir, write_confi
     monitor.stop()
     assert not in_graph._hooks
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_module_stops_being_a_leaf_when_a_module_inside_it_is_hooked():
+    """A module's traced call is one op while it holds no hooked module (which would otherwise run its hooks before
+    the module's befores): whichever is hooked first, and whatever the hook (a forward wrapper or a registered
+    hook)."""
+    def nothing(*args):
+        return None
+
+    outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU())
+    handles = [in_graph.after_forward(outer, "test", nothing)]
+    assert outer.__dict__.get(in_graph._LEAF)
+    handles.append(in_graph.after_forward(outer[0], "test", nothing))
+    assert not outer.__dict__.get(in_graph._LEAF) and outer[0].__dict__.get(in_graph._LEAF)
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    handles.append(in_graph.forward_pre_hook(other[0], "test", nothing))  # the inner module first
+    handles.append(in_graph.after_forward(other, "test", nothing))
+    assert not other.__dict__.get(in_graph._LEAF)
+    for handle in handles:
+        handle.remove()
+    assert not any(in_graph._LEAF in module.__dict__ for module in [*outer.modules(), *other.modules()])
 
 
 def _bytes_held_for_backward(write_config, config: dict | None) -> int:

@@ -24,6 +24,12 @@ passes run in. A call's input that an enclosing call tapped already (a block's i
 tapped again, for the call's own grad, and the hook learns which tap it came through (`GraphCall.origin`): where
 eager hooks key a tensor by its identity, the graph's buffers have none.
 
+Each op costs the compiled forward about as much as the hook it runs (its dispatch, its kernel's entry, inductor's
+checks of its result). A leaf call, one that runs no hooked module inside it, is traced with one op after its
+forward, which runs its befores and then its afters: nothing hooked runs between them, so the call order is the
+eager one. Its inputs' taps, which must go before the forward, save a new empty tensor made there, to which the op
+attaches their requests (`_observe_leaf_in_graph`).
+
 CUDA graphs (and an NPU's graph capture): a Python op under stream capture runs once, at capture, and never at
 replay. Rather than record nothing silently, a hook that runs under capture (traced or eager) records nothing and
 says so once. Inductor is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it
@@ -31,6 +37,7 @@ captures.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -190,46 +197,59 @@ _LIBRARY.define("observe(Tensor token, Tensor[] inputs, Tensor[] outputs, Tensor
 _LIBRARY.define("observe_grads(Tensor call, Tensor?[] grads) -> ()", tags=(torch.Tag.cudagraph_unsafe,))
 
 
+class _Site(NamedTuple):
+    """What `trainmon::observe`'s integers say of one traced call site (see `_observe`)."""
+
+    kind: int  # the hook's kind (its number)
+    grad_enabled: bool
+    untapped: bool  # grads were watched, but the call was traced inside a higher-order op (`_in_subgraph`)
+    carried: bool  # its inputs' taps save the last of `calls`, made for them before the forward, not its result
+    out_total: int  # the output's leaf count
+    out_positions: tuple  # the output's tensor leaves' positions among its leaves
+    tapped_out: tuple  # positions among the outputs of those passed through `_GradTap`
+    joined: tuple  # positions among the outputs of an inner call's tapped outputs,
+    joined_places: tuple  # with their places among that call's tapped
+    tapped_in: tuple  # positions among the inputs of those passed through `_GradTap`
+    retapped: tuple  # positions among the inputs of the tapped that an enclosing call tapped first,
+    origin_places: tuple  # with their places among that call's tapped
+
+
 class _Layout:
-    """`trainmon::observe`'s integers, in one list: the hook's kind (its number), whether grad was enabled, whether
-    the call went untapped, the output's leaf count; then the counts and contents of: the output leaves' positions,
-    the tapped, the joined with their places, the retapped with their places (see `_observe`). Its `calls` argument
-    holds the joined calls' results, then the retapped calls'."""
+    """`trainmon::observe`'s integers, in one list: the hook's kind, its flags, the output's leaf count, then the
+    counts and contents of the lists of a `_Site`. Its `calls` argument holds the joined calls' results, then the
+    retapped calls', then the carrier of its inputs' taps where `carried`."""
 
-    HEAD = 7  # kind, flags, out_total and the four counts
-
-    @staticmethod
-    def pack(kind: int, grad_enabled: bool, untapped: bool, out_positions: list[int], out_total: int,
-             tapped: list[int], joined: list[int], joined_places: list[int], retapped: list[int],
-             origin_places: list[int]) -> list[int]:
-        return [kind, int(grad_enabled) | int(untapped) << 1, out_total, len(out_positions), len(tapped), len(joined),
-                len(retapped), *out_positions, *tapped, *joined, *joined_places, *retapped, *origin_places]
+    HEAD = 8  # kind, flags, out_total and the five counts
 
     @staticmethod
-    def unpack(layout: list[int]) -> tuple:
-        """(kind, grad_enabled, untapped, out_positions, out_total, tapped, joined, joined_places, retapped,
-        origin_places): unpacked once per traced call site, whose every run passes the same list."""
+    def pack(kind: int, grad_enabled: bool, untapped: bool, carried: bool, out_total: int, out_positions: list[int],
+             tapped_out: list[int], joined: list[int], joined_places: list[int], tapped_in: list[int],
+             retapped: list[int], origin_places: list[int]) -> list[int]:
+        return [kind, int(grad_enabled) | int(untapped) << 1 | int(carried) << 2, out_total, len(out_positions),
+                len(tapped_out), len(joined), len(tapped_in), len(retapped), *out_positions, *tapped_out, *joined,
+                *joined_places, *tapped_in, *retapped, *origin_places]
+
+    @staticmethod
+    def unpack(layout: list[int]) -> _Site:
+        """Unpacked once per traced call site, whose every run passes the same list."""
         key = tuple(layout)
-        unpacked = _unpacked.get(key)
-        if unpacked is None:
-            unpacked = _unpacked[key] = _Layout._unpack(layout)
-        return unpacked
+        site = _unpacked.get(key)
+        if site is None:
+            site = _unpacked[key] = _Layout._unpack(key)
+        return site
 
     @staticmethod
-    def _unpack(layout: list[int]) -> tuple:
-        kind, flags, out_total, n_positions, n_tapped, n_joined, n_retapped = layout[:_Layout.HEAD]
-        tapped_at = _Layout.HEAD + n_positions
-        joined_at = tapped_at + n_tapped
-        places_at = joined_at + n_joined
-        retapped_at = places_at + n_joined
-        origins_at = retapped_at + n_retapped
-        return (kind, bool(flags & 1), bool(flags & 2), tuple(layout[_Layout.HEAD:tapped_at]), out_total,
-                tuple(layout[tapped_at:joined_at]), tuple(layout[joined_at:places_at]),
-                tuple(layout[places_at:retapped_at]), tuple(layout[retapped_at:origins_at]),
-                tuple(layout[origins_at:]))
+    def _unpack(layout: tuple) -> _Site:
+        kind, flags, out_total, *counts = layout[:_Layout.HEAD]
+        n_positions, n_tapped_out, n_joined, n_tapped_in, n_retapped = counts
+        lists, at = [], _Layout.HEAD
+        for n in (n_positions, n_tapped_out, n_joined, n_joined, n_tapped_in, n_retapped, n_retapped):
+            lists.append(layout[at:at + n])
+            at += n
+        return _Site(kind, bool(flags & 1), bool(flags & 2), bool(flags & 4), out_total, *lists)
 
 
-_unpacked: dict[tuple, tuple] = {}  # `_Layout.unpack`'s answers, by layout: one per traced call site
+_unpacked: dict[tuple, _Site] = {}  # `_Layout.unpack`'s answers, by layout: one per traced call site
 
 
 def _kernel(name: str, fn: Callable) -> None:
@@ -258,62 +278,71 @@ def _no_call(calls: list[torch.Tensor]) -> torch.Tensor:
 def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
              calls: list[torch.Tensor], layout: list[int]) -> torch.Tensor:
     """Runs the eager hook (`layout`'s kind) of the module `token` names on the tensors of one call (see the module
-    doc). Of `layout` (`_Layout`): `tapped`, the positions among the hook's tensors (its outputs where it takes
-    them, else its inputs) of those passed through `_GradTap`; `joined`, of those that are an inner call's tapped
-    outputs, with that call's result (in `calls`) and their place among its tapped tensors (see `GraphCall`);
-    `retapped`, of the tapped inputs that an enclosing call tapped first, with that call's result (in `calls`,
-    after the joined ones') and their place there (`GraphCall.origin`); `untapped`: grads were watched, but the
-    call was traced inside a higher-order op, where it is not tapped (see `_in_subgraph`). Returns the scalar that
-    the tap saves for the backward, carrying the hook's requests for their grads."""
+    doc; `layout` says which of them were tapped, see `_Site`). A leaf call's one op (`_observe_leaf_in_graph`) runs
+    the module's befores, then its afters. Returns the scalar that the call's own taps save for the backward,
+    carrying the hooks' requests for their grads."""
     entry = _hooks.get((int(token), layout[0]))
     if entry is None:
         return _no_call(calls)  # removed since the graph was traced
     module_ref, hook, with_kwargs, with_output, active = entry
     if active is not None and not active():  # a step that is not collected: the op's cost is its dispatch alone
         return _no_call(calls)
-    (_, grad_enabled, untapped, out_positions, out_total, tapped, joined, joined_places, retapped,
-     origin_places) = _Layout.unpack(layout)
+    site = _Layout.unpack(layout)
     module = module_ref()
     if module is None:
         return _no_call(calls)
     if stream_capturing():
         _say_once(CAPTURE_REFUSED)
         return _no_call(calls)
-    if untapped:
+    if site.untapped:
         _say_once(SUBGRAPH_GRADS_REFUSED)
     args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
     if with_output:
-        leaves: list = [None] * out_total
-        for position, tensor in zip(out_positions, outputs):
+        leaves: list = [None] * site.out_total
+        for position, tensor in zip(site.out_positions, outputs):
             leaves[position] = tensor
-        args += (leaves[0] if out_total == 1 else leaves,)
-    call = None
-    if tapped or joined:
-        watched = outputs if with_output else inputs
-        origin_calls = calls[len(joined):]
-        call = GraphCall([watched[i] for i in tapped],
-                         [(watched[i], getattr(inner, _CALL), place)
-                          for i, inner, place in zip(joined, calls, joined_places)],
-                         [(watched[i], getattr(outer, _CALL), place)
-                          for i, outer, place in zip(retapped, origin_calls, origin_places)])
+        args += (leaves[0] if site.out_total == 1 else leaves,)
+    in_call = _input_call(site, inputs, calls) if site.tapped_in else None
+    out_call = None
+    if site.tapped_out or site.joined:
+        out_call = GraphCall([outputs[i] for i in site.tapped_out],
+                             [(outputs[i], getattr(inner, _CALL), place)
+                              for i, inner, place in zip(site.joined, calls, site.joined_places)])
+    if site.carried and in_call is not None:
+        setattr(calls[-1], _CALL, in_call)
+    own = out_call if with_output else in_call
+    if own is not None:
         result = torch.empty_like(_NO_CALL)  # a new tensor: another call may take this one as input
-        setattr(result, _CALL, call)
+        setattr(result, _CALL, own)
     else:
         result = _no_call(calls)
     global _on_graph_buffers, _graph_call
     outer = _graph_call
     _on_graph_buffers += 1
-    _graph_call = call
     # A compiled forward runs its ops with grad off; the hook decides as the traced call would have.
     grad_was = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(grad_enabled)
+    torch._C._set_grad_enabled(site.grad_enabled)
     try:
-        hook(module, *args)
+        if isinstance(hook, tuple):  # a leaf call's befores and afters
+            _graph_call = in_call
+            hook[0](module, *args[:2])
+            _graph_call = out_call
+            hook[1](module, *args)
+        else:
+            _graph_call = own
+            hook(module, *args)
     finally:
         torch._C._set_grad_enabled(grad_was)
         _on_graph_buffers -= 1
         _graph_call = outer
     return result
+
+
+def _input_call(site: _Site, inputs: list[torch.Tensor], calls: list[torch.Tensor]) -> GraphCall:
+    """The `GraphCall` of a call's tapped inputs."""
+    return GraphCall([inputs[i] for i in site.tapped_in], (),
+                     [(inputs[i], getattr(outer, _CALL), place)
+                      for i, outer, place in zip(site.retapped, calls[len(site.joined):], site.origin_places)])
 
 
 @torch.library.register_fake("trainmon::observe", lib=_LIBRARY)
@@ -324,8 +353,8 @@ def _(token, inputs, outputs, calls, layout) -> torch.Tensor:
 
 
 def _observe_grads(call: torch.Tensor, grads: list[Optional[torch.Tensor]]) -> None:
-    """Hands the grads of a traced call's tapped tensors to the hooks that asked for them (`call`: what
-    `trainmon::observe` returned for that call)."""
+    """Hands the grads of a traced call's tapped tensors to the hooks that asked for them (`call`: the scalar that
+    carries that call's requests, see `_observe`)."""
     requests = getattr(call, _CALL, None)
     if requests is None:
         return
@@ -346,7 +375,8 @@ def _(call, grads) -> None:
 
 
 class _GradTap(torch.autograd.Function):
-    """Identity on a traced call's tensors; its backward hands their grads to `trainmon::observe_grads`."""
+    """Identity on a traced call's tensors; its backward hands their grads to `trainmon::observe_grads`, for the
+    requests that `call` carries."""
 
     @staticmethod
     def forward(ctx, call: torch.Tensor, *tensors):
@@ -419,43 +449,115 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
     inputs = input_values(args, kwargs)
     leaves, spec = tree_flatten(output) if with_output else ([], None)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    watched = [leaves[i] for i in positions] if with_output else inputs
     grad_enabled = torch.is_grad_enabled()
-    tapped, joined, inner, retapped, outer = [], [], [], [], []
     watchers = _grad_watchers["outputs" if with_output else "inputs"]
     untapped = bool(watchers) and grad_enabled and _in_subgraph()
-    if watchers and grad_enabled and not untapped:
-        for i, t in enumerate(watched):
-            if t.requires_grad:
-                tapped_output = getattr(t, _TAPPED_OUTPUT, None) if with_output else None
-                (tapped if tapped_output is None else joined).append(i)
-                if tapped_output is not None:
-                    inner.append(tapped_output)
-                tapped_input = None if with_output else getattr(t, _TAPPED_INPUT, None)
-                if tapped_input is not None:
-                    retapped.append(i)
-                    outer.append(tapped_input)
-    layout = _Layout.pack(_kinds[kind], grad_enabled, untapped, positions, len(leaves), tapped, joined,
-                          [place for _, place in inner], retapped, [place for _, place in outer])
-    call = torch.ops.trainmon.observe(getattr(module, _TOKEN), [t.detach() for t in inputs],
-                                      [leaves[i].detach() for i in positions],
-                                      [c for c, _ in inner] + [c for c, _ in outer], layout)
-    if not tapped:
-        return output if with_output else (args, kwargs)
-    aliases = _GradTap.apply(call, *[watched[i] for i in tapped])
+    taps = bool(watchers) and grad_enabled and not untapped
+    tapped_in, retapped, outer = _input_taps(inputs) if taps and not with_output else ([], [], [])
+    tapped_out, joined, inner = _output_taps([leaves[i] for i in positions]) if taps and with_output else ([], [], [])
+    call = _observe_op(module, _Site(_kinds[kind], grad_enabled, untapped, False, len(leaves), positions, tapped_out,
+                                     joined, [place for _, place in inner], tapped_in, retapped,
+                                     [place for _, place in outer]),
+                       inputs, [leaves[i] for i in positions], [c for c, _ in inner] + [c for c, _ in outer])
     if with_output:
-        leaves = list(leaves)
-        for place, (i, alias) in enumerate(zip(tapped, aliases)):
-            setattr(alias, _TAPPED_OUTPUT, (call, place))
-            leaves[positions[i]] = alias
-        return tree_unflatten(leaves, spec)
+        return _tap_outputs(call, leaves, spec, positions, tapped_out) if tapped_out else output
+    return _tap_inputs(call, args, kwargs, inputs, tapped_in) if tapped_in else (args, kwargs)
+
+
+def _observe_leaf_in_graph(module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict):
+    """The traced form of a leaf call (no hooked module runs inside it, `_LEAF`): `forward(*args, **kwargs)`, then
+    one `trainmon::observe` op that runs the module's befores and afters, which is what the two ops around the
+    forward would have run, in the same order (nothing hooked runs between them). Its inputs' taps go before the
+    forward, where no op of the call is: they save an empty tensor made for them there (`_carrier`), to which the
+    op attaches their requests. Returns the output, tapped."""
+    inputs = input_values(args, kwargs)
+    grad_enabled = torch.is_grad_enabled()
+    untapped = grad_enabled and bool(_grad_watchers["inputs"] or _grad_watchers["outputs"]) and _in_subgraph()
+    tapped_in, retapped, outer = ([], [], [])
+    if grad_enabled and _grad_watchers["inputs"] and not untapped:
+        tapped_in, retapped, outer = _input_taps(inputs)
+    carrier = None
+    if tapped_in:
+        carrier = _carrier()
+        args, kwargs = _tap_inputs(carrier, args, kwargs, inputs, tapped_in)
+        inputs = input_values(args, kwargs)
+    output = forward(*args, **kwargs)
+    leaves, spec = tree_flatten(output)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tapped_out, joined, inner = ([], [], [])
+    if grad_enabled and _grad_watchers["outputs"] and not untapped:
+        tapped_out, joined, inner = _output_taps([leaves[i] for i in positions])
+    call = _observe_op(module, _Site(_kinds["forward.both"], grad_enabled, untapped, carrier is not None, len(leaves),
+                                     positions, tapped_out, joined, [place for _, place in inner], tapped_in, retapped,
+                                     [place for _, place in outer]),
+                       inputs, [leaves[i] for i in positions],
+                       [c for c, _ in inner] + [c for c, _ in outer] + ([carrier] if carrier is not None else []))
+    return _tap_outputs(call, leaves, spec, positions, tapped_out) if tapped_out else output
+
+
+def _observe_op(module: torch.nn.Module, site: _Site, inputs: list, outputs: list, calls: list) -> torch.Tensor:
+    """Puts one `trainmon::observe` in the graph (see `_observe`)."""
+    return torch.ops.trainmon.observe(getattr(module, _TOKEN), [t.detach() for t in inputs],
+                                      [t.detach() for t in outputs], calls, _Layout.pack(*site))
+
+
+def _input_taps(inputs: list) -> tuple[list[int], list[int], list[tuple]]:
+    """(positions of the inputs to tap: those that require grad; positions of those among them that an enclosing
+    call tapped first; the first taps of those: (that call's carrier, the tensor's place there))."""
+    tapped, retapped, outer = [], [], []
+    for i, t in enumerate(inputs):
+        if t.requires_grad:
+            tapped.append(i)
+            first = getattr(t, _TAPPED_INPUT, None)
+            if first is not None:
+                retapped.append(i)
+                outer.append(first)
+    return tapped, retapped, outer
+
+
+def _output_taps(outputs: list) -> tuple[list[int], list[int], list[tuple]]:
+    """(positions of the outputs to tap: those that require grad, not already an inner call's tapped output;
+    positions of the latter, joined; their taps: (that call's result, the tensor's place there))."""
+    tapped, joined, inner = [], [], []
+    for i, t in enumerate(outputs):
+        if t.requires_grad:
+            tapped_output = getattr(t, _TAPPED_OUTPUT, None)
+            if tapped_output is None:
+                tapped.append(i)
+            else:
+                joined.append(i)
+                inner.append(tapped_output)
+    return tapped, joined, inner
+
+
+def _tap_inputs(call: torch.Tensor, args: tuple, kwargs: dict, inputs: list, tapped: list[int]) -> tuple[tuple, dict]:
+    """(args, kwargs) with the `tapped` inputs passed through one `_GradTap` that saves `call`."""
+    aliases = _GradTap.apply(call, *[inputs[i] for i in tapped])
     places = input_places(args, kwargs)
     args, kwargs = list(args), dict(kwargs)
     for place, (i, alias) in enumerate(zip(tapped, aliases)):
-        setattr(alias, _TAPPED_INPUT, getattr(watched[i], _TAPPED_INPUT, None) or (call, place))
+        setattr(alias, _TAPPED_INPUT, getattr(inputs[i], _TAPPED_INPUT, None) or (call, place))
         positional, key = places[i]
         (args if positional else kwargs)[key] = alias
     return tuple(args), kwargs
+
+
+def _tap_outputs(call: torch.Tensor, leaves: list, spec, positions: list[int], tapped: list[int]):
+    """The output rebuilt from `leaves`, the `tapped` tensor leaves passed through one `_GradTap` that saves `call`."""
+    aliases = _GradTap.apply(call, *[leaves[positions[i]] for i in tapped])
+    leaves = list(leaves)
+    for place, (i, alias) in enumerate(zip(tapped, aliases)):
+        setattr(alias, _TAPPED_OUTPUT, (call, place))
+        leaves[positions[i]] = alias
+    return tree_unflatten(leaves, spec)
+
+
+def _carrier() -> torch.Tensor:
+    """A new tensor of the graph, for a leaf call's input taps to save: made anew each run, as an op's result is.
+    AOTAutograd neither merges `empty`s (`fx_graph_cse`) nor makes this one again in the backward (its user there,
+    `trainmon::observe_grads`, has effects: what it takes is saved). Without elements, inductor allocates it and
+    runs no kernel for it (a scalar got one of its own)."""
+    return torch.empty(0, dtype=torch.int64)
 
 
 @torch._dynamo.assume_constant_result
@@ -503,6 +605,7 @@ def _entry(module: torch.nn.Module, key: str, hook: Callable, with_kwargs: bool,
     if token is None:
         token = torch.tensor(next(_tokens))
         object.__setattr__(module, _TOKEN, token)
+        _no_longer_leaves(module)
     entry = (int(token), _kinds.setdefault(key, len(_kinds)))
     if entry in _hooks:
         raise RuntimeError(f"trainmon: a {key} hook is already on {type(module).__name__} (two monitors on one model)")
@@ -619,6 +722,19 @@ def _nothing_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -
 
 
 _AROUND = "_trainmon_around"  # the attribute that holds a module's `_Around`
+# The attribute, True, of a module with an `_Around` that holds no other module with trainmon's hooks (a leaf of the
+# hooked tree): its traced call is one op (`_observe_leaf_in_graph`). A module hooked later inside it unsets it.
+_LEAF = "_trainmon_leaf"
+_leaves: "weakref.WeakSet[_Around]" = weakref.WeakSet()  # the `_Around`s of the leaves that have submodules
+
+
+def _no_longer_leaves(hooked: torch.nn.Module) -> None:
+    """Unsets `_LEAF` on the modules that hold `hooked`, a module given its first trainmon hook."""
+    for around in list(_leaves):
+        module = around.module()
+        if module is not None and module is not hooked and any(inner is hooked for inner in module.modules()):
+            module.__dict__.pop(_LEAF, None)
+            _leaves.discard(around)
 
 
 def _hooks_outside_forward(module: torch.nn.Module) -> bool:
@@ -645,14 +761,20 @@ class _Around:
 
     Under tracing the wrapper reads none of this (Dynamo would guard on it, and a model compiled block by block
     would compile once per block): it puts one `trainmon::observe` op before the forward and one after, whose
-    eager hooks (`befores`, `afters`) run the entries."""
+    eager hooks (`befores`, `afters`) run the entries; a leaf (`_LEAF`, a constant the graph guards by value) one op
+    after it, which runs both."""
 
     def __init__(self, module: torch.nn.Module):
         self.entries: list[_Entry] = []
         self.module = weakref.ref(module)
         self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
         self.keys = (_entry(module, "forward.pre", self.befores, True, False, self.active),
-                     _entry(module, "forward.post", self.afters, True, True, self.active))
+                     _entry(module, "forward.post", self.afters, True, True, self.active),
+                     _entry(module, "forward.both", (self.befores, self.afters), True, True, self.active))
+        if not any(_TOKEN in inner.__dict__ for inner in module.modules() if inner is not module):
+            module.__dict__[_LEAF] = True
+            if module._modules:  # it may hold a module hooked later
+                _leaves.add(self)
         # The wrapper calls the class's forward function with the module it is bound to; anything else as the
         # module would have called it.
         plain = self.replaced is None and isinstance(type(module).forward, types.FunctionType)
@@ -702,6 +824,8 @@ class _Around:
         for key in self.keys:
             _hooks.pop(key, None)
         module.__dict__.pop(_AROUND, None)
+        module.__dict__.pop(_LEAF, None)
+        _leaves.discard(self)
         if getattr(module.__dict__.get("forward"), "__func__", None) is self.wrapper:
             if self.replaced is None:
                 del module.__dict__["forward"]
@@ -713,6 +837,9 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
     """The forward of a wrapped module: `inner` (a forward bound to it), or its class's `forward` function."""
 
     def forward(mod, *args, **kwargs):
+        if torch.compiler.is_compiling() and getattr(mod, _LEAF, False):
+            return _observe_leaf_in_graph(
+                mod, inner if inner is not None else functools.partial(type(mod).forward, mod), args, kwargs)
         if torch.compiler.is_compiling():  # the call's inputs and output with their grads tapped
             args, kwargs = _observe_in_graph(mod, "forward.pre", args, kwargs)
             output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)

@@ -308,7 +308,7 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
         out_call = GraphCall([outputs[i] for i in site.tapped_out],
                              [(outputs[i], getattr(inner, _CALL), place)
                               for i, inner, place in zip(site.joined, calls, site.joined_places)])
-    if site.carried and in_call is not None:
+    if site.carried:
         setattr(calls[-1], _CALL, in_call)
     own = out_call if with_output else in_call
     if own is not None:

@@ -342,12 +342,11 @@ class _Leaves(torch.nn.Module):
         return self.second(torch.tanh(self.mlp(h)) + self.side(h) * self.gate(h))
 
 
-def test_a_leaf_call_is_one_op_where_an_earlier_tap_carries_its_inputs_and_records_what_eager_records(
-        output_dir, write_config):
+def test_a_leaf_call_is_one_op_after_its_forward_and_records_what_eager_records(output_dir, write_config):
     """A module that holds no hooked module runs its befores and its afters in one op after its forward; its
-    inputs' taps save a scalar made for them before it. Its records, its input's grad included (the grad its own
-    backward computed, not the sum over the tensor's consumers: `side` and `gate` take one tensor), are the eager
-    ones."""
+    inputs' taps save an empty tensor made for them before it. Its records, its input's grad included (the grad its
+    own backward computed, not the sum over the tensor's consumers: `side` and `gate` take one tensor), are the
+    eager ones."""
     ops = []
 
     def forward_graph(gm, example_inputs):

@@ -455,10 +455,8 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
     taps = bool(watchers) and grad_enabled and not untapped
     tapped_in, retapped, outer = _input_taps(inputs) if taps and not with_output else ([], [], [])
     tapped_out, joined, inner = _output_taps([leaves[i] for i in positions]) if taps and with_output else ([], [], [])
-    call = _observe_op(module, _Site(_kinds[kind], grad_enabled, untapped, False, len(leaves), positions, tapped_out,
-                                     joined, [place for _, place in inner], tapped_in, retapped,
-                                     [place for _, place in outer]),
-                       inputs, [leaves[i] for i in positions], [c for c, _ in inner] + [c for c, _ in outer])
+    call = _observe_op(module, kind, grad_enabled, untapped, inputs, leaves, positions, (tapped_out, joined, inner),
+                       (tapped_in, retapped, outer))
     if with_output:
         return _tap_outputs(call, leaves, spec, positions, tapped_out) if tapped_out else output
     return _tap_inputs(call, args, kwargs, inputs, tapped_in) if tapped_in else (args, kwargs)
@@ -487,18 +485,23 @@ def _observe_leaf_in_graph(module: torch.nn.Module, forward: Callable, args: tup
     tapped_out, joined, inner = ([], [], [])
     if grad_enabled and _grad_watchers["outputs"] and not untapped:
         tapped_out, joined, inner = _output_taps([leaves[i] for i in positions])
-    call = _observe_op(module, _Site(_kinds["forward.both"], grad_enabled, untapped, carrier is not None, len(leaves),
-                                     positions, tapped_out, joined, [place for _, place in inner], tapped_in, retapped,
-                                     [place for _, place in outer]),
-                       inputs, [leaves[i] for i in positions],
-                       [c for c, _ in inner] + [c for c, _ in outer] + ([carrier] if carrier is not None else []))
+    call = _observe_op(module, "forward.both", grad_enabled, untapped, inputs, leaves, positions,
+                       (tapped_out, joined, inner), (tapped_in, retapped, outer), carrier)
     return _tap_outputs(call, leaves, spec, positions, tapped_out) if tapped_out else output
 
 
-def _observe_op(module: torch.nn.Module, site: _Site, inputs: list, outputs: list, calls: list) -> torch.Tensor:
-    """Puts one `trainmon::observe` in the graph (see `_observe`)."""
+def _observe_op(module: torch.nn.Module, kind: str, grad_enabled: bool, untapped: bool, inputs: list, leaves: list,
+                positions: list[int], output_taps: tuple, input_taps: tuple,
+                carrier: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Puts one `trainmon::observe` in the graph (see `_observe`): `output_taps` as `_output_taps` returns them,
+    `input_taps` as `_input_taps` does; `carrier`, where the input taps save it (`_carrier`) rather than the result."""
+    tapped_out, joined, inner = output_taps
+    tapped_in, retapped, outer = input_taps
+    site = _Site(_kinds[kind], grad_enabled, untapped, carrier is not None, len(leaves), positions, tapped_out, joined,
+                 [place for _, place in inner], tapped_in, retapped, [place for _, place in outer])
+    calls = [c for c, _ in inner] + [c for c, _ in outer] + ([] if carrier is None else [carrier])
     return torch.ops.trainmon.observe(getattr(module, _TOKEN), [t.detach() for t in inputs],
-                                      [t.detach() for t in outputs], calls, _Layout.pack(*site))
+                                      [leaves[i].detach() for i in positions], calls, _Layout.pack(*site))
 
 
 def _input_taps(inputs: list) -> tuple[list[int], list[int], list[tuple]]:

@@ -6,7 +6,7 @@ from step to step allocates nothing after its first step. A step starts with eve
 identity record); a fold merges a tensor's record into its key's row on the device (`folding`), so a key recorded
 twice in a step holds the merge of both, and a tensor recorded again under another key (a module's output is the
 next module's input) has its row merged into the other's instead of being read again, where that row holds its
-record alone (`holds_one`). At the step's end the host gets the whole table in one copy, with the rows of the keys
+record alone (`lend_row`). At the step's end the host gets the whole table in one copy, with the rows of the keys
 that step touched, in the order they were first touched.
 
 Those merges of rows (two of every three records where a module's output is the next one's input) launch nothing:
@@ -88,14 +88,17 @@ class SlotTable:
             self._retire(exc)
             self.folder.fold(self.table, slots, tensors)
 
-    def merge_row(self, source: int, target: int) -> None:
-        """Row `source` to be folded into row `target` (the same tensor, recorded under a second key): noted, for
-        the host to merge after the step's copy."""
-        self._merges.append((source, target))
-        self._sources.add(source)
-        self._note_filled((target,))
+    def lend_row(self, source: int, target: int) -> bool:
+        """Row `source`'s record serves `target` too (the same tensor, recorded under a second key), where `source`
+        holds that record alone this step (or is `target`): noted, for the host to merge after the step's copy.
+        False where it holds more: the tensor is then read into `target`."""
         if source in self._mixed:
-            self._mixed.add(target)
+            return False
+        if source != target:
+            self._merges.append((source, target))
+            self._sources.add(source)
+            self._note_filled((target,))
+        return True
 
     def _note_filled(self, slots: Sequence[int]) -> None:
         filled = self._filled
@@ -104,10 +107,6 @@ class SlotTable:
                 self._mixed.add(slot)
             else:
                 filled.add(slot)
-
-    def holds_one(self, slot: int) -> bool:
-        """Whether row `slot` holds one record this step (or none): a tensor read into it may lend it to another key."""
-        return slot not in self._mixed
 
     def _merge_now(self) -> None:
         """The merges noted so far, made on the device now: a fold is about to change a row they read."""

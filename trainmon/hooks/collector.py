@@ -195,27 +195,40 @@ class StepCollector:
         self._table = SlotTable(device, self.eps, self.fields)
         return self._table
 
+    def record_one(self, key: RecordKey, tensor: torch.Tensor) -> None:
+        """`record([key], [tensor], defer=True)`: an activation's grad, which autograd hands its hook alone."""
+        table = self._table
+        if table is None or tensor.device != table.device:
+            self.record((key,), (tensor,), defer=True)
+            return
+        slot = self._slot_to_read(table, key, tensor)
+        if slot >= 0:
+            table.fold((slot,), (tensor,))
+
     def _fold(self, table: SlotTable, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor], defer: bool) -> None:
-        """Folds the tensors' records into their keys' rows now; an activation recorded earlier in the step, unchanged
-        since, lends its row instead, where that row holds its record alone."""
+        """Folds the tensors' records into their keys' rows now (deferred ones: see `_slot_to_read`)."""
         if not defer:
             table.fold(table.slots(keys), tensors)
             return
-        folded = self._folded
         read_slots, read = [], []
         for key, tensor in zip(keys, tensors):
-            slot = table.slot(key)
-            version = tensor._version
-            seen = folded.get(id(tensor), tensor)
-            if seen is not None and seen[0] == version and table.holds_one(seen[1]):
-                if seen[1] != slot:
-                    table.merge_row(seen[1], slot)
-                continue
-            folded.put(id(tensor), tensor, (version, slot))
-            read_slots.append(slot)
-            read.append(tensor)
+            slot = self._slot_to_read(table, key, tensor)
+            if slot >= 0:
+                read_slots.append(slot)
+                read.append(tensor)
         if read:
             table.fold(read_slots, read)
+
+    def _slot_to_read(self, table: SlotTable, key: RecordKey, tensor: torch.Tensor) -> int:
+        """The row `tensor` is to be read into for `key`; -1 where an activation recorded earlier in the step,
+        unchanged since, lends its row instead (where that row holds its record alone)."""
+        slot = table.slot(key)
+        version = tensor._version
+        seen = self._folded.get(id(tensor), tensor)
+        if seen is not None and seen[0] == version and table.lend_row(seen[1], slot):
+            return -1
+        self._folded.put(id(tensor), tensor, (version, slot))
+        return slot
 
     def _read_graph_buffers(self, keys: Sequence[RecordKey], tensors: Sequence[torch.Tensor]) -> None:
         """CPU tensors a compiled graph lends its hooks, whose memory its later kernels may reuse as soon as the hook

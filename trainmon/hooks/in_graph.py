@@ -840,10 +840,11 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
     """The forward of a wrapped module: `inner` (a forward bound to it), or its class's `forward` function."""
 
     def forward(mod, *args, **kwargs):
-        if torch.compiler.is_compiling() and getattr(mod, _LEAF, False):
-            return _observe_leaf_in_graph(
-                mod, inner if inner is not None else functools.partial(type(mod).forward, mod), args, kwargs)
-        if torch.compiler.is_compiling():  # the call's inputs and output with their grads tapped
+        if torch.compiler.is_compiling():
+            if getattr(mod, _LEAF, False):
+                return _observe_leaf_in_graph(
+                    mod, inner if inner is not None else functools.partial(type(mod).forward, mod), args, kwargs)
+            # the call's inputs and output with their grads tapped
             args, kwargs = _observe_in_graph(mod, "forward.pre", args, kwargs)
             output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
             return _observe_in_graph(mod, "forward.post", args, kwargs, output, with_output=True)

@@ -392,13 +392,18 @@ class ActivationHooks(Hooks):
                 grad_fn.register_prehook(hook)
 
     def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
-        self._record_grads(watched, micro, [(leaf_name, grad)])
+        """Records one grad (see `_record_grads`): an output's, which its node's pre-hook is handed alone."""
+        if not self.state.collecting:
+            return
+        collector, vpp = self.state.collector, watched.vpp_stage
+        index = collector.call_index_of(ACTV_GRAD, leaf_name, vpp, micro, grad)
+        collector.record_one(record_key(ACTV_GRAD, leaf_name, vpp, micro, index, grad.shape, grad.dtype), grad)
 
     def _record_node_grads(self, watched: WatchedModule, micro: int, input_leaf: str,
                            input_grad: Optional[torch.Tensor], output_grad: None) -> None:
         """The input grad a node's post-hook sees (its `NodeGrads` is made without an output: `output_grad` is None)."""
         if input_grad is not None:
-            self._record_grads(watched, micro, [(input_leaf, input_grad)])
+            self._record_output_grad(watched, micro, input_leaf, input_grad)
 
     def _record_tap_grads(self, call: _Call, grads) -> None:
         """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their

@@ -7,10 +7,11 @@ each with one part turned off:
 | variant | what is off |
 | --- | --- |
 | base | nothing |
-| no input taps | the identity autograd node on each module call's inputs (so no input grads either) |
+| no input taps | each call's identity autograd node on its inputs, or its input node's hook (so no input grads) |
 | taps without records | the records of the grads the taps see (of inputs, and of outputs that are inputs); the taps still run |
+| no input-node hooks | the post-hooks on the nodes that take untapped calls' inputs (no input grads there) |
 | no output-grad hooks | the pre-hooks on the nodes that made module outputs (so no output grads either) |
-| output-grad hooks without records | the output grads' records; the hooks still run |
+| node hooks without records | the records of the grads the nodes' pre- and post-hooks see; the hooks still run |
 | no forward records | the records of module inputs and outputs |
 | hooks idle | everything: the hooks are registered and return at once |
 
@@ -39,8 +40,9 @@ VARIANTS = {
     "base": "nothing off",
     "no-input-taps": "no input taps",
     "taps-no-records": "taps without records",
+    "no-input-node-hooks": "no input-node hooks",
     "no-output-grad-hooks": "no output-grad hooks",
-    "output-grad-hooks-no-records": "output-grad hooks without records",
+    "node-hooks-no-records": "node hooks without records",
     "no-forward-records": "no forward records",
     "hooks-idle": "hooks idle",
 }
@@ -67,8 +69,9 @@ def _install_variants(order: list[str], out_path: str, warmup: int) -> None:
 
     off("_tap_inputs", "no-input-taps", lambda call, args, kwargs: None)
     off("_record_tap_grads", "taps-no-records", lambda self, call, grads: None)
+    off("_hook_input_node", "no-input-node-hooks", lambda self, *args: None)
     off("_hook_output_grads", "no-output-grad-hooks", lambda watched, micro, leaves: None)
-    off("_record_output_grad", "output-grad-hooks-no-records", lambda self, *args: None)
+    off("_record_grad", "node-hooks-no-records", lambda self, *args: None)
     off("_record_activations", "no-forward-records", lambda self, *args: None)
     off("_target", "hooks-idle", lambda self: None)
 

@@ -173,7 +173,7 @@ class ActivationHooks(Hooks):
             if self.backward:
                 # Built once per module: the autograd callbacks of every call share them.
                 watched.grad_recorders = (self.state.guarded(item, self._record_tap_grads),
-                                          self.state.guarded(item, self._record_output_grad),
+                                          self.state.guarded(item, self._record_grad),
                                           self.state.guarded(item, self._record_node_grads))
                 watched.output_grad_hooks.clear()
                 watched.graph_grad_recorders.clear()
@@ -391,8 +391,8 @@ class ActivationHooks(Hooks):
                         functools.partial(watched.grad_recorders[1], watched, micro, leaf_name), tensor.output_nr)
                 grad_fn.register_prehook(hook)
 
-    def _record_output_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
-        """Records one grad (see `_record_grads`): an output's, which its node's pre-hook is handed alone."""
+    def _record_grad(self, watched: WatchedModule, micro: int, leaf_name: str, grad: torch.Tensor) -> None:
+        """Records one grad under `leaf_name`: as `_record_grads` does, for the one grad a node hook is handed."""
         if not self.state.collecting:
             return
         collector, vpp = self.state.collector, watched.vpp_stage
@@ -403,7 +403,7 @@ class ActivationHooks(Hooks):
                            input_grad: Optional[torch.Tensor], output_grad: None) -> None:
         """The input grad a node's post-hook sees (its `NodeGrads` is made without an output: `output_grad` is None)."""
         if input_grad is not None:
-            self._record_output_grad(watched, micro, input_leaf, input_grad)
+            self._record_grad(watched, micro, input_leaf, input_grad)
 
     def _record_tap_grads(self, call: _Call, grads) -> None:
         """The grads a call's tap sees: of its inputs, and of its outputs that are those inputs (first: their
@@ -460,11 +460,11 @@ def _leaf_grads_recorder(watched: WatchedModule, micro: int, leaf_names: tuple) 
     return recorder
 
 
-def _record_leaf_grads(record_output_grad, watched: WatchedModule, micro: int, leaf_names: tuple, grads: list) -> None:
-    """Records, with `record_output_grad`, the grads that arrived of a call's output leaves `leaf_names`."""
+def _record_leaf_grads(record_grad, watched: WatchedModule, micro: int, leaf_names: tuple, grads: list) -> None:
+    """Records, with `record_grad`, the grads that arrived of a call's output leaves `leaf_names`."""
     for leaf_name, grad in zip(leaf_names, grads):
         if grad is not None:
-            record_output_grad(watched, micro, leaf_name, grad)
+            record_grad(watched, micro, leaf_name, grad)
 
 
 def _readable_untapped(watched: WatchedModule, call: _Call, aliases: list, grad_leaves: list) -> bool:

@@ -90,3 +90,32 @@ def test_a_forward_hook_registered_before_the_monitor_is_seen_by_it(output_dir, 
     monitor.stop()
     actv = read_family(monitor.output_dir, "actv").set_index("name")
     assert actv.norm["head.output"] == pytest.approx(float(outputs[0].double().norm()), rel=1e-6)
+
+
+def test_a_group_with_nothing_to_do_in_a_call_is_skipped_before_and_after_it():
+    """A call where a group's `active()` is False (a step that is not collected) runs neither its before nor its
+    after; the groups that are active, or have no `active`, run as always. The answer is taken once a call."""
+    from trainmon.hooks import in_graph
+
+    module, ran, recording = torch.nn.Linear(4, 4), [], [False]
+
+    def answer():
+        ran.append("asked")
+        return recording[0]
+
+    handles = [in_graph.around_forward(module, kind, lambda m, args, kwargs, kind=kind: ran.append(f"{kind} before"),
+                                       lambda m, args, kwargs, out, kind=kind: ran.append(f"{kind} after"),
+                                       active=active)
+               for kind, active in (("gated", answer), ("always", None))]
+    x = torch.randn(2, 4)
+    module(x)
+    assert ran == ["asked", "always before", "always after"]
+    ran.clear()
+    recording[0] = True
+    torch.testing.assert_close(module(x), torch.nn.functional.linear(x, module.weight, module.bias))
+    assert ran == ["asked", "gated before", "always before", "gated after", "always after"]
+    for handle in handles:
+        handle.remove()
+    ran.clear()
+    module(x)
+    assert ran == [] and "forward" not in module.__dict__

@@ -769,6 +769,7 @@ class _Around:
 
     def __init__(self, module: torch.nn.Module):
         self.entries: list[_Entry] = []
+        self.gated: list[_Entry] = []  # the entries that have an `active`
         self.module = weakref.ref(module)
         self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
         self.keys = (_entry(module, "forward.pre", self.befores, True, False, self.active),
@@ -799,6 +800,8 @@ class _Around:
         entry = _Entry(kind, before, after, torch._dynamo.disable(before, recursive=True),
                        torch._dynamo.disable(after, recursive=True), active)
         self.entries.append(entry)
+        if active is not None:
+            self.gated.append(entry)
         return entry
 
     def active(self) -> bool:
@@ -807,6 +810,16 @@ class _Around:
             if entry.active is None or entry.active():
                 return True
         return False
+
+    def running(self) -> list[_Entry]:
+        """The entries with something to do in the running forward pass: most often all of them, or none in a step
+        that is not collected, whose hooked calls then cost the wrapper alone (a group's before and after for
+        nothing cost it about five microseconds a call)."""
+        running = self.entries
+        for entry in self.gated:
+            if not entry.active():
+                running = [other for other in running if other is not entry]
+        return running
 
     def befores(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         for entry in self.entries:
@@ -821,6 +834,8 @@ class _Around:
         the wrapper since (it then runs the forward alone)."""
         if entry in self.entries:
             self.entries.remove(entry)
+        if entry in self.gated:
+            self.gated.remove(entry)
         module = self.module()
         if self.entries or module is None:
             return
@@ -848,12 +863,13 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
             args, kwargs = _observe_in_graph(mod, "forward.pre", args, kwargs)
             output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
             return _observe_in_graph(mod, "forward.post", args, kwargs, output, with_output=True)
-        entries = around.entries
+        # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not. There
+        # the groups are not asked whether they are active (Dynamo would compile that question), and they all run.
+        eager = _dynamo_frame_callback() is None
+        entries = around.running() if eager else around.entries
         if entries and stream_capturing():
             _say_once(CAPTURE_REFUSED)
             entries = ()
-        # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not.
-        eager = _dynamo_frame_callback() is None
         for entry in entries:
             changed = (entry.before if eager else entry.eager_before)(mod, args, kwargs)
             if changed is not None:

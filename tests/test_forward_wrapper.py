@@ -119,3 +119,39 @@ def test_a_group_with_nothing_to_do_in_a_call_is_skipped_before_and_after_it():
     ran.clear()
     module(x)
     assert ran == [] and "forward" not in module.__dict__
+
+
+def test_an_evaluation_forward_runs_neither_the_sentinel_nor_the_activation_hooks(output_dir, write_config,
+                                                                                 monkeypatch):
+    """The sentinel probes training forwards and the activation hooks record them (without
+    `eval_xy_distribution`): in a validation loop or a `generate` their wrappers skip them, and nothing is recorded."""
+    from trainmon.hooks.module_hooks import ActivationHooks
+    from trainmon.hooks.sentinel import NanSentinel
+
+    ran = []
+    for group in (ActivationHooks, NanSentinel):
+        make = group._make_pre_forward
+
+        def counted(hooks, *args, make=make, group=group):
+            hook = make(hooks, *args)
+
+            def pre_hook(module, call_args, kwargs):
+                ran.append(group.__name__)
+                return hook(module, call_args, kwargs)
+
+            return pre_hook
+
+        monkeypatch.setattr(group, "_make_pre_forward", counted)
+    model = make_model()
+    monitor, optimizer = monitored(write_config, model)
+    try:
+        run_steps(model, optimizer, 1)
+        trained, ran[:] = list(ran), []
+        model.eval()
+        with torch.no_grad():
+            model(torch.randint(0, 64, (2, 16)))
+    finally:
+        monitor.stop()
+    assert trained.count("ActivationHooks") == trained.count("NanSentinel") > 10  # every module's call
+    assert ran == []
+    assert set(read_family(monitor.output_dir, "actv").step) == {0}

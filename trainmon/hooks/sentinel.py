@@ -217,7 +217,13 @@ class NanSentinel(Hooks):
             item = f"NaN sentinel on {name or '<root>'}"
             self._handles.append(in_graph.around_forward(
                 module, "sentinel", self.state.guarded(item, self._make_pre_forward(name, vpp)),
-                self.state.guarded(item, self._make_forward(name, vpp)), grads=in_graph.INPUT_GRADS))
+                self.state.guarded(item, self._make_forward(name, vpp)), grads=in_graph.INPUT_GRADS,
+                active=self._probing))
+
+    def _probing(self) -> bool:
+        """Whether the running forward pass is probed, a training one: the wrapper of a module's forward skips these
+        hooks in an evaluation forward (a validation loop, a model's `generate`)."""
+        return self.state.training_forward
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -64,7 +64,7 @@ def probe(tensor: torch.Tensor) -> tuple:
 
 def norm_probes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """fp32 L2 norms of `tensors` (fp64 ones in fp64): non-finite iff an element is, or the norm overflows."""
-    if all(t.dtype != torch.float64 for t in tensors):
+    if torch.float64 not in {t.dtype for t in tensors}:
         return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     return [torch.linalg.vector_norm(t) if t.dtype == torch.float64 else torch.linalg.vector_norm(t, dtype=torch.float32)
             for t in tensors]
@@ -121,8 +121,10 @@ class _Probes:
         norms = norm_probes(tensors)
         if norms[0].is_cpu:
             norms = torch.stack(norms).tolist()
-        for norm in norms:
-            self._values += (norm, norm)
+        pairs = [None] * (2 * len(norms))  # (norm, norm) each
+        pairs[0::2] = norms
+        pairs[1::2] = norms
+        self._values += pairs
 
     def filled(self) -> Optional[torch.Tensor]:
         """The probes written this step, [keys, 2] in key order, or None: on the device of the probes that are
@@ -245,14 +247,16 @@ class NanSentinel(Hooks):
             self.probes.add(key, tensor)
 
     def _probe_weights(self, family: str, leaves: list, vpp_stage: int, micro: Optional[int]) -> None:
-        """One probe per (name, tensor) of `leaves`, taken together (see `norm_probes`). A sharded tensor
-        (FSDP2's DTensors) is probed by this rank's shard, keyed by its full shape."""
-        leaves = [(name, tensor.detach()) for name, tensor in leaves if tensor is not None and tensor.numel()]
+        """One probe per (name, tensor) of `leaves`, taken together (see `norm_probes`), with grad off (parameters
+        require it; one switch costs less than a detached alias of each). A sharded tensor (FSDP2's DTensors) is
+        probed by this rank's shard, keyed by its full shape."""
+        leaves = [(name, tensor) for name, tensor in leaves if tensor is not None and tensor.numel()]
         if leaves:
             next_call_index = self.state.collector.next_call_index
-            keys = [record_key(family, name, vpp_stage, micro, next_call_index(), tuple(t.shape), t.dtype)
+            keys = [record_key(family, name, vpp_stage, micro, next_call_index(), t.shape, t.dtype)
                     for name, t in leaves]
-            self.probes.add_norms(keys, [local_shard(t) for _, t in leaves])
+            with torch.no_grad():
+                self.probes.add_norms(keys, [local_shard(t) for _, t in leaves])
 
     def _probe_first_sights(self, leaves: list, vpp_stage: int, micro: int, root: bool = False) -> None:
         """Probes the forward tensors not already probed unchanged this step: a container returning its last

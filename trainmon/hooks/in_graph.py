@@ -769,7 +769,6 @@ class _Around:
 
     def __init__(self, module: torch.nn.Module):
         self.entries: list[_Entry] = []
-        self.gated: list[_Entry] = []  # the entries that have an `active`
         self.module = weakref.ref(module)
         self.replaced = module.__dict__.get("forward")  # an instance's own forward (accelerate sets one), or None
         self.keys = (_entry(module, "forward.pre", self.befores, True, False, self.active),
@@ -800,24 +799,19 @@ class _Around:
         entry = _Entry(kind, before, after, torch._dynamo.disable(before, recursive=True),
                        torch._dynamo.disable(after, recursive=True), active)
         self.entries.append(entry)
-        if active is not None:
-            self.gated.append(entry)
         return entry
 
     def active(self) -> bool:
         """Whether some group has something to do in the running forward pass (see `forward_pre_hook`)."""
-        for entry in self.entries:
-            if entry.active is None or entry.active():
-                return True
-        return False
+        return bool(self.running())
 
     def running(self) -> list[_Entry]:
         """The entries with something to do in the running forward pass: most often all of them, or none in a step
         that is not collected, whose hooked calls then cost the wrapper alone (a group's before and after for
         nothing cost it about five microseconds a call)."""
         running = self.entries
-        for entry in self.gated:
-            if not entry.active():
+        for entry in self.entries:
+            if entry.active is not None and not entry.active():
                 running = [other for other in running if other is not entry]
         return running
 
@@ -834,8 +828,6 @@ class _Around:
         the wrapper since (it then runs the forward alone)."""
         if entry in self.entries:
             self.entries.remove(entry)
-        if entry in self.gated:
-            self.gated.remove(entry)
         module = self.module()
         if self.entries or module is None:
             return

@@ -212,10 +212,9 @@ class ActivationHooks(Hooks):
         return state.eval_collector
 
     def _recording(self) -> bool:
-        """Whether the running forward pass is recorded (`_target` is not None): where it is not, the wrapper of a
-        module's forward, or a compiled graph, skips these hooks."""
-        state = self.state
-        return state.collecting if state.training_forward else state.eval_collector is not None
+        """Whether the running forward pass is recorded: where it is not, the wrapper of a module's forward, or a
+        compiled graph, skips these hooks."""
+        return self._target() is not None
 
     def _make_pre_forward(self, watched: WatchedModule):
         state = self.state

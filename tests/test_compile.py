@@ -161,13 +161,27 @@ def test_compiled_records_are_the_eager_ones(output_dir, write_config, caplog, m
             assert getattr(got, op) == pytest.approx(getattr(want, op), rel=1e-4, abs=1e-6), (key, op)
 
 
+OBSERVE = (torch.ops.trainmon.observe, torch.ops.trainmon.observe.default)
+
+
+def counting_ops(graphs: list):
+    """A Dynamo backend that traces as `aot_eager` does, and appends to `graphs` how many `trainmon::observe` ops each
+    graph it is given holds."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(graph_module, example_inputs):
+        graphs.append(sum(node.target in OBSERVE for node in graph_module.graph.nodes))
+        return aot_eager(graph_module, example_inputs)
+
+    return backend
+
+
 @pytest.mark.parametrize("mode", slow_but(MODES, {"default"}))
 def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(output_dir, write_config, monkeypatch,
                                                                              mode):
-    """`step_interval`: on a step that is not collected the activation hooks do not run: each module's wrapper skips
-    them in eager mode, and a compiled graph's ops return before them (the op's dispatch is then all it costs); only
-    those of the modules called under the compiled call, outside its graph, run and return. The collected steps
-    record what eager mode records."""
+    """`step_interval`: on a step that is not collected the activation hooks do not run. Each module's wrapper skips
+    them in eager mode. A compiled module's forward runs a graph of its own there, traced without trainmon's ops and
+    compiled once. The collected steps record what eager mode records."""
     ran = collections.Counter()  # activation pre-hooks run, by step
     make_pre_forward = ActivationHooks._make_pre_forward
 
@@ -185,7 +199,8 @@ def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(o
     *_, eager = monitored_run(write_config, config, None)
     in_eager = dict(ran)
     ran.clear()
-    *_, comp = monitored_run(write_config, config, mode)
+    graphs = []
+    *_, comp = monitored_run(write_config, config, mode, backend=counting_ops(graphs))
     eager_records, compiled_records = _records(eager), _records(comp)
     assert {key[2] for key in compiled_records} == {0, 2}
     assert set(compiled_records) == set(eager_records)
@@ -193,11 +208,32 @@ def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(o
         for op in OPS:
             assert getattr(got, op) == pytest.approx(getattr(eager_records[key], op), rel=1e-4, abs=1e-6), (key, op)
     assert ran[0] == in_eager[0] and ran[2] == in_eager[2]          # collected: every hook ran
-    assert 1 not in in_eager                                        # eager: each module's wrapper skips them
-    if mode == "blocks":                                            # the modules around the blocks
-        assert 0 < ran[1] < ran[0] / 2
-    else:                                                           # the root's, run under the compiled call
-        assert ran[1] == GA
+    assert 1 not in in_eager and 1 not in ran                       # not collected: none ran
+    assert len(graphs) == 2 and graphs[0] > 0 and graphs[1] == 0   # one graph with the ops, one without
+
+
+@pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"blocks"}))
+def test_an_evaluation_forward_of_a_compiled_model_runs_a_graph_without_the_ops(output_dir, write_config, mode):
+    """Neither the sentinel nor the activations look at an evaluation forward (without `eval_xy_distribution`): its
+    graph is traced without trainmon's ops, and a training step after it runs the graph with them again."""
+    graphs = []
+    model = make_model(layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_model = compiled(model, mode, counting_ops(graphs))
+    monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **ALL))
+    monitor.set_monitor(run_model, optimizer=optimizer, grad_acc_steps=GA)
+    torch._dynamo.reset()
+    try:
+        train(run_model, optimizer, steps=1)
+        run_model.eval()
+        with torch.no_grad():
+            run_model(next(batches())[0])
+        run_model.train()
+        train(run_model, optimizer, steps=1)
+    finally:
+        monitor.stop()
+    assert len(graphs) == 2 and graphs[0] > 0 and graphs[1] == 0
+    assert {key[2] for key in _records(monitor) if key[0] == "actv"} == {0, 1}
 
 
 @pytest.mark.parametrize("mode", slow_but(["eager", "default", "blocks"], {"eager", "default"}))
@@ -408,10 +444,11 @@ def test_inductor_records_are_the_eager_ones(output_dir, write_config, mode, dev
 @pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"default"}))
 def test_an_inductor_graph_whose_first_run_collects_nothing_records_the_steps_after(output_dir, write_config, mode):
     """Inductor's runtime checks a graph's first run for custom ops whose result aliases an input (an error where
-    `CI` is set, and in these tests; a warning elsewhere). With `start_step` 1 that run collects nothing: each op
-    returns no request, and the ops that take an inner call's result take one that carries none."""
+    `CI` is set, and in these tests; a warning elsewhere). With `start_step` 1 that run collects nothing but the
+    sentinel's probes, for which the graph holds the ops: the others return no request, and the ops that take an
+    inner call's result take one that carries none."""
     assert functorch_config.error_on_custom_op_aliasing  # set by conftest.py: else an alias would only warn
-    config = {**{k: v for k, v in ALL.items() if k != "sentinel"}, "start_step": 1}
+    config = {**ALL, "start_step": 1}
     *_, eager = monitored_run(write_config, config, None)
     *_, comp = monitored_run(write_config, config, mode, backend="inductor")
     eager_records, compiled_records = _records(eager), _records(comp)
@@ -517,9 +554,10 @@ def test_stop_removes_the_hooks_and_their_tokens_entries(output_dir, write_confi
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = TrainerMon(write_config(ops=OPS, format=["db"], targets={}, **ALL))
     monitor.set_monitor(run_model, optimizer=optimizer)
-    assert in_graph._hooks
+    assert in_graph._hooks and in_graph._gates
     monitor.stop()
-    assert not in_graph._hooks
+    assert not in_graph._hooks and not in_graph._gates
+    assert not any(in_graph._GATED in m.__dict__ for m in model.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 

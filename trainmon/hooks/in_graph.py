@@ -30,6 +30,11 @@ forward, which runs its befores and then its afters: nothing hooked runs between
 eager one. Its inputs' taps, which must go before the forward, save a new empty tensor made there, to which the op
 attaches their requests (`_observe_leaf_in_graph`).
 
+A forward pass in which no hook that has an `active` has anything to do (a step that is not collected, an evaluation
+forward) is traced without those hooks' ops and taps, so that its steps cost what unmonitored ones do: a compiled
+module's wrapper, which runs eagerly before its graph, asks them once and sets `_graph_idle`, which the traced calls
+read and Dynamo guards on (`_compiled_forward`). Such forward passes run a second graph, compiled once.
+
 CUDA graphs (and an NPU's graph capture): a Python op under stream capture runs once, at capture, and never at
 replay. Rather than record nothing silently, a hook that runs under capture (traced or eager) records nothing and
 says so once. Inductor is told (`Tag.cudagraph_unsafe`), so `mode="reduce-overhead"` runs the op outside what it
@@ -68,6 +73,14 @@ _graph_call: Optional["GraphCall"] = None  # the traced call whose hooks are run
 # backward's fused kernels for the op): only those the hooks take are tapped.
 INPUT_GRADS, ALL_GRADS = ("inputs",), ("inputs", "outputs")
 _grad_watchers = {"inputs": 0, "outputs": 0}
+# The `active` of every registered hook that has one, with how many registrations hold it (a few hook groups, each
+# with one `active` for all its modules).
+_gates: dict[Callable[[], bool], int] = {}
+# True while a compiled module's forward runs from its eager wrapper in a forward pass where no `active` answered
+# True (a step that is not collected, an evaluation forward): traced calls then put no op in the graph for hooks
+# that have an `active`, nor tap their grads. Dynamo guards on this value, so such forward passes run a graph of
+# their own, compiled once, whose steps cost what an unmonitored step costs; the others run the graph with the ops.
+_graph_idle = False
 _CALL = "_trainmon_call"  # the attribute of `trainmon::observe`'s result that holds its `GraphCall`
 # The attribute of a traced output leaf passed through `_GradTap` (set while tracing): (that call's
 # `trainmon::observe` result, the leaf's place among its tapped tensors).
@@ -580,12 +593,16 @@ def _in_subgraph() -> bool:
 
 class _Handle:
     """Removes hooks registered here: `undo` takes them off the module, and their entries go. `grads`: the grads the
-    hooks watch, `INPUT_GRADS` or `ALL_GRADS` (counted in `_grad_watchers` until removed)."""
+    hooks watch, `INPUT_GRADS` or `ALL_GRADS` (counted in `_grad_watchers` until removed); `gate`: their `active`
+    (held in `_gates` until removed)."""
 
-    def __init__(self, undo: Callable[[], None], *keys: tuple[int, int], grads: tuple[str, ...] = ()):
-        self._undo, self._keys, self._grads = undo, keys, grads
+    def __init__(self, undo: Callable[[], None], *keys: tuple[int, int], grads: tuple[str, ...] = (),
+                 gate: Optional[Callable[[], bool]] = None):
+        self._undo, self._keys, self._grads, self._gate = undo, keys, grads, gate
         for where in grads:
             _grad_watchers[where] += 1
+        if gate is not None:
+            _gates[gate] = _gates.get(gate, 0) + 1
 
     def remove(self) -> None:
         if self._undo is None:
@@ -594,6 +611,10 @@ class _Handle:
         self._undo = None
         for where in self._grads:
             _grad_watchers[where] -= 1
+        if self._gate is not None:
+            _gates[self._gate] -= 1
+            if not _gates[self._gate]:
+                del _gates[self._gate]
         for key in self._keys:
             _hooks.pop(key, None)
         if not _hooks:  # the monitor is gone: a later one says it again
@@ -624,9 +645,12 @@ def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: b
     # (Dynamo's frame callback is set). Elsewhere the hook is called as it is: the wrapper that turns Dynamo off
     # costs more than some hooks.
     eager = torch._dynamo.disable(hook, recursive=True)
+    gated = active is not None
 
     def traced_or_eager(mod, *args):
         if torch.compiler.is_compiling():  # returns the call's inputs (or output) with their grads tapped
+            if _graph_idle and gated:
+                return None
             call_args, call_kwargs = args[0], (args[1] if with_kwargs else {})
             traced = _observe_in_graph(mod, kind, call_args, call_kwargs, args[-1] if with_output else None,
                                        with_output)
@@ -640,7 +664,7 @@ def _register(module: torch.nn.Module, kind: str, hook: Callable, with_kwargs: b
     # run eagerly (the grads of the region's outputs are watched there). Hooks inlined into a traced frame
     # are traced all the same.
     torch._dynamo.eval_frame.skip_code(traced_or_eager.__code__)
-    handle = _Handle(register(traced_or_eager).remove, key, grads=grads)
+    handle = _Handle(register(traced_or_eager).remove, key, grads=grads, gate=active)
     _forget_compiled(module)
     return handle
 
@@ -699,7 +723,7 @@ def around_forward(module: torch.nn.Module, kind: str, before: Callable, after: 
         around = _Around(module)
     entry = around.add(kind, before, after, active)
     _forget_compiled(module)
-    return _Handle(lambda: around.drop(entry), grads=grads)
+    return _Handle(lambda: around.drop(entry), grads=grads, gate=active)
 
 
 def after_forward(module: torch.nn.Module, kind: str, after: Callable,
@@ -729,6 +753,9 @@ _AROUND = "_trainmon_around"  # the attribute that holds a module's `_Around`
 # hooked tree): its traced call is one op (`_observe_leaf_in_graph`). A module hooked later inside it unsets it.
 _LEAF = "_trainmon_leaf"
 _leaves: "weakref.WeakSet[_Around]" = weakref.WeakSet()  # the `_Around`s of the leaves that have submodules
+# The attribute, True, of a module with an `_Around` whose every group has an `active`: its traced call puts no op
+# in a graph traced while `_graph_idle`.
+_GATED = "_trainmon_gated"
 
 
 def _no_longer_leaves(hooked: torch.nn.Module) -> None:
@@ -765,7 +792,8 @@ class _Around:
     Under tracing the wrapper reads none of this (Dynamo would guard on it, and a model compiled block by block
     would compile once per block): it puts one `trainmon::observe` op before the forward and one after, whose
     eager hooks (`befores`, `afters`) run the entries; a leaf (`_LEAF`, a constant the graph guards by value) one op
-    after it, which runs both."""
+    after it, which runs both; a module whose every group has an `active` (`_GATED`, the same) none while
+    `_graph_idle`."""
 
     def __init__(self, module: torch.nn.Module):
         self.entries: list[_Entry] = []
@@ -799,7 +827,13 @@ class _Around:
         entry = _Entry(kind, before, after, torch._dynamo.disable(before, recursive=True),
                        torch._dynamo.disable(after, recursive=True), active)
         self.entries.append(entry)
+        self._mark_gated()
         return entry
+
+    def _mark_gated(self) -> None:
+        module = self.module()
+        if module is not None:
+            module.__dict__[_GATED] = all(entry.active is not None for entry in self.entries)
 
     def active(self) -> bool:
         """Whether some group has something to do in the running forward pass (see `forward_pre_hook`)."""
@@ -830,11 +864,13 @@ class _Around:
             self.entries.remove(entry)
         module = self.module()
         if self.entries or module is None:
+            self._mark_gated()
             return
         for key in self.keys:
             _hooks.pop(key, None)
         module.__dict__.pop(_AROUND, None)
         module.__dict__.pop(_LEAF, None)
+        module.__dict__.pop(_GATED, None)
         _leaves.discard(self)
         if getattr(module.__dict__.get("forward"), "__func__", None) is self.wrapper:
             if self.replaced is None:
@@ -848,33 +884,71 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
 
     def forward(mod, *args, **kwargs):
         if torch.compiler.is_compiling():
+            if _graph_idle and getattr(mod, _GATED, False):
+                return _forward(mod, inner, args, kwargs)
             if getattr(mod, _LEAF, False):
                 return _observe_leaf_in_graph(
                     mod, inner if inner is not None else functools.partial(type(mod).forward, mod), args, kwargs)
             # the call's inputs and output with their grads tapped
             args, kwargs = _observe_in_graph(mod, "forward.pre", args, kwargs)
-            output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+            output = _forward(mod, inner, args, kwargs)
             return _observe_in_graph(mod, "forward.post", args, kwargs, output, with_output=True)
-        # Under a compiled module's call, the hooks run with Dynamo off (see `_register`); the forward does not. There
-        # the groups are not asked whether they are active (Dynamo would compile that question), and they all run.
-        eager = _dynamo_frame_callback() is None
-        entries = around.running() if eager else around.entries
+        if _dynamo_frame_callback() is not None:
+            return _compiled_forward(around, inner, mod, args, kwargs)
+        entries = around.running()
         if entries and stream_capturing():
             _say_once(CAPTURE_REFUSED)
             entries = ()
         for entry in entries:
-            changed = (entry.before if eager else entry.eager_before)(mod, args, kwargs)
+            changed = entry.before(mod, args, kwargs)
             if changed is not None:
                 args, kwargs = changed
-        output = inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+        output = _forward(mod, inner, args, kwargs)
         for entry in entries:
-            (entry.after if eager else entry.eager_after)(mod, args, kwargs, output)
+            entry.after(mod, args, kwargs, output)
         return output
 
     # As `traced_or_eager` in `_register`: the compiled module's own wrapper runs eagerly, and its forward is the
     # frame Dynamo compiles; a wrapper inlined into a traced frame is traced.
     torch._dynamo.eval_frame.skip_code(forward.__code__)
     return forward
+
+
+def _forward(mod: torch.nn.Module, inner: Optional[Callable], args: tuple, kwargs: dict):
+    """The forward a wrapper runs: `inner` (a forward bound to `mod`), or `mod`'s class's `forward` function."""
+    return inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+
+
+def _compiled_forward(around: _Around, inner: Optional[Callable], mod: torch.nn.Module, args: tuple, kwargs: dict):
+    """A wrapped module's call under a compiled module's call (Dynamo's frame callback is set): its forward is the
+    frame Dynamo compiles, and its hooks run with Dynamo off (see `_register`), as does the question of which have
+    something to do. Where no hook's `active` answers True, the forward runs with `_graph_idle` set."""
+    global _graph_idle
+    entries, idle = _running_and_idle(around)
+    if entries and stream_capturing():
+        _say_once(CAPTURE_REFUSED)
+        entries = ()
+    for entry in entries:
+        changed = entry.eager_before(mod, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+    outer, _graph_idle = _graph_idle, idle
+    try:
+        output = _forward(mod, inner, args, kwargs)
+    finally:
+        _graph_idle = outer
+    for entry in entries:
+        entry.eager_after(mod, args, kwargs, output)
+    return output
+
+
+@torch._dynamo.disable(recursive=True)
+def _running_and_idle(around: _Around) -> tuple[list[_Entry], bool]:
+    """(the entries of `around` with something to do, whether no registered hook's `active` answers True)."""
+    return around.running(), not any(gate() for gate in _gates)
+
+
+torch._dynamo.eval_frame.skip_code(_compiled_forward.__code__)
 
 
 def named_modules(chunk: torch.nn.Module):

@@ -919,6 +919,10 @@ def _forward(mod: torch.nn.Module, inner: Optional[Callable], args: tuple, kwarg
     return inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
 
 
+# Called by a compiled module's wrapper, `_forward` would be the frame Dynamo compiles; the module's forward is.
+torch._dynamo.eval_frame.skip_code(_forward.__code__)
+
+
 def _compiled_forward(around: _Around, inner: Optional[Callable], mod: torch.nn.Module, args: tuple, kwargs: dict):
     """A wrapped module's call under a compiled module's call (Dynamo's frame callback is set): its forward is the
     frame Dynamo compiles, and its hooks run with Dynamo off (see `_register`), as does the question of which have

@@ -896,9 +896,11 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
         if _dynamo_frame_callback() is not None:
             return _compiled_forward(around, inner, mod, args, kwargs)
         entries = around.running()
-        if entries and stream_capturing():
+        if not entries:  # every call of a step that is not collected
+            return inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
+        if stream_capturing():
             _say_once(CAPTURE_REFUSED)
-            entries = ()
+            return _forward(mod, inner, args, kwargs)
         for entry in entries:
             changed = entry.before(mod, args, kwargs)
             if changed is not None:

@@ -18,6 +18,8 @@ which captures CUDA graphs: the monitor must run and say once what it cannot see
 
     python benchmarks/gpu.py --out $OUT/gpu.json                       # every check: over 10 min on an H100
     python benchmarks/gpu.py --kernels                                 # the statistic kernels alone
+    python benchmarks/gpu.py --modes compiled,graphs --compiled-tiers none,full --extra '{"step_interval": 10}' \
+        --warmup 12                                                    # one step in ten collected, compiled
     python benchmarks/gpu.py --device cpu --layers 2 --hidden 128 --seq 64 --batch 4 --steps 4 --warmup 2 \\
         --modes eager,compiled --dtype float32                         # the script itself, on a CPU
 
@@ -107,7 +109,9 @@ def run_child(spec: dict) -> dict:
         run_model = torch.compile(model, mode="reduce-overhead")
     out_dir = tempfile.mkdtemp(prefix="trainmon_gpu_")
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    monitor = attach_monitor(tier_config(spec["tier"], ["db"], tiers=GPU_TIERS), out_dir, run_model, optimizer)
+    extra = dict(spec["extra"]) if spec["tier"] != "none" else {}
+    config = tier_config(spec["tier"], ["db"], extra, extra.pop("step_interval", 1), tiers=GPU_TIERS)
+    monitor = attach_monitor(config, out_dir, run_model, optimizer)
     gen = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in synthetic_batch(gen, spec["batch"], spec["seq"], spec["vocab"]))
                for _ in range(4)]
@@ -217,6 +221,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per (mode, tier) process")
     parser.add_argument("--out", help="also write every result as JSON here")
+    parser.add_argument("--extra", default="{}", help="JSON config keys added to every monitored tier's: "
+                        "'{\"step_interval\": 10}' times steps of which one in ten is collected")
     parser.add_argument("--output-bytes", action="store_true",
                         help="only print the bytes of the model's module outputs per step (on the meta device): "
                              "what a probe of every output reads, and about as much again for their grads")
@@ -245,7 +251,8 @@ def main() -> int:
         for tier in (args.tiers if mode == "eager" else args.compiled_tiers).split(","):
             spec = {"mode": mode, "tier": tier, "device": device, "dtype": args.dtype, "layers": args.layers,
                     "hidden": args.hidden, "heads": args.heads, "seq": args.seq, "batch": args.batch,
-                    "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout}
+                    "vocab": args.vocab, "steps": args.steps, "warmup": args.warmup, "timeout": args.timeout,
+                    "extra": json.loads(args.extra)}
             results.append(_run_process(spec, args.timeout))
             _progress(results[-1])
             if args.out:  # after each process: a device's lease can end before the last

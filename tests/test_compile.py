@@ -212,6 +212,28 @@ def test_a_step_not_collected_runs_no_activation_hook_inside_a_compiled_region(o
     assert len(graphs) == 2 and graphs[0] > 0 and graphs[1] == 0   # one graph with the ops, one without
 
 
+def test_compiled_blocks_inside_activation_checkpointing_say_which_grads_they_do_not_collect(output_dir, write_config,
+                                                                                           caplog):
+    """Each block compiled, then put in torch's checkpoint wrapper (the order torchtitan does not use): the backward
+    runs each block's graph again, whose ops carry no request for the grads inside it. One message says so; the
+    blocks' own grads and every other record are the eager run's."""
+    def compiled_then_checkpointed(model):
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(torch.compile(block, backend="aot_eager"))
+
+    config = TIERS["activation_grads"] | {"backward_only": False}
+    *_, eager = monitored_run(write_config, config, None, prepare=checkpointed_blocks)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        *_, comp = monitored_run(write_config, config, None, prepare=compiled_then_checkpointed)
+    assert [r.getMessage() for r in caplog.records].count(f"trainmon: {in_graph.RECOMPUTED_GRADS_REFUSED}") == 1
+    eager_records, compiled_records = _records(eager), _records(comp)
+    missing = set(eager_records) - set(compiled_records)
+    assert missing and all(re.match(r"layers\.\d\._checkpoint_wrapped_module\.\w", key[1]) for key in missing)
+    assert {("actv_grad", f"layers.{i}._checkpoint_wrapped_module.{io}", 2, 1) for i in range(4)
+            for io in ("input", "output")} <= set(compiled_records)
+    assert set(compiled_records) < set(eager_records)
+
+
 @pytest.mark.parametrize("mode", slow_but(["default", "blocks"], {"blocks"}))
 def test_an_evaluation_forward_of_a_compiled_model_runs_a_graph_without_the_ops(output_dir, write_config, mode):
     """Neither the sentinel nor the activations look at an evaluation forward (without `eval_xy_distribution`): its

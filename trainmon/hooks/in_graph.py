@@ -197,6 +197,11 @@ SUBGRAPH_GRADS_REFUSED = ("grads of activations made inside activation checkpoin
                           "of a torch.compile'd region are not collected (torch recomputes what such a region saves "
                           "for its backward, and would run trainmon's hooks again there); those outside it are")
 
+RECOMPUTED_GRADS_REFUSED = ("grads of activations made inside a torch.compile'd module run under activation "
+                            "checkpointing are not collected (torch runs its graph again in the backward, and that "
+                            "run carries none of the forward's requests for them); those of the module's own inputs "
+                            "and outputs, and of every module outside it, are")
+
 
 # The two ops are defined through `torch.library.Library`, with their Python kernels as the dispatcher's own, not
 # through `torch.library.custom_op`, whose wrappers (an autograd function, a redispatch, alias checks, Dynamo's
@@ -309,6 +314,8 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
         return _no_call(calls)
     if site.untapped:
         _say_once(SUBGRAPH_GRADS_REFUSED)
+    elif (site.tapped_in or site.tapped_out) and torch._C._current_graph_task_id() != -1:
+        _say_once(RECOMPUTED_GRADS_REFUSED)  # the forward run again in a backward: the hooks ask for nothing there
     args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
     if with_output:
         leaves: list = [None] * site.out_total

@@ -474,9 +474,10 @@ def _observe_in_graph(module: torch.nn.Module, kind: str, args: tuple, kwargs: d
     untapped = bool(watchers) and grad_enabled and _in_subgraph()
     taps = bool(watchers) and grad_enabled and not untapped
     tapped_in, retapped, outer = _input_taps(inputs) if taps and not with_output else ([], [], [])
+    outputs = [leaves[i].detach() for i in positions]  # the op's, detached before the taps are chosen
     tapped_out, joined, inner = _output_taps([leaves[i] for i in positions]) if taps and with_output else ([], [], [])
-    call = _observe_op(module, kind, grad_enabled, untapped, inputs, leaves, positions, (tapped_out, joined, inner),
-                       (tapped_in, retapped, outer))
+    call = _observe_op(module, kind, grad_enabled, untapped, inputs, len(leaves), positions, outputs,
+                       (tapped_out, joined, inner), (tapped_in, retapped, outer))
     if with_output:
         return _tap_outputs(call, leaves, spec, positions, tapped_out) if tapped_out else output
     return _tap_inputs(call, args, kwargs, inputs, tapped_in) if tapped_in else (args, kwargs)
@@ -502,26 +503,28 @@ def _observe_leaf_in_graph(module: torch.nn.Module, forward: Callable, args: tup
     output = forward(*args, **kwargs)
     leaves, spec = tree_flatten(output)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    outputs = [leaves[i].detach() for i in positions]
     tapped_out, joined, inner = ([], [], [])
     if grad_enabled and _grad_watchers["outputs"] and not untapped:
         tapped_out, joined, inner = _output_taps([leaves[i] for i in positions])
-    call = _observe_op(module, "forward.both", grad_enabled, untapped, inputs, leaves, positions,
+    call = _observe_op(module, "forward.both", grad_enabled, untapped, inputs, len(leaves), positions, outputs,
                        (tapped_out, joined, inner), (tapped_in, retapped, outer), carrier)
     return _tap_outputs(call, leaves, spec, positions, tapped_out) if tapped_out else output
 
 
-def _observe_op(module: torch.nn.Module, kind: str, grad_enabled: bool, untapped: bool, inputs: list, leaves: list,
-                positions: list[int], output_taps: tuple, input_taps: tuple,
+def _observe_op(module: torch.nn.Module, kind: str, grad_enabled: bool, untapped: bool, inputs: list,
+                out_total: int, positions: list[int], outputs: list, output_taps: tuple, input_taps: tuple,
                 carrier: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Puts one `trainmon::observe` in the graph (see `_observe`): `output_taps` as `_output_taps` returns them,
-    `input_taps` as `_input_taps` does; `carrier`, where the input taps save it (`_carrier`) rather than the result."""
+    """Puts one `trainmon::observe` in the graph (see `_observe`): `outputs`, the output's tensor leaves (at
+    `positions` among its `out_total` leaves), detached; `output_taps` as `_output_taps` returns them, `input_taps` as
+    `_input_taps` does; `carrier`, where the input taps save it (`_carrier`) rather than the result."""
     tapped_out, joined, inner = output_taps
     tapped_in, retapped, outer = input_taps
-    site = _Site(_kinds[kind], grad_enabled, untapped, carrier is not None, len(leaves), positions, tapped_out, joined,
+    site = _Site(_kinds[kind], grad_enabled, untapped, carrier is not None, out_total, positions, tapped_out, joined,
                  [place for _, place in inner], tapped_in, retapped, [place for _, place in outer])
     calls = [c for c, _ in inner] + [c for c, _ in outer] + ([] if carrier is None else [carrier])
-    return torch.ops.trainmon.observe(getattr(module, _TOKEN), [t.detach() for t in inputs],
-                                      [leaves[i].detach() for i in positions], calls, _Layout.pack(*site))
+    return torch.ops.trainmon.observe(getattr(module, _TOKEN), [t.detach() for t in inputs], outputs, calls,
+                                      _Layout.pack(*site))
 
 
 def _input_taps(inputs: list) -> tuple[list[int], list[int], list[tuple]]:
@@ -539,18 +542,66 @@ def _input_taps(inputs: list) -> tuple[list[int], list[int], list[tuple]]:
 
 
 def _output_taps(outputs: list) -> tuple[list[int], list[int], list[tuple]]:
-    """(positions of the outputs to tap: those that require grad, not already an inner call's tapped output;
-    positions of the latter, joined; their taps: (that call's result, the tensor's place there))."""
+    """(positions of the outputs to tap: those that require grad, not already an inner call's tapped output, and
+    not used by the graph already (`_used_in_graph`: the outputs' detached copies for the op are the graph's last
+    detaches); positions of the inner calls' tapped outputs, joined; their taps: (that call's result, the tensor's
+    place there))."""
     tapped, joined, inner = [], [], []
+    used = None
     for i, t in enumerate(outputs):
         if t.requires_grad:
             tapped_output = getattr(t, _TAPPED_OUTPUT, None)
-            if tapped_output is None:
-                tapped.append(i)
-            else:
+            if tapped_output is not None:
                 joined.append(i)
                 inner.append(tapped_output)
+                continue
+            used = _used_in_graph(len(outputs)) if used is None else used
+            if not used[i]:
+                tapped.append(i)
     return tapped, joined, inner
+
+
+OUTPUT_USED_REFUSED = ("the grad of a module's output that the module itself uses inside a torch.compile'd region (a "
+                       "loss computed inside the forward from the logits it returns) is not collected there: the "
+                       "compiled backward adds the grad of that use where no hook sees it; the grads of the "
+                       "module that made the tensor are")
+
+
+@torch._dynamo.assume_constant_result
+def _used_in_graph(count: int) -> tuple[bool, ...]:
+    """For each of the last `count` tensors detached in the graph being traced (a call's outputs, detached for its
+    op): whether the graph already takes the tensor it detached into an op whose result requires grad, so that
+    part of its grad is summed inside the compiled backward, where no tap sees it. Run while tracing, its answer a
+    constant of the graph (see `_in_subgraph`); said once where some output is."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:                      # traced without Dynamo
+        return (False,) * count
+    detaches = []
+    for node in reversed(tx.output.graph.nodes) if tx is not None else ():
+        if len(detaches) == count:
+            break
+        if node.target in _DETACH:
+            detaches.append(node)
+    if len(detaches) < count:
+        return (False,) * count
+    used = tuple(any(_takes_grad(user) for user in getattr(node.args[0], "users", ()) if user.target not in _DETACH)
+                 for node in reversed(detaches))
+    if any(used):
+        _say_once(OUTPUT_USED_REFUSED)
+    return used
+
+
+_DETACH = ("detach", torch.Tensor.detach)  # a detach's target in a graph Dynamo traces (a method, or the function)
+
+
+def _takes_grad(node) -> bool:
+    """Whether a node of a graph being traced makes a tensor that requires grad (one of its results, for an op that
+    makes several)."""
+    values, _ = tree_flatten(node.meta.get("example_value"))
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in values)
 
 
 def _tap_inputs(call: torch.Tensor, args: tuple, kwargs: dict, inputs: list, tapped: list[int]) -> tuple[tuple, dict]:

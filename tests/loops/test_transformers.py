@@ -74,9 +74,10 @@ def test_compiled_trainer_with_a_step_interval_and_evaluations_records_the_eager
     trainmon's ops, and the collected ones record what eager mode records. One grad is not seen compiled: that of
     the logits the model's own loss took inside the graph (`docs/guides/compiled.md`)."""
     aot_eager, graphs = torch._dynamo.lookup_backend("aot_eager"), []   # trainmon's ops in each graph compiled
+    observe = (torch.ops.trainmon.observe, torch.ops.trainmon.observe.default)
 
     def counting(graph_module, example_inputs):
-        graphs.append(sum("trainmon.observe" in str(node.target) for node in graph_module.graph.nodes))
+        graphs.append(sum(node.target in observe for node in graph_module.graph.nodes))
         return aot_eager(graph_module, example_inputs)
 
     monkeypatch.setitem(torch._dynamo.backends.registry._COMPILER_FNS, "aot_eager", counting)

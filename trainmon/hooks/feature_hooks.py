@@ -20,7 +20,7 @@ import torch
 from trainmon.core.records import (ATTENTION_HOOK, LINEAR_HOOK, MOE_ROUTER_LOGIT_HOOK, MOE_ROUTER_WEIGHT_HOOK,
                                    PER_MICRO_FEATURE_FAMILIES, record_key)
 from trainmon.hooks import features, in_graph
-from trainmon.hooks.forward_passes import in_backward
+from trainmon.hooks.in_graph import in_backward
 from trainmon.hooks.hook_group import Hooks
 from trainmon.hooks.selection import module_places
 from trainmon.hooks.state import HookState

@@ -15,13 +15,8 @@ import torch
 
 from trainmon.hooks.hook_group import Hooks
 from trainmon.hooks import in_graph
+from trainmon.hooks.in_graph import in_backward
 from trainmon.hooks.state import HookState
-
-
-def in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread (where only activation
-    checkpointing runs module forwards)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class ForwardPasses(Hooks):

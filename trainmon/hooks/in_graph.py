@@ -96,6 +96,12 @@ def _say_once(message: str) -> None:
         logger.warning("trainmon: %s", message)
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (where only activation
+    checkpointing runs module forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def graph_buffers() -> bool:
     """Whether the running hook was handed its tensors by a compiled graph (`trainmon::observe`). They are the
     graph's buffers, which its later kernels may overwrite as soon as the op returns (inductor reuses the memory
@@ -314,7 +320,7 @@ def _observe(token: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torc
         return _no_call(calls)
     if site.untapped:
         _say_once(SUBGRAPH_GRADS_REFUSED)
-    elif (site.tapped_in or site.tapped_out) and torch._C._current_graph_task_id() != -1:
+    elif (site.tapped_in or site.tapped_out) and in_backward():
         _say_once(RECOMPUTED_GRADS_REFUSED)  # the forward run again in a backward: the hooks ask for nothing there
     args = (tuple(inputs), {}) if with_kwargs else (tuple(inputs),)
     if with_output:
@@ -578,9 +584,11 @@ def _used_in_graph(count: int) -> tuple[bool, ...]:
     try:
         tx = InstructionTranslator.current_tx()
     except AttributeError:                      # traced without Dynamo
+        tx = None
+    if tx is None:
         return (False,) * count
     detaches = []
-    for node in reversed(tx.output.graph.nodes) if tx is not None else ():
+    for node in reversed(tx.output.graph.nodes):
         if len(detaches) == count:
             break
         if node.target in _DETACH:
@@ -956,17 +964,7 @@ def _wrapper(around: _Around, inner: Optional[Callable]) -> Callable:
         entries = around.running()
         if not entries:  # every call of a step that is not collected
             return inner(*args, **kwargs) if inner is not None else type(mod).forward(mod, *args, **kwargs)
-        if stream_capturing():
-            _say_once(CAPTURE_REFUSED)
-            return _forward(mod, inner, args, kwargs)
-        for entry in entries:
-            changed = entry.before(mod, args, kwargs)
-            if changed is not None:
-                args, kwargs = changed
-        output = _forward(mod, inner, args, kwargs)
-        for entry in entries:
-            entry.after(mod, args, kwargs, output)
-        return output
+        return _run_around(entries, True, mod, inner, args, kwargs)
 
     # As `traced_or_eager` in `_register`: the compiled module's own wrapper runs eagerly, and its forward is the
     # frame Dynamo compiles; a wrapper inlined into a traced frame is traced.
@@ -989,20 +987,27 @@ def _compiled_forward(around: _Around, inner: Optional[Callable], mod: torch.nn.
     something to do. Where no hook's `active` answers True, the forward runs with `_graph_idle` set."""
     global _graph_idle
     entries, idle = _running_and_idle(around)
+    outer, _graph_idle = _graph_idle, idle
+    try:
+        return _run_around(entries, False, mod, inner, args, kwargs)
+    finally:
+        _graph_idle = outer
+
+
+def _run_around(entries: list[_Entry], eager: bool, mod: torch.nn.Module, inner: Optional[Callable], args: tuple,
+                kwargs: dict):
+    """The forward with the befores and afters of `entries` around it: as they are where `eager`, else with Dynamo
+    off (see `_register`); none while a graph is being captured."""
     if entries and stream_capturing():
         _say_once(CAPTURE_REFUSED)
         entries = ()
     for entry in entries:
-        changed = entry.eager_before(mod, args, kwargs)
+        changed = (entry.before if eager else entry.eager_before)(mod, args, kwargs)
         if changed is not None:
             args, kwargs = changed
-    outer, _graph_idle = _graph_idle, idle
-    try:
-        output = _forward(mod, inner, args, kwargs)
-    finally:
-        _graph_idle = outer
+    output = _forward(mod, inner, args, kwargs)
     for entry in entries:
-        entry.eager_after(mod, args, kwargs, output)
+        (entry.after if eager else entry.eager_after)(mod, args, kwargs, output)
     return output
 
 
@@ -1013,6 +1018,7 @@ def _running_and_idle(around: _Around) -> tuple[list[_Entry], bool]:
 
 
 torch._dynamo.eval_frame.skip_code(_compiled_forward.__code__)
+torch._dynamo.eval_frame.skip_code(_run_around.__code__)
 
 
 def named_modules(chunk: torch.nn.Module):

@@ -39,7 +39,7 @@ import torch
 from trainmon.hooks.hook_group import Hooks
 from trainmon.hooks import in_graph
 from trainmon.hooks.collector import StepCollector
-from trainmon.hooks.forward_passes import in_backward
+from trainmon.hooks.in_graph import in_backward
 from trainmon.hooks.grad_watch import NO_CONSUMER, NodeGrads, OutputGrad, sole_consumer
 from trainmon.core.records import ACTV, ACTV_EVAL, ACTV_GRAD, record_key
 from trainmon.hooks.state import HookState

@@ -29,7 +29,7 @@ from trainmon.core.records import MOE_EXPERT_LOAD, MOE_LOAD, record_key
 from trainmon.engine.accelerator import collective_device
 from trainmon.hooks import in_graph
 from trainmon.hooks.collectives import not_monitored
-from trainmon.hooks.forward_passes import in_backward
+from trainmon.hooks.in_graph import in_backward
 from trainmon.hooks.hook_group import Hooks
 from trainmon.adapters.patching import patch_attribute
 from trainmon.hooks.selection import module_places

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from trainmon.hooks.hook_group import Hooks
-from trainmon.hooks.forward_passes import in_backward
+from trainmon.hooks.in_graph import in_backward
 from trainmon.hooks.grad_watch import watch_grad
 from trainmon.core.records import SAVE, SAVE_GRAD, record_key
 from trainmon.hooks.state import HookState

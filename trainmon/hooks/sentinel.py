@@ -27,7 +27,7 @@ from trainmon.hooks.hook_group import Hooks
 from trainmon.hooks.dump_capture import DumpRequest, capture
 from trainmon.core.events import BOTH_INF, INF, NAN, NEG_INF, POS_INF
 from trainmon.hooks import in_graph
-from trainmon.hooks.forward_passes import in_backward
+from trainmon.hooks.in_graph import in_backward
 from trainmon.core.records import ACTV, ACTV_GRAD, GRAD_UNREDUCED, PARAM_UPDATED, RecordKey, record_key
 from trainmon.adapters.base import local_shard
 from trainmon.adapters.naming import display_name
